@@ -1,0 +1,78 @@
+"""Correctness checks: a kernel's outputs against the op's float64 reference on fresh random inputs.
+
+Outputs are poisoned first (NaN, or -128 for int8, a value quantization never produces), so an element
+the kernel does not write fails the check. Float outputs are judged by the relative error norm
+||out - ref|| / ||ref|| with a tolerance that fits the dtype's rounding; quantized int8 outputs may
+differ from the reference by one step (fp32 vs float64 rounding at ties), in at most 1% of elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from flashgen.ir import dtypes
+from flashgen.ir.op import eval_int
+from flashgen.workload import Workload
+
+REL_TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.2e-2, "fp8e4m3": 2e-2}
+INT8_MAX_STEP, INT8_MAX_FRACTION = 1, 0.01
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    tensor: str
+    error: float          # relative error norm, or the fraction of int8 elements off by one step
+    tolerance: float
+    ok: bool
+    detail: str = ""
+
+
+def poisoned(wl: Workload, dims: Mapping[str, int], device: torch.device | str) -> dict[str, torch.Tensor]:
+    out = {}
+    for t in wl.op.outputs:
+        dt = wl.tensor_dtype(t.name)
+        shape = tuple(eval_int(e, dims) for e in t.shape)
+        fill = -128 if dt == "int8" else float("nan")
+        out[t.name] = torch.full(shape, fill, dtype=dtypes.TORCH[dt], device=device)
+    return out
+
+
+def compare(wl: Workload, outs: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> list[OutputCheck]:
+    checks = []
+    for name, want in ref.items():
+        dt = wl.tensor_dtype(name)
+        got = outs[name].detach().cpu()
+        want = want.detach().cpu().to(torch.float64)
+        if dt == "int8":
+            if (got == -128).any():
+                checks.append(OutputCheck(name, 1.0, INT8_MAX_FRACTION, False, "unwritten elements"))
+                continue
+            diff = (got.to(torch.float64) - want).abs()
+            frac = (diff > 0).double().mean().item() if diff.numel() else 0.0
+            worst = diff.max().item() if diff.numel() else 0.0
+            ok = worst <= INT8_MAX_STEP and frac <= INT8_MAX_FRACTION
+            checks.append(OutputCheck(name, frac, INT8_MAX_FRACTION, ok, f"max step {worst:g}"))
+            continue
+        g = got.to(torch.float64)
+        if not torch.isfinite(g).all():
+            checks.append(OutputCheck(name, float("inf"), REL_TOL[dt], False, "NaN/inf or unwritten elements"))
+            continue
+        denom = want.norm().item()
+        err = (g - want).norm().item() / (denom if denom > 0 else 1.0)
+        checks.append(OutputCheck(name, err, REL_TOL[dt], err <= REL_TOL[dt]))
+    return checks
+
+
+Run = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], None]
+
+
+def check(wl: Workload, run: Run, seed: int, device: torch.device | str = "cpu") -> list[OutputCheck]:
+    """Draw fresh inputs from `seed`, run into poisoned outputs, compare with the float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = wl.op.make_inputs(wl.dim, wl.attr, gen)
+    outs = poisoned(wl, wl.dim, device)
+    run({k: v.to(device) for k, v in inputs.items()}, outs)
+    ref = wl.op.reference(inputs, wl.op.params, wl.dim, wl.attr)
+    return compare(wl, outs, ref)

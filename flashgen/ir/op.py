@@ -1,0 +1,132 @@
+"""Ops: typed tensors with symbolic dims, a 2-D kernel domain and a body of statements.
+
+A kernel of the `rowwise` or `pointwise` class walks a domain of rows x cols. Each row is independent;
+`rowwise` ops may reduce along the columns of a row (Reduce statements, giving one value per row), and
+`pointwise` ops may not. Statements run in order: Let names a value, Reduce names a per-row reduction,
+Store writes an output element. Backends lower this one description to Triton and TVM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Union
+
+import torch
+
+from flashgen.ir import expr as E
+
+KERNEL_CLASSES = ("rowwise", "pointwise", "contraction", "attention")
+# Dtype placeholders that a workload binds from its attrs: the activation dtype and a quantized output's.
+DTYPE, OUT_DTYPE = "$dtype", "$out_dtype"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[E.Expr, ...]
+    dtype: str  # a concrete dtype name, DTYPE or OUT_DTYPE
+    touched: E.Expr | None = None  # elements a kernel reads, when less than the shape (gathered tables)
+
+
+@dataclass(frozen=True)
+class Let:
+    name: str
+    value: E.Expr
+
+
+@dataclass(frozen=True)
+class Reduce:
+    name: str
+    kind: str  # one of expr.REDUCE
+    value: E.Expr
+
+
+@dataclass(frozen=True)
+class Store:
+    """Write `value` (cast to the tensor's dtype) where the domain, and `mask` if given, hold."""
+    tensor: str
+    indices: tuple[E.Expr, ...]
+    value: E.Expr
+    mask: E.Expr | None = None
+
+
+Stmt = Union[Let, Reduce, Store]
+Attrs = Mapping[str, str]
+Reference = Callable[[Mapping[str, torch.Tensor], Mapping[str, float], Mapping[str, int], Attrs], dict]
+InputMaker = Callable[[Mapping[str, int], Attrs, torch.Generator], dict]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator, described once; `reference` computes it in float64 with torch."""
+    name: str
+    kclass: str
+    doc: str
+    dims: tuple[str, ...]
+    row_dims: tuple[str, ...]  # dims that may change at run time (token count): never baked in
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    domain: tuple[E.Expr, E.Expr]  # (rows, cols)
+    build: Callable[[Attrs], tuple[Stmt, ...]]  # the body, for bound attrs (dtype, out_dtype, style)
+    reference: Reference
+    make_inputs: InputMaker
+    # Workload attributes and their allowed values, the first being the default.
+    attrs: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: {"dtype": ("bf16", "fp16", "fp32")})
+    params: Mapping[str, float] = field(default_factory=dict)
+    check_dims: Callable[[Mapping[str, int]], str | None] = lambda dims: None
+
+    def body(self, attrs: Attrs) -> tuple[Stmt, ...]:
+        stmts = self.build(attrs)
+        if self.kclass == "pointwise" and any(isinstance(s, Reduce) for s in stmts):
+            raise ValueError(f"{self.name}: a pointwise op cannot reduce")
+        return stmts
+
+    @property
+    def tensors(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.inputs + self.outputs}
+
+    def dtype_of(self, tensor: str, attrs: Attrs) -> str:
+        """Concrete dtype of a tensor once the workload binds the placeholders."""
+        dt = self.tensors[tensor].dtype
+        return attrs[dt[1:]] if dt.startswith("$") else dt
+
+
+def eval_int(e: E.Expr, dims: Mapping[str, int]) -> int:
+    """Evaluate a dims-only expression (a tensor shape or a domain extent)."""
+    if isinstance(e, E.Dim):
+        return int(dims[e.name])
+    if isinstance(e, E.Const):
+        return int(e.value)
+    if isinstance(e, E.Binary):
+        a, b = eval_int(e.a, dims), eval_int(e.b, dims)
+        return {"add": a + b, "sub": a - b, "mul": a * b, "floordiv": a // b, "mod": a % b,
+                "max": max(a, b), "min": min(a, b)}[e.op]
+    raise ValueError(f"not a dims-only expression: {e}")
+
+
+def is_index(e: E.Expr, op: Op) -> bool:
+    """True for integer (index) expressions; everything else computes in fp32."""
+    if isinstance(e, (E.Dim, E.Index)):
+        return True
+    if isinstance(e, E.Const):
+        return e.is_int
+    if isinstance(e, E.Load):
+        return op.tensors[e.tensor].dtype in ("int32", "int64")
+    if isinstance(e, E.Binary) and e.op in ("floordiv", "mod"):
+        return True
+    if isinstance(e, E.Binary) and e.op in ("add", "sub", "mul", "max", "min"):
+        return is_index(e.a, op) and is_index(e.b, op)
+    return False
+
+
+def depends_on_cols(e: E.Expr, lets: Mapping[str, E.Expr]) -> bool:
+    """Whether a value varies along the columns of a row (a vector) or is one value per row."""
+    for n in E.walk(e):
+        if isinstance(n, E.Index) and n.axis == "c":
+            return True
+        if isinstance(n, E.Ref) and n.name in lets and depends_on_cols(lets[n.name], lets):
+            return True
+    return False
+
+
+def refs(e: E.Expr) -> set[str]:
+    return {n.name for n in E.walk(e) if isinstance(n, E.Ref)}

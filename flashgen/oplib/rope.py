@@ -1,0 +1,82 @@
+"""Rotary position embedding over the query and key heads of a token, one launch for both.
+
+Layout: q [M, Hq, D], k [M, Hkv, D]; positions [M] (int64, one per token); cos_sin [L, D] fp32 with
+cos(pos * f_i) in columns [0, D/2) and sin in [D/2, D). `style` neox rotates the halves
+(x[i], x[i + D/2]); gptj rotates interleaved pairs (x[2i], x[2i + 1]). The kernel domain is one row
+per token and one column per rotated pair of every head, q heads first.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashgen.ir.expr import Dim, Load, Ref
+from flashgen.ir.op import DTYPE, Let, Op, Store, TensorSpec
+from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, r, randn
+
+Hq, Hkv, D, L = Dim("Hq"), Dim("Hkv"), Dim("D"), Dim("L")
+HALF = D // 2
+
+
+def _build(a) -> tuple:
+    h, i = c // HALF, c % HALF
+    is_q, is_k = h < Hq, h >= Hq
+    i1, i2 = (i, i + HALF) if a["style"] == "neox" else (2 * i, 2 * i + 1)
+    pos = Load("positions", (r,))
+
+    def both(idx):  # the element of q or of k that this column rotates
+        return Load("q", (r, h, idx), is_q) + Load("k", (r, h - Hq, idx), is_k)
+
+    out = (("x1", i1, Ref("x1") * Ref("cos") - Ref("x2") * Ref("sin")),
+           ("x2", i2, Ref("x2") * Ref("cos") + Ref("x1") * Ref("sin")))
+    return (Let("cos", Load("cos_sin", (pos, i))), Let("sin", Load("cos_sin", (pos, i + HALF))),
+            Let("x1", both(i1)), Let("x2", both(i2)),
+            *(Store("q_out", (r, h, idx), v, is_q) for _, idx, v in out),
+            *(Store("k_out", (r, h - Hq, idx), v, is_k) for _, idx, v in out))
+
+
+def cos_sin_cache(max_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The [max_pos, D] fp32 table the kernel reads: cos then sin of pos * base^(-2i/D)."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(torch.float32)
+
+
+def _rotate(x: torch.Tensor, cs: torch.Tensor, style: str) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = (x[..., :half], x[..., half:]) if style == "neox" else (x[..., 0::2], x[..., 1::2])
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if style == "neox":
+        return torch.cat([o1, o2], dim=-1)
+    return torch.stack([o1, o2], dim=-1).flatten(-2)
+
+
+def _reference(t, p, d, a) -> dict:
+    cs = f64(t["cos_sin"])[t["positions"]]
+    return {"q_out": _rotate(f64(t["q"]), cs, a["style"]), "k_out": _rotate(f64(t["k"]), cs, a["style"])}
+
+
+def _inputs(d, a, g) -> dict:
+    return {"q": randn((d["M"], d["Hq"], d["D"]), a["dtype"], g),
+            "k": randn((d["M"], d["Hkv"], d["D"]), a["dtype"], g),
+            "positions": torch.randint(0, d["L"], (d["M"],), generator=g, dtype=torch.int64),
+            "cos_sin": cos_sin_cache(d["L"], d["D"])}
+
+
+def _check(d) -> str | None:
+    return None if d["D"] % 2 == 0 else f"rope needs an even head dim D, got D={d['D']}"
+
+
+ROPE = Op(
+    name="rope", kclass="pointwise",
+    doc="rotary embedding of q and k heads at per-token positions from a cos/sin cache (neox|gptj)",
+    dims=("M", "Hq", "Hkv", "D", "L"), row_dims=("M",),
+    inputs=(TensorSpec("q", (M, Hq, D), DTYPE), TensorSpec("k", (M, Hkv, D), DTYPE),
+            TensorSpec("positions", (M,), "int64"), TensorSpec("cos_sin", (L, D), "fp32", touched=M * D)),
+    outputs=(TensorSpec("q_out", (M, Hq, D), DTYPE), TensorSpec("k_out", (M, Hkv, D), DTYPE)),
+    domain=(M, (Hq + Hkv) * HALF),
+    attrs={"dtype": FLOAT_DTYPES, "style": ("neox", "gptj")},
+    build=_build, reference=_reference, make_inputs=_inputs, check_dims=_check,
+)
+
+OPS = (ROPE,)

@@ -1,0 +1,114 @@
+"""Workload: an op with every dim bound and its attrs (dtypes, style); canonical JSON and a stable key."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from flashgen.errors import FlashgenError
+from flashgen.ir.op import Op, eval_int
+from flashgen.oplib import get_op
+
+MAX_DIM = 1 << 24          # any single dim
+MAX_ELEMENTS = 1 << 36     # any single tensor
+
+
+@dataclass(frozen=True)
+class Workload:
+    op_name: str
+    dims: tuple[tuple[str, int], ...]
+    attrs: tuple[tuple[str, str], ...]
+
+    @property
+    def op(self) -> Op:
+        return get_op(self.op_name)
+
+    @property
+    def dim(self) -> dict[str, int]:
+        return dict(self.dims)
+
+    @property
+    def attr(self) -> dict[str, str]:
+        return dict(self.attrs)
+
+    @property
+    def dtype(self) -> str:
+        return self.attr["dtype"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op_name, "dims": self.dim, "attrs": self.attr}
+
+    def canonical(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def key(self) -> str:
+        """Stable across runs and versions: the op name plus a hash of the canonical JSON."""
+        return f"{self.op_name}-{hashlib.sha256(self.canonical().encode()).hexdigest()[:16]}"
+
+    def shape(self, tensor: str) -> tuple[int, ...]:
+        return tuple(eval_int(e, self.dim) for e in self.op.tensors[tensor].shape)
+
+    def tensor_dtype(self, tensor: str) -> str:
+        return self.op.dtype_of(tensor, self.attr)
+
+    def with_dims(self, **dims: int) -> Workload:
+        return workload(self.op_name, **{**self.dim, **dims, **self.attr})
+
+    def __str__(self) -> str:
+        dims = " ".join(f"{k}={v}" for k, v in self.dims)
+        attrs = " ".join(f"{k}={v}" for k, v in self.attrs)
+        return f"{self.op_name} {dims} {attrs}"
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Workload:
+        try:
+            return workload(d["op"], **d["dims"], **d.get("attrs", {}))
+        except (KeyError, TypeError) as e:
+            raise FlashgenError(f"not a workload JSON object ({e}): {d}") from None
+
+
+def workload(op: str, **kw: Any) -> Workload:
+    """Bind an op's dims and attrs, validating each: `workload("rmsnorm", M=4096, N=8192, dtype="bf16")`."""
+    o = get_op(op)
+    dims: dict[str, int] = {}
+    attrs: dict[str, str] = {}
+    for name, value in kw.items():
+        if name in o.dims:
+            dims[name] = _check_dim(o, name, value)
+        elif name in o.attrs:
+            if value not in o.attrs[name]:
+                raise FlashgenError(f"{op}: {name}={value} is not supported; valid: {', '.join(o.attrs[name])}")
+            attrs[name] = value
+        else:
+            valid = ", ".join(list(o.dims) + list(o.attrs))
+            raise FlashgenError(f"{op}: unknown dim or attribute '{name}'; valid: {valid}")
+    missing = [d for d in o.dims if d not in dims]
+    if missing:
+        raise FlashgenError(f"{op}: missing dim {', '.join(missing)} (needs {', '.join(o.dims)})")
+    for name, choices in o.attrs.items():
+        attrs.setdefault(name, choices[0])
+    problem = o.check_dims(dims)
+    if problem:
+        raise FlashgenError(f"{op}: {problem}")
+    for t in o.inputs + o.outputs:
+        n = 1
+        for e in t.shape:
+            n *= eval_int(e, dims)
+        if n > MAX_ELEMENTS:
+            raise FlashgenError(f"{op}: tensor {t.name} would hold {n} elements, over the limit of {MAX_ELEMENTS}")
+    return Workload(op, tuple((d, dims[d]) for d in o.dims), tuple(sorted(attrs.items())))
+
+
+def _check_dim(op: Op, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(str(value), 10)
+        except ValueError:
+            raise FlashgenError(f"{op.name}: dim {name} must be an integer, got {value!r}") from None
+    if value <= 0:
+        raise FlashgenError(f"{op.name}: dim {name} must be positive, got {value}")
+    if value > MAX_DIM:
+        raise FlashgenError(f"{op.name}: dim {name}={value} is absurd (the limit is {MAX_DIM})")
+    return value

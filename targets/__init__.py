@@ -1,0 +1,4 @@
+"""Targets: descriptors of GPUs and the CPU, and the backends that emit and build code for them."""
+from flashgen.targets.descriptor import Target, get_target, load_targets
+
+__all__ = ["Target", "get_target", "load_targets"]

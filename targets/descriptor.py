@@ -1,0 +1,119 @@
+"""Target descriptors: data files that say what a GPU (or the CPU) is, so adding one needs no code.
+
+A descriptor file holds one architecture (`key` such as "cuda:sm_90") and the devices built on it
+(h100, h200), whose numbers (SMs, bandwidth, peak rates) override the architecture's. Files come from
+this package's `descriptors/` folder, then from each folder in $FLASHGEN_TARGETS_PATH (os.pathsep
+separated) and any folders passed in; a later file with the same key replaces an earlier one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from flashgen.errors import FlashgenError
+
+BUILTIN = Path(__file__).with_name("descriptors")
+REQUIRED = ("key", "vendor", "backend", "arch", "warp_size", "dtypes", "devices")
+DEVICE_REQUIRED = ("sm_count", "mem_bandwidth_gbs", "peak_tflops")
+BACKENDS = ("triton", "tvm")
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str                 # architecture: what a binary is built for ("cuda:sm_90")
+    device: str              # the device whose numbers these are ("h200")
+    vendor: str
+    backend: str
+    arch: str
+    warp_size: int
+    dtypes: tuple[str, ...]
+    sm_count: int
+    mem_bandwidth_gbs: float
+    peak_tflops: dict[str, float]
+    aliases: tuple[str, ...]
+    spec: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def id(self) -> str:
+        """What the database keys tuning records by: the best schedule depends on the device."""
+        return f"{self.key}/{self.device}"
+
+    @property
+    def copy_gbs(self) -> float:
+        """Bandwidth a memory-bound kernel can reach: measured copy rate where known, else the datasheet's."""
+        return float(self.spec.get("measured_copy_gbs", self.mem_bandwidth_gbs))
+
+    @property
+    def triton_target(self) -> tuple[str, Any]:
+        return tuple(self.spec["triton_target"])  # type: ignore[return-value]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.spec.get(name, default)
+
+
+def _search_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:
+    env = [p for p in os.environ.get("FLASHGEN_TARGETS_PATH", "").split(os.pathsep) if p]
+    return [BUILTIN, *map(Path, env), *map(Path, extra)]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FlashgenError(f"target descriptor {path} is unreadable: {e}") from None
+    if not isinstance(spec, dict):
+        raise FlashgenError(f"target descriptor {path} must hold a JSON object")
+    missing = [k for k in REQUIRED if k not in spec]
+    if missing:
+        raise FlashgenError(f"target descriptor {path} lacks {', '.join(missing)}")
+    if spec["backend"] not in BACKENDS:
+        raise FlashgenError(f"target descriptor {path}: backend must be one of {', '.join(BACKENDS)}")
+    if spec["backend"] == "triton" and "triton_target" not in spec:
+        raise FlashgenError(f"target descriptor {path}: a triton target needs triton_target")
+    if not isinstance(spec["devices"], dict) or not spec["devices"]:
+        raise FlashgenError(f"target descriptor {path}: devices must name at least one device")
+    for dev, d in spec["devices"].items():
+        gone = [k for k in DEVICE_REQUIRED if k not in d]
+        if gone:
+            raise FlashgenError(f"target descriptor {path}: device {dev} lacks {', '.join(gone)}")
+    return spec
+
+
+def load_targets(extra_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Target]:
+    """Every device of every descriptor, by target id; each also answers to its aliases."""
+    archs: dict[str, dict[str, Any]] = {}
+    for d in _search_dirs(extra_dirs):
+        if not d.is_dir():
+            if d != BUILTIN:
+                raise FlashgenError(f"target folder {d} does not exist")
+            continue
+        for path in sorted(d.glob("*.json")):
+            spec = _read(path)
+            archs[spec["key"]] = spec
+    out: dict[str, Target] = {}
+    for key, spec in archs.items():
+        for i, (dev, over) in enumerate(spec["devices"].items()):
+            merged = {**{k: v for k, v in spec.items() if k != "devices"}, **over}
+            aliases = (dev, spec["arch"], key) if i == 0 else (dev,)
+            t = Target(key=key, device=dev, vendor=spec["vendor"], backend=spec["backend"],
+                       arch=spec["arch"], warp_size=int(spec["warp_size"]), dtypes=tuple(spec["dtypes"]),
+                       sm_count=int(merged["sm_count"]), mem_bandwidth_gbs=float(merged["mem_bandwidth_gbs"]),
+                       peak_tflops=dict(merged["peak_tflops"]), aliases=aliases, spec=merged)
+            out[t.id] = t
+    return out
+
+
+def get_target(name: str, extra_dirs: Iterable[str | os.PathLike] = ()) -> Target:
+    """Resolve a target id ("cuda:sm_90/h200"), an architecture ("cuda:sm_90", "sm_90": its first
+    device) or a device name ("h200", "mi300x")."""
+    targets = load_targets(extra_dirs)
+    if name in targets:
+        return targets[name]
+    for t in targets.values():
+        if name.lower() in (a.lower() for a in t.aliases):
+            return t
+    names = sorted({a for t in targets.values() for a in (t.key, t.device)})
+    raise FlashgenError(f"unknown target '{name}'; valid targets: {', '.join(names)}")

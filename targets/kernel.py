@@ -1,0 +1,130 @@
+"""Kernel: generated source + binary + metadata for one (workload, schedule, target), callable on tensors.
+
+Calling a kernel checks the tensors against the workload (row dims such as M may differ from the
+tuned value; every other dim is compiled in), allocates the outputs and launches through the backend's
+launcher: the binary on a matching GPU, Triton's interpreter on CPU tensors for a GPU target, the
+compiled module for the `cpu` target.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from flashgen.errors import FlashgenError
+from flashgen.ir import dtypes
+from flashgen.ir.op import eval_int
+from flashgen.ir.expr import Dim
+from flashgen.schedules.space import Schedule
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Workload
+
+Launcher = Callable[[Mapping[str, torch.Tensor], Mapping[str, float], Mapping[str, int]], None]
+
+
+def bind_dims(wl: Workload, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Dims of this call: row dims read off the inputs, the rest the workload's; shapes, dtypes and
+    layouts checked so that a bad call is an error, not a wrong answer."""
+    op = wl.op
+    dims = dict(wl.dim)
+    for t in op.inputs:
+        if t.name not in inputs:
+            raise FlashgenError(f"{op.name}: missing input '{t.name}' (inputs: {', '.join(i.name for i in op.inputs)})")
+        for axis, e in enumerate(t.shape):
+            if isinstance(e, Dim) and e.name in op.row_dims and axis < inputs[t.name].dim():
+                dims[e.name] = inputs[t.name].shape[axis]
+    for t in op.inputs:
+        x = inputs[t.name]
+        want = tuple(eval_int(e, dims) for e in t.shape)
+        if tuple(x.shape) != want:
+            raise FlashgenError(f"{op.name}: input '{t.name}' has shape {tuple(x.shape)}, expected {want}")
+        want_dt = dtypes.TORCH[wl.tensor_dtype(t.name)]
+        if x.dtype != want_dt:
+            raise FlashgenError(f"{op.name}: input '{t.name}' is {x.dtype}, this kernel takes {want_dt}")
+        if x.numel() and x.stride(-1) != 1:
+            raise FlashgenError(f"{op.name}: input '{t.name}' needs a contiguous last dimension")
+    return dims
+
+
+def alloc_outputs(wl: Workload, dims: Mapping[str, int], device: torch.device) -> dict[str, torch.Tensor]:
+    return {t.name: torch.empty(tuple(eval_int(e, dims) for e in t.shape),
+                                dtype=dtypes.TORCH[wl.tensor_dtype(t.name)], device=device)
+            for t in wl.op.outputs}
+
+
+@dataclass
+class Kernel:
+    workload: Workload
+    target: Target
+    schedule: Schedule
+    name: str
+    source: str                 # generated source (Triton Python, or TVMScript for the cpu target)
+    asm: dict[str, str]         # "ptx" / "amdgcn" / "llvm" ..., plus intermediate IR texts
+    binary: bytes
+    binary_kind: str            # "cubin" | "hsaco" | "so"
+    metadata: dict[str, Any]
+    launcher: Launcher = field(repr=False)
+
+    def __call__(self, *inputs: torch.Tensor, **params: float) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run on tensors given in the op's input order; returns the op's outputs (one, or a tuple)."""
+        op = self.workload.op
+        if len(inputs) != len(op.inputs):
+            raise FlashgenError(f"{op.name} takes {len(op.inputs)} inputs "
+                                f"({', '.join(t.name for t in op.inputs)}), got {len(inputs)}")
+        outs = self.run(dict(zip((t.name for t in op.inputs), inputs)), params=params)
+        vals = tuple(outs[t.name] for t in op.outputs)
+        return vals[0] if len(vals) == 1 else vals
+
+    def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,
+            params: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Launch into `outputs` (allocated when not given); returns the outputs by name."""
+        op = self.workload.op
+        unknown = set(params or {}) - set(op.params)
+        if unknown:
+            raise FlashgenError(f"{op.name}: unknown parameter {', '.join(sorted(unknown))}; "
+                                f"valid: {', '.join(op.params) or 'none'}")
+        dims = bind_dims(self.workload, inputs)
+        device = next(iter(inputs.values())).device
+        outs = dict(outputs) if outputs is not None else alloc_outputs(self.workload, dims, device)
+        full_params = {**op.params, **(params or {})}
+        self.launcher({**inputs, **outs}, full_params, dims)
+        return outs
+
+    def files(self) -> dict[str, bytes]:
+        ext = {"triton": "py", "tvm": "tvm.py"}[self.target.backend]
+        out = {f"{self.name}.{ext}": self.source.encode(), f"{self.name}.{self.binary_kind}": self.binary}
+        for kind, text in self.asm.items():
+            out[f"{self.name}.{kind}"] = text.encode()
+        return out
+
+    def save(self, out_dir: str | os.PathLike) -> list[Path]:
+        """Write source, binary, assembly and metadata JSON; all files appear, or none do."""
+        out = Path(out_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            stage = Path(tempfile.mkdtemp(prefix=".flashgen-", dir=out))
+        except OSError as e:
+            raise FlashgenError(f"cannot write to {out}: {e.strerror or e}") from None
+        try:
+            files = self.files()
+            meta = {**self.metadata, "files": sorted(files) + [f"{self.name}.json"],
+                    "sha256": {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}}
+            files[f"{self.name}.json"] = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+            for name, data in files.items():
+                (stage / name).write_bytes(data)
+            written = []
+            for name in files:
+                os.replace(stage / name, out / name)
+                written.append(out / name)
+            return written
+        except OSError as e:
+            raise FlashgenError(f"cannot write to {out}: {e.strerror or e}") from None
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)

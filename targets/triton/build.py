@@ -1,0 +1,97 @@
+"""Load generated Triton source as a module, and compile it ahead of time with no GPU present.
+
+Triton fixes interpretation per process (TRITON_INTERPRET=1 when triton is first imported): such a
+process runs kernels on CPU tensors but cannot compile them, and any other process compiles but cannot
+interpret. `interpret.py` runs interpreter work in a child process for that reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from typing import Any
+
+from flashgen.errors import FlashgenError
+from flashgen.ir import dtypes
+from flashgen.paths import cache_dir
+from flashgen.targets.descriptor import Target
+from flashgen.targets.triton.codegen import KernelSource
+from flashgen.workload import Workload
+
+DIVISIBILITY = 16
+
+
+def interpreting() -> bool:
+    """Whether this process's triton runs kernels in its interpreter."""
+    from triton import knobs
+    return bool(knobs.runtime.interpret)
+
+
+def load_function(ks: KernelSource) -> Any:
+    """Import the generated module (written under the cache folder, named by its hash)."""
+    digest = hashlib.sha256(ks.source.encode()).hexdigest()[:20]
+    mod_name = f"fg_{ks.name}_{digest}"
+    folder = cache_dir() / "source"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{mod_name}.py"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(ks.source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return getattr(module, ks.name)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def stride_hints(ks: KernelSource, wl: Workload) -> dict[str, bool]:
+    """Strides promised divisible by 16 in the binary (true of the workload's contiguous tensors)."""
+    hints = {}
+    for a in ks.args:
+        if a.kind == "stride":
+            hints[a.name] = contiguous_strides(wl.shape(a.tensor))[a.axis] % DIVISIBILITY == 0
+    return hints
+
+
+def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
+    """Compile for the target's GPU with Triton alone (no driver needed); returns a CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if interpreting():
+        raise FlashgenError("ahead-of-time compilation needs a process started without TRITON_INTERPRET=1")
+    fn = load_function(ks)
+    hints = stride_hints(ks, wl)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, a in enumerate(ks.args):
+        if a.kind == "ptr":
+            signature[a.name] = "*" + dtypes.TRITON[wl.tensor_dtype(a.tensor)]
+            attrs[(i,)] = [["tt.divisibility", DIVISIBILITY]]
+        elif a.kind in ("stride", "dim"):
+            signature[a.name] = "i32"
+            if hints.get(a.name):
+                attrs[(i,)] = [["tt.divisibility", DIVISIBILITY]]
+        elif a.kind == "param":
+            signature[a.name] = "fp32"
+        else:
+            signature[a.name] = "constexpr"
+            constexprs[a.name] = a.value
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    backend, arch = target.triton_target
+    options = {"num_warps": schedule["num_warps"], "num_stages": schedule.get("num_stages", 1)}
+    return triton.compile(src, target=GPUTarget(backend, arch, target.warp_size), options=options)
+
+
+def artifacts(ck: Any, target: Target) -> tuple[dict[str, str], bytes, str]:
+    """(assembly texts, binary, binary kind) of a compiled kernel."""
+    if target.triton_target[0] == "cuda":
+        return {"ptx": ck.asm["ptx"], "ttgir": ck.asm["ttgir"]}, ck.asm["cubin"], "cubin"
+    return {"amdgcn": ck.asm["amdgcn"], "ttgir": ck.asm["ttgir"]}, ck.asm["hsaco"], "hsaco"

@@ -1,0 +1,61 @@
+"""Numerics of generated Triton kernels on the CPU, through Triton's interpreter in child processes.
+
+The children are spawned with TRITON_INTERPRET=1 so that their triton imports in interpreter mode;
+the parent keeps compiling ahead of time. Used by the tests and by anyone checking a schedule without
+a GPU.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from dataclasses import asdict
+from typing import Any
+
+from flashgen.check import OutputCheck, check
+from flashgen.schedules.space import Schedule
+from flashgen.workload import Workload
+
+
+def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seed: int) -> list[dict[str, Any]]:
+    from flashgen.targets.descriptor import get_target
+    from flashgen.targets.kernel import bind_dims
+    from flashgen.targets.triton.codegen import generate
+    from flashgen.targets.triton.launch import TritonLauncher
+
+    wl = Workload.from_json(wl_json)
+    launcher = TritonLauncher(generate(wl, schedule), wl, get_target(target_name))
+
+    def run(inputs, outputs):
+        launcher({**inputs, **outputs}, wl.op.params, bind_dims(wl, inputs))
+
+    return [asdict(c) for c in check(wl, run, seed)]
+
+
+class InterpreterPool:
+    """A pool of interpreter processes: `pool.check(workload, schedule, target, seed)`."""
+
+    def __init__(self, processes: int = 1):
+        ctx = multiprocessing.get_context("spawn")
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            self.pool = ctx.Pool(processes)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+
+    def check(self, wl: Workload, schedule: Schedule, target: str, seed: int) -> list[OutputCheck]:
+        rows = self.pool.apply(_check_in_child, (wl.to_json(), schedule, target, seed))
+        return [OutputCheck(**r) for r in rows]
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+    def __enter__(self) -> "InterpreterPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

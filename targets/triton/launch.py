@@ -1,0 +1,77 @@
+"""Launching generated Triton kernels: the AOT binary on a matching GPU, the interpreter on CPU tensors
+(in a process started with TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from flashgen.errors import FlashgenError
+from flashgen.ir.op import eval_int
+from flashgen.targets.descriptor import Target
+from flashgen.targets.triton.build import DIVISIBILITY, interpreting, load_function, stride_hints
+from flashgen.targets.triton.codegen import KernelSource, grid
+from flashgen.workload import Workload
+
+
+def device_arch(device: torch.device) -> str:
+    """The running GPU's architecture in target spelling ("sm_90", "gfx942")."""
+    props = torch.cuda.get_device_properties(device)
+    arch = getattr(props, "gcnArchName", "")
+    if getattr(torch.version, "hip", None) and arch:
+        return arch.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+class TritonLauncher:
+    """Holds the compiled kernel and the argument recipe; a launch only gathers arguments."""
+
+    def __init__(self, ks: KernelSource, wl: Workload, target: Target, compiled: Any = None):
+        self.ks, self.wl, self.target, self.compiled = ks, wl, target, compiled
+        self.hints = stride_hints(ks, wl)
+        self._interpreted = None
+
+    def args(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
+             dims: Mapping[str, int]) -> list[Any]:
+        out: list[Any] = []
+        for a in self.ks.args:
+            if a.kind == "ptr":
+                out.append(tensors[a.tensor])
+            elif a.kind == "stride":
+                s = tensors[a.tensor].stride(a.axis)
+                if self.hints.get(a.name) and s % DIVISIBILITY:
+                    raise FlashgenError(f"{self.wl.op_name}: tensor '{a.tensor}' stride {s} on axis {a.axis} is "
+                                        f"not a multiple of {DIVISIBILITY}, as this binary assumes; pass a contiguous tensor")
+                out.append(s)
+            elif a.kind == "dim":
+                out.append(dims[a.name])
+            elif a.kind == "param":
+                out.append(float(params[a.name]))
+            else:
+                out.append(a.value)
+        return out
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
+                 dims: Mapping[str, int]) -> None:
+        rows = eval_int(self.wl.op.domain[0], dims)
+        if rows == 0:
+            return
+        args = self.args(tensors, params, dims)
+        g = grid(self.ks, self.wl, rows)
+        device = next(iter(tensors.values())).device
+        if device.type == "cpu":
+            if not interpreting():
+                raise FlashgenError(f"a {self.target.key} kernel runs on CPU tensors only under Triton's "
+                                    "interpreter (start Python with TRITON_INTERPRET=1); for CPU work "
+                                    "compile for target cpu")
+            if self._interpreted is None:
+                self._interpreted = load_function(self.ks)
+            self._interpreted[g](*args)
+            return
+        if self.compiled is None:
+            raise FlashgenError("this kernel was not compiled; build it in a process without TRITON_INTERPRET=1")
+        arch = device_arch(device)
+        if arch != self.target.arch:
+            raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
+                                f"compile it for the running device's target")
+        self.compiled[g](*args)
