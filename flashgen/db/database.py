@@ -1,0 +1,296 @@
+"""The tuning log: an append-only SQLite file that concurrent tuners share without losing records."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from flashgen.db.record import STATUSES, Record, canonical_json
+from flashgen.errors import FlashgenError
+from flashgen.paths import cache_dir
+
+FORMAT = "flashgen-tuning-db"
+SCHEMA_VERSION = 1
+_BUSY_TIMEOUT_S = 60.0
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS records (
+    id INTEGER PRIMARY KEY,
+    workload_key TEXT NOT NULL,
+    workload_json TEXT NOT NULL,
+    target_key TEXT NOT NULL,
+    schedule_key TEXT NOT NULL,
+    schedule_json TEXT NOT NULL,
+    status TEXT NOT NULL,
+    latency_us REAL,
+    spread_us REAL,
+    flashgen_version TEXT NOT NULL,
+    device TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    extra_json TEXT NOT NULL,
+    content_hash TEXT UNIQUE NOT NULL
+);
+CREATE INDEX IF NOT EXISTS records_workload_target ON records (workload_key, target_key);
+"""
+
+_COLUMNS = ("workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us, "
+            "flashgen_version, device, created_at, extra_json")
+_INSERT = ("INSERT OR IGNORE INTO records (workload_key, workload_json, target_key, schedule_key, "
+           "schedule_json, status, latency_us, spread_us, flashgen_version, device, created_at, "
+           "extra_json, content_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+
+def default_db_path() -> Path:
+    """$FLASHGEN_DB, else the XDG cache dir: tuning results are re-creatable, but costly."""
+    if os.environ.get("FLASHGEN_DB"):
+        return Path(os.environ["FLASHGEN_DB"]).expanduser()
+    return cache_dir().expanduser() / "tuning.db"
+
+
+def _not_ours(path: Path, why: str) -> FlashgenError:
+    return FlashgenError(f"{path} is not a flashgen tuning database ({why}); pass another --db path.")
+
+
+def _read_meta(conn: sqlite3.Connection) -> dict[str, str] | None:
+    """The meta table, None when there is none; sqlite3.DatabaseError when the file is not SQLite."""
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    return dict(conn.execute("SELECT key, value FROM meta")) if "meta" in tables else None
+
+
+def _check_meta(meta: dict[str, str] | None, path: Path) -> None:
+    """Refuse files that are not ours (or are from a newer schema) before anything writes to them."""
+    if meta is None:
+        raise _not_ours(path, "no flashgen meta table")
+    if meta.get("format") != FORMAT:
+        raise _not_ours(path, f"format is {meta.get('format')!r}")
+    try:
+        version = int(meta.get("schema_version", ""))
+    except ValueError:
+        raise _not_ours(path, f"schema_version is {meta.get('schema_version')!r}") from None
+    if version > SCHEMA_VERSION:
+        raise FlashgenError(f"{path} was written by a newer flashgen (schema v{version}, this one "
+                            f"reads up to v{SCHEMA_VERSION}); upgrade flashgen or pass another --db path.")
+
+
+def _validate_existing(path: Path) -> None:
+    """Read-only look at an existing file, so a foreign file is never modified."""
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if not header.startswith(_SQLITE_MAGIC):
+        raise _not_ours(path, "not an SQLite file")
+    # Even a read-only reader of a WAL-mode file creates -wal and -shm files beside it. With no -wal
+    # there, no one has it open, so it is read as immutable, which creates nothing; if a writer
+    # checkpointed under that read, the second, ordinary read-only pass sees the true state.
+    idle_wal = header[18:19] == b"\x02" and not Path(f"{path}-wal").exists()
+    modes = ("immutable=1", "mode=ro") if idle_wal else ("mode=ro",)
+    for mode in modes:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, timeout=_BUSY_TIMEOUT_S)
+        try:
+            meta = _read_meta(conn)
+            break
+        except sqlite3.DatabaseError as exc:
+            error = exc
+        finally:
+            conn.close()
+    else:
+        raise _not_ours(path, f"sqlite: {error}")
+    _check_meta(meta, path)
+
+
+def _row_to_record(row: tuple) -> Record:
+    (workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us,
+     flashgen_version, device, created_at, extra_json) = row
+    return Record(workload_key=workload_key, workload=json.loads(workload_json), target_key=target_key,
+                  schedule=json.loads(schedule_json), status=status, latency_us=latency_us,
+                  spread_us=spread_us, flashgen_version=flashgen_version, device=device,
+                  created_at=created_at, extra=json.loads(extra_json))
+
+
+def _record_to_row(record: Record) -> tuple:
+    return (record.workload_key, canonical_json(record.workload), record.target_key,
+            record.schedule_key, canonical_json(record.schedule), record.status, record.latency_us,
+            record.spread_us, record.flashgen_version, record.device, record.created_at,
+            canonical_json(record.extra), record.content_hash)
+
+
+class Database:
+    """Append-only store of Records; every write is one IMMEDIATE transaction, so writers queue."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path).expanduser() if path is not None else default_db_path()
+        if self.path.is_dir():
+            raise FlashgenError(f"{self.path} is a directory; pass a file path with --db.")
+        is_new = not self.path.exists() or self.path.stat().st_size == 0
+        if not is_new:
+            _validate_existing(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # isolation_level=None: we issue BEGIN/COMMIT ourselves; timeout sets busy_timeout.
+            self._conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise FlashgenError(f"cannot open tuning database {self.path} ({exc}); "
+                                "check the path and its permissions.") from None
+        if is_new:  # an existing database is left as is, so a read-only one can still be queried
+            try:
+                self._create_schema()
+            except sqlite3.Error as exc:
+                self._conn.close()
+                raise FlashgenError(f"cannot create tuning database {self.path} ({exc}); "
+                                    "check the path and its permissions.") from None
+            except BaseException:
+                self._conn.close()
+                raise
+
+    def _create_schema(self) -> None:
+        """Idempotent, so tuners that create the same new file at once all succeed."""
+        with self._write() as conn:  # executescript would commit early, so one by one
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
+                         (str(SCHEMA_VERSION),))
+            _check_meta(_read_meta(conn), self.path)  # another file may have appeared meanwhile
+        # WAL lets readers run while a tuner writes; the mode is stored in the file. Switching takes
+        # an exclusive lock that SQLite does not wait for, so racing creators retry here.
+        deadline = time.monotonic() + _BUSY_TIMEOUT_S
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """IMMEDIATE takes the write lock up front, so concurrent writers wait instead of failing."""
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:  # SQLite may already have rolled back (e.g. disk full)
+                    self._conn.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as exc:
+            raise FlashgenError(f"cannot write to tuning database {self.path} ({exc}); "
+                                "check its permissions and free space, or pass another --db path.") \
+                from None
+
+    def add(self, record: Record) -> bool:
+        """False when the identical record is already stored."""
+        return self.add_many([record]) == 1
+
+    def add_many(self, records: Iterable[Record]) -> int:
+        """All or nothing; returns how many records were new."""
+        rows = [_record_to_row(r) for r in records]
+        with self._write() as conn:
+            before = conn.total_changes
+            conn.executemany(_INSERT, rows)
+            return conn.total_changes - before
+
+    def records(self, workload_key: str | None = None, target_key: str | None = None,
+                status: str | None = None) -> list[Record]:
+        """Matching records in insertion order."""
+        if status is not None and status not in STATUSES:
+            raise FlashgenError(f"unknown status {status!r}; use one of {', '.join(STATUSES)}.")
+        where, params = [], []
+        for column, value in (("workload_key", workload_key), ("target_key", target_key),
+                              ("status", status)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        clause = f" WHERE {' AND '.join(where)}" if where else ""
+        rows = self._conn.execute(f"SELECT {_COLUMNS} FROM records{clause} ORDER BY id", params)
+        return [_row_to_record(row) for row in rows]
+
+    def count(self) -> int:
+        return self._conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+
+    def best(self, workload_key: str, target_key: str) -> Record | None:
+        """The fastest correct record; ties go to the earliest."""
+        row = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM records WHERE workload_key = ? AND target_key = ? "
+            "AND status = 'ok' ORDER BY latency_us, id LIMIT 1", (workload_key, target_key)).fetchone()
+        return _row_to_record(row) if row else None
+
+    def best_all(self, target_key: str | None = None) -> list[Record]:
+        """The best ok record of every (workload_key, target_key), sorted by those keys."""
+        clause, params = ("AND target_key = ?", (target_key,)) if target_key is not None else ("", ())
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY workload_key, "
+            "target_key ORDER BY latency_us, id) AS place FROM records WHERE status = 'ok' "
+            f"{clause}) WHERE place = 1 ORDER BY workload_key, target_key", params)
+        return [_row_to_record(row) for row in rows]
+
+    def measured_schedule_keys(self, workload_key: str, target_key: str) -> set[str]:
+        """Schedules already tried, whatever the outcome: a crash is not worth repeating."""
+        rows = self._conn.execute("SELECT DISTINCT schedule_key FROM records WHERE workload_key = ? "
+                                  "AND target_key = ?", (workload_key, target_key))
+        return {row[0] for row in rows}
+
+    def export_jsonl(self, path: str | os.PathLike) -> int:
+        """Writes every record, one JSON object a line; readers never see a half-written file."""
+        path = Path(path)
+        records = self.records()
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise FlashgenError(f"cannot write {path} ({exc}); check the directory exists.") from None
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp makes it private; a tuning log is meant to be shared
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                for record in records:
+                    f.write(canonical_json(record.to_json()) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as exc:
+            os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise FlashgenError(f"cannot write {path} ({exc}); check the path.") from None
+            raise
+        return len(records)
+
+    def import_jsonl(self, path: str | os.PathLike) -> tuple[int, int]:
+        """Merges a JSON-lines log; returns (added, skipped as duplicates). All lines or none."""
+        path = Path(path)
+        try:
+            lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 is text
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FlashgenError(f"cannot read {path} ({exc}); pass an existing JSON-lines file.") \
+                from None
+        records = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(Record.from_json(json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise FlashgenError(f"{path}:{number}: invalid JSON ({exc.msg}); fix or remove the "
+                                    "line, nothing was imported.") from None
+            except FlashgenError as exc:
+                raise FlashgenError(f"{path}:{number}: {exc} Fix or remove the line, nothing was "
+                                    "imported.") from None
+        added = self.add_many(records)
+        return added, len(records) - added
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

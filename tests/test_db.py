@@ -1,0 +1,313 @@
+"""The tuning-log database: round trips, concurrency, refusing foreign files, best-of queries, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from flashgen.db import STATUSES, Database, Record, default_db_path
+from flashgen.db import cli
+from flashgen.errors import FlashgenError
+
+WORKLOAD = {"op": "rmsnorm", "dims": {"M": 128, "N": 4096}, "dtype": "float16"}
+
+
+def make(latency: float | None = 10.0, status: str = "ok", workload_key: str = "wk-rmsnorm",
+         target_key: str = "sm_90", **schedule: int) -> Record:
+    return Record(workload_key=workload_key, workload=WORKLOAD, target_key=target_key,
+                  schedule=schedule or {"block": 128}, status=status, latency_us=latency,
+                  spread_us=None if latency is None else latency / 10, device="cpu",
+                  extra={"repeats": 20})
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _add_worker(path: str, worker: int, start: multiprocessing.synchronize.Barrier) -> None:
+    start.wait()  # all four create the file and write at the same moment
+    with Database(path) as db:
+        for i in range(250):
+            assert db.add(make(float(i + 1), block=worker * 1000 + i))
+
+
+# --- Record -------------------------------------------------------------------------------------
+
+def test_record_json_round_trip_and_keys() -> None:
+    record = make(12.5, block=64, warps=4)
+    again = Record.from_json(json.loads(json.dumps(record.to_json())))
+    assert again == record
+    assert again.content_hash == record.content_hash
+    assert record.schedule_key == make(99.0, warps=4, block=64).schedule_key  # key order irrelevant
+    assert record.schedule_key != make(12.5, block=32, warps=4).schedule_key
+    assert len(record.schedule_key) == 16
+    assert record.flashgen_version == "0.1.0"
+    assert record.created_at.endswith("+00:00")
+
+
+@pytest.mark.parametrize("field", ["workload_key", "schedule", "status", "device", "created_at"])
+def test_record_from_json_names_missing_field(field: str) -> None:
+    data = make().to_json()
+    del data[field]
+    with pytest.raises(FlashgenError, match=f"missing field '{field}'"):
+        Record.from_json(data)
+
+
+def test_record_validation() -> None:
+    with pytest.raises(FlashgenError, match="'status' must be one of"):
+        make(status="fast")
+    with pytest.raises(FlashgenError, match="'latency_us' is required when status is 'ok'"):
+        make(latency=None)
+    with pytest.raises(FlashgenError, match="'latency_us' must be a finite number"):
+        make(latency=float("nan"))
+    with pytest.raises(FlashgenError, match="'latency_us' must be a finite number"):
+        Record.from_json({**make().to_json(), "latency_us": "fast"})
+    with pytest.raises(FlashgenError, match="unknown field 'colour'"):
+        Record.from_json({**make().to_json(), "colour": "red"})
+    assert make(latency=None, status="crash").latency_us is None
+    assert set(STATUSES) == {"ok", "wrong_result", "compile_error", "timeout", "crash"}
+
+
+# --- Database -----------------------------------------------------------------------------------
+
+def test_new_database_layout(tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "dir" / "tuning.db"
+    with Database(path) as db:
+        assert db.count() == 0
+    conn = sqlite3.connect(path)
+    assert dict(conn.execute("SELECT key, value FROM meta")) == {
+        "format": "flashgen-tuning-db", "schema_version": "1"}
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+
+
+def test_default_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLASHGEN_DB", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_db_path() == tmp_path / "cache" / "flashgen" / "tuning.db"
+    monkeypatch.setenv("FLASHGEN_DB", str(tmp_path / "env.db"))
+    with Database() as db:
+        db.add(make())
+    assert (tmp_path / "env.db").stat().st_size > 0
+
+
+def test_add_skips_exact_duplicates(tmp_path: Path) -> None:
+    with Database(tmp_path / "t.db") as db:
+        record, second, third = make(), make(11.0), make(11.0, block=7)
+        assert db.add(record) is True
+        assert db.add(record) is False
+        assert db.add_many([record, second, third, second]) == 2
+        assert db.count() == 3
+        assert db.records() == [record, second, third]  # insertion order
+
+
+def test_best_ignores_faster_failures(tmp_path: Path) -> None:
+    with Database(tmp_path / "t.db") as db:
+        db.add_many([
+            make(30.0, block=1),
+            make(12.0, block=2),
+            make(1.0, status="wrong_result", block=3),
+            make(0.5, status="timeout", block=4),
+            make(None, status="crash", block=5),
+            make(20.0, block=6),
+            make(5.0, block=7, target_key="gfx942"),
+            make(8.0, block=8, workload_key="wk-other"),
+            make(2.0, block=9, workload_key="wk-other"),
+        ])
+        assert db.best("wk-rmsnorm", "sm_90").schedule == {"block": 2}
+        assert db.best("wk-rmsnorm", "sm_75") is None
+        assert [(r.workload_key, r.target_key, r.schedule["block"]) for r in db.best_all()] == [
+            ("wk-other", "sm_90", 9), ("wk-rmsnorm", "gfx942", 7), ("wk-rmsnorm", "sm_90", 2)]
+        assert [r.schedule["block"] for r in db.best_all("gfx942")] == [7]
+        assert db.measured_schedule_keys("wk-rmsnorm", "sm_90") == {
+            make(block=b).schedule_key for b in (1, 2, 3, 4, 5, 6)}
+        assert [r.schedule["block"] for r in db.records(status="timeout")] == [4]
+        assert len(db.records(workload_key="wk-other", target_key="sm_90")) == 2
+
+
+def test_export_import_round_trip(tmp_path: Path) -> None:
+    records = [make(float(i), block=i) for i in range(1, 6)] + [make(None, status="crash", block=99)]
+    with Database(tmp_path / "a.db") as db:
+        db.add_many(records)
+        assert db.export_jsonl(tmp_path / "log.jsonl") == 6
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert [Record.from_json(json.loads(line)) for line in lines] == records
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    with Database(tmp_path / "a.db") as db, pytest.raises(FlashgenError, match="cannot write"):
+        db.export_jsonl(tmp_path / "missing-dir" / "log.jsonl")
+    with Database(tmp_path / "b.db") as db:
+        assert db.import_jsonl(tmp_path / "log.jsonl") == (6, 0)
+        assert db.records() == records
+        assert db.import_jsonl(tmp_path / "log.jsonl") == (0, 6)
+        assert db.count() == 6
+
+
+def test_malformed_jsonl_adds_nothing(tmp_path: Path) -> None:
+    good = json.dumps(make(1.0).to_json())
+    log = tmp_path / "bad.jsonl"
+    with Database(tmp_path / "t.db") as db:
+        db.add(make(50.0, block=50))
+        log.write_text(f"{good}\n{{not json\n")
+        with pytest.raises(FlashgenError, match=rf"bad\.jsonl:2: invalid JSON"):
+            db.import_jsonl(log)
+        incomplete = make(2.0, block=2).to_json()
+        del incomplete["target_key"]
+        log.write_text(f"{good}\n\n{json.dumps(incomplete)}\n")
+        with pytest.raises(FlashgenError, match=r"bad\.jsonl:3: record is missing field 'target_key'"):
+            db.import_jsonl(log)
+        assert db.count() == 1
+        with pytest.raises(FlashgenError, match="cannot read"):
+            db.import_jsonl(tmp_path / "absent.jsonl")
+
+
+def test_corrupt_file_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "random.db"
+    path.write_bytes(os.urandom(8192))
+    before = sha256(path)
+    with pytest.raises(FlashgenError, match="is not a flashgen tuning database .*pass another --db"):
+        Database(path)
+    assert sha256(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["random.db"]
+
+
+def test_corrupt_file_with_sqlite_header_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "torn.db"
+    path.write_bytes(b"SQLite format 3\x00" + os.urandom(8192))
+    before = sha256(path)
+    with pytest.raises(FlashgenError, match="is not a flashgen tuning database"):
+        Database(path)
+    assert sha256(path) == before
+
+
+@pytest.mark.parametrize("journal_mode", ["delete", "wal"])
+def test_other_apps_sqlite_is_refused_untouched(tmp_path: Path, journal_mode: str) -> None:
+    path = tmp_path / "app.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA journal_mode={journal_mode}")
+    conn.execute("CREATE TABLE users (name TEXT)")
+    conn.execute("INSERT INTO users VALUES ('ada')")
+    conn.commit()
+    conn.close()
+    before = sha256(path)
+    with pytest.raises(FlashgenError, match="no flashgen meta table.*pass another --db path"):
+        Database(path)
+    assert sha256(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.sqlite"]
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "future.db"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    before = sha256(path)
+    with pytest.raises(FlashgenError, match=r"newer flashgen \(schema v7, this one reads up to v1\)"):
+        Database(path)
+    assert sha256(path) == before
+
+
+def test_reopening_creates_no_side_files(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    with Database(path) as db:
+        db.add(make())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.db"]
+    with Database(path) as db:
+        assert db.count() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.db"]
+
+
+def test_empty_file_becomes_database(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    path.touch()
+    with Database(path) as db:
+        assert db.add(make())
+    with Database(path) as db:
+        assert db.count() == 1
+
+
+def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
+    path = str(tmp_path / "shared.db")  # created by the racing workers themselves
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(4)
+    workers = [ctx.Process(target=_add_worker, args=(path, w, start)) for w in range(4)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(timeout=120)
+    assert [p.exitcode for p in workers] == [0, 0, 0, 0]
+    with Database(path) as db:
+        assert db.count() == 1000
+        assert len({r.schedule_key for r in db.records()}) == 1000
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="flashgen")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db_path, other, log = str(tmp_path / "a.db"), str(tmp_path / "b.db"), str(tmp_path / "log.jsonl")
+    with Database(db_path) as db:
+        db.add_many([make(9.0, block=1), make(4.25, block=2), make(1.0, status="wrong_result", block=3),
+                     make(7.0, block=4, target_key="gfx942")])
+
+    assert run_cli(["db", "list", "--db", db_path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["op", "dims", "target", "status", "latency_us", "spread_us",
+                                "schedule", "workload_key"]
+    assert len(lines) == 5
+    assert lines[1].split() == ["rmsnorm", "M=128,N=4096", "sm_90", "ok", "9.00", "0.90",
+                                '{"block":1}', "wk-rmsnorm"]
+    assert lines[3].split()[3:5] == ["wrong_result", "1.00"]
+
+    assert run_cli(["db", "list", "--db", db_path, "--target", "sm_90", "--status", "ok",
+                    "--limit", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "9.00" in lines[1] and lines[2] == "(1 of 2 records shown)"
+
+    assert run_cli(["db", "best", "--db", db_path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2:5] for line in lines[1:]] == [["gfx942", "ok", "7.00"],
+                                                         ["sm_90", "ok", "4.25"]]
+
+    assert run_cli(["db", "export", log, "--db", db_path]) == 0
+    assert capsys.readouterr().out.startswith(f"exported 4 records from {db_path} to {log}")
+    assert run_cli(["db", "import", log, "--db", other]) == 0
+    assert "imported 4 new records" in capsys.readouterr().out
+    assert run_cli(["db", "import", log, "--db", other]) == 0
+    out = capsys.readouterr().out
+    assert "imported 0 new records" in out and "(4 duplicates skipped)" in out
+
+    assert run_cli(["db", "best", "--db", other, "--target", "sm_75"]) == 0
+    assert capsys.readouterr().out == "no records\n"
+
+
+def test_cli_long_schedule_is_shortened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db_path = str(tmp_path / "a.db")
+    with Database(db_path) as db:
+        db.add(make(3.0, **{f"knob_{i}": i for i in range(20)}))
+    run_cli(["db", "list", "--db", db_path])
+    row = capsys.readouterr().out.splitlines()[1]
+    assert '{"knob_0":0,' in row and "..." in row and "knob_19" not in row
+
+
+def test_cli_refuses_foreign_file(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("hello\n")
+    with pytest.raises(FlashgenError, match="notes.txt is not a flashgen tuning database"):
+        run_cli(["db", "list", "--db", str(path)])
+    assert path.read_text() == "hello\n"
