@@ -1,4 +1,4 @@
 """Targets: descriptors of GPUs and the CPU, and the backends that emit and build code for them."""
-from flashgen.targets.descriptor import Target, get_target, load_targets
+from flashgen.targets.descriptor import Target, get_target, load_targets, target_for_device
 
-__all__ = ["Target", "get_target", "load_targets"]
+__all__ = ["Target", "get_target", "load_targets", "target_for_device"]

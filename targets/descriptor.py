@@ -117,3 +117,15 @@ def get_target(name: str, extra_dirs: Iterable[str | os.PathLike] = ()) -> Targe
             return t
     names = sorted({a for t in targets.values() for a in (t.key, t.device)})
     raise FlashgenError(f"unknown target '{name}'; valid targets: {', '.join(names)}")
+
+
+def target_for_device(device_name: str, arch: str) -> Target:
+    """The descriptor of a running GPU: by its marketing name, else the first device of its arch."""
+    targets = load_targets()
+    for t in targets.values():
+        if any(device_name.startswith(n) for n in t.get("device_names", ())):
+            return t
+    for t in targets.values():
+        if t.arch == arch:
+            return t
+    raise FlashgenError(f"no target descriptor for {device_name} ({arch}); add one (see `flashgen targets`)")

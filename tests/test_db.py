@@ -91,6 +91,7 @@ def test_new_database_layout(tmp_path: Path) -> None:
 
 def test_default_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLASHGEN_DB", raising=False)
+    monkeypatch.delenv("FLASHGEN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert default_db_path() == tmp_path / "cache" / "flashgen" / "tuning.db"
     monkeypatch.setenv("FLASHGEN_DB", str(tmp_path / "env.db"))

@@ -1,0 +1,82 @@
+"""Shared by the benchmark scripts: GPU timing, the copy-bandwidth ceiling, and result files.
+
+Timing follows the field's habit: triton.testing.do_bench (CUDA events, warm-up, L2 flushed before
+each run), median of the runs. Results go to benchmarks/results/<name>.json and .md together with the
+command that produced them, the device and the tool versions.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+RESULTS = Path(__file__).with_name("results")
+
+
+def bench_us(fn: Callable[[], Any], warmup_ms: int = 100, rep_ms: int = 100) -> float:
+    """Median device time of one call in microseconds, L2 flushed before each call. The long warm-up
+    brings an idle GPU's clocks up (an H200 idles at 345 MHz) before anything is timed."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def bench_side_by_side(fns: dict[str, Callable[[], Any]], rounds: int = 2) -> dict[str, float]:
+    """Time several versions of one computation in interleaved rounds and keep each one's best median,
+    so that clock drift or a neighbour's burst does not favour whichever ran first."""
+    best = {k: float("inf") for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            best[k] = min(best[k], bench_us(fn))
+    return best
+
+
+def copy_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus written: the memory ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src))
+    return 2 * nbytes / (us * 1e3)
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_results(name: str, header: Sequence[str], rows: list[Sequence[Any]], meta: dict[str, Any],
+                  out_dir: Path = RESULTS, notes: str = "") -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / f"{name}.json"
+    js.write_text(json.dumps({"meta": meta, "columns": list(header), "rows": [list(r) for r in rows]},
+                             indent=1) + "\n")
+    md = out_dir / f"{name}.md"
+    lines = [f"# {name}", "", f"Command: `{meta['command']}`  ", f"Device: {meta['device']}, torch {meta['torch']}, "
+             f"triton {meta['triton']}, {meta['date']}", ""]
+    if notes:
+        lines += [notes, ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+    md.write_text("\n".join(lines) + "\n")
+    return js, md
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def print_table(header: Sequence[str], rows: list[Sequence[Any]]) -> None:
+    cells = [list(header)] + [[_fmt(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))

@@ -1,0 +1,78 @@
+"""The compile driver: workload + target -> Kernel, with the schedule the database says is best.
+
+Schedule choice, in order: one given by the caller; the fastest `ok` record of this workload on this
+target in the database; the kernel class's analytic default. The choice and why are kept in the
+kernel's metadata (`schedule_source`), and the CLI prints them.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+from flashgen import __version__
+from flashgen.db import Database, default_db_path
+from flashgen.errors import FlashgenError
+from flashgen.schedules.space import Schedule, ScheduleSpace
+from flashgen.targets.descriptor import Target, get_target
+from flashgen.targets.kernel import Kernel
+from flashgen.workload import Workload
+
+
+def resolve_target(target: str | Target, targets_dir: str | os.PathLike | None = None) -> Target:
+    if isinstance(target, Target):
+        return target
+    return get_target(target, [targets_dir] if targets_dir else [])
+
+
+def check_supported(wl: Workload, target: Target) -> None:
+    """Every tensor dtype of the workload must be one the target computes with."""
+    for t in wl.op.inputs + wl.op.outputs:
+        dt = wl.tensor_dtype(t.name)
+        if dt not in target.dtypes:
+            raise FlashgenError(f"target {target.id} does not support {dt} ({wl.op_name} tensor '{t.name}'); "
+                                f"it supports {', '.join(target.dtypes)}")
+    if wl.op.kclass not in ("rowwise", "pointwise"):
+        raise FlashgenError(f"{wl.op.kclass} kernels are not generated yet")
+
+
+def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLike | None,
+                    schedule: Schedule | None) -> tuple[Schedule, str]:
+    space = ScheduleSpace(wl, target)
+    if schedule is not None:
+        why = space.why_invalid(schedule)
+        if why:
+            raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: {why}")
+        return dict(schedule), "given"
+    path = db.path if isinstance(db, Database) else Path(db) if db is not None else default_db_path()
+    if isinstance(db, Database) or path.exists():
+        database = db if isinstance(db, Database) else Database(path)
+        try:
+            rec = database.best(wl.key, target.id)
+        finally:
+            if database is not db:
+                database.close()
+        if rec is not None and space.is_valid(rec.schedule):
+            return dict(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {path})"
+    return space.default(), "analytic default"
+
+
+def compile(wl: Workload, target: str | Target = "h200", *, schedule: Schedule | None = None,
+            db: Database | str | os.PathLike | None = None,
+            targets_dir: str | os.PathLike | None = None) -> Kernel:
+    """Generate and build `wl` for `target` (a target id, architecture or device name)."""
+    t = resolve_target(target, targets_dir)
+    check_supported(wl, t)
+    sched, source = choose_schedule(wl, t, db, schedule)
+    if t.backend == "triton":
+        from flashgen.targets.triton import build
+    else:
+        from flashgen.targets.tvm_backend import build
+    kernel = build(wl, sched, t)
+    kernel.metadata.update({
+        "workload": wl.to_json(), "workload_key": wl.key, "target": t.id, "arch": t.arch,
+        "schedule": sched, "schedule_source": source,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    })
+    kernel.metadata.setdefault("tools", {})["flashgen"] = __version__
+    return kernel

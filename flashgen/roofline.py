@@ -1,0 +1,26 @@
+"""Bytes a workload must move and the time that takes at a target's bandwidth: the memory roofline
+that rowwise and pointwise kernels are judged against."""
+from __future__ import annotations
+
+from flashgen.ir import dtypes
+from flashgen.ir.op import eval_int
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Workload
+
+
+def bytes_moved(wl: Workload) -> int:
+    """Each input read once and each output written once (gathered tables: the part touched)."""
+    total = 0
+    for t in wl.op.inputs + wl.op.outputs:
+        n = 1
+        for e in t.shape:
+            n *= eval_int(e, wl.dim)
+        if t.touched is not None:
+            n = min(n, eval_int(t.touched, wl.dim))
+        total += n * dtypes.BYTES[wl.tensor_dtype(t.name)]
+    return total
+
+
+def roofline_us(wl: Workload, target: Target, copy_gbs: float | None = None) -> float:
+    """Microseconds to move the workload's bytes at `copy_gbs` (default: the target's copy bandwidth)."""
+    return bytes_moved(wl) / ((copy_gbs or target.copy_gbs) * 1e3)

@@ -1,0 +1,28 @@
+"""Workload cases shared by the numerics tests (interpreter, cpu, gpu): odd shapes, every op."""
+from __future__ import annotations
+
+from flashgen.workload import Workload, workload
+
+ROW_OPS = ("rmsnorm", "layernorm", "add_rmsnorm", "softmax", "silu_mul")
+QUANT_OPS = ("dynamic_quant", "rmsnorm_quant")
+
+
+def numerics_cases(Ms=(1, 3, 17), Ns=(1, 127, 5120, 11008), dtypes=("fp32", "fp16", "bf16"),
+                   quant_out=("int8", "fp8e4m3")) -> list[Workload]:
+    """Each op over the shapes; dtypes vary across shapes rather than multiply them (keeps runs short)."""
+    out = []
+    for i, (m, n) in enumerate((m, n) for m in Ms for n in Ns):
+        dt = dtypes[i % len(dtypes)]
+        for op in ROW_OPS:
+            out.append(workload(op, M=m, N=n, dtype=dt))
+        for op in QUANT_OPS:
+            out.append(workload(op, M=m, N=n, dtype=dt, out_dtype=quant_out[i % len(quant_out)]))
+    for i, (m, d, hq, hkv) in enumerate([(1, 64, 4, 1), (3, 128, 8, 2), (17, 64, 5, 5)]):
+        for style in ("neox", "gptj"):
+            out.append(workload("rope", M=m, Hq=hq, Hkv=hkv, D=d, L=97, style=style,
+                                dtype=dtypes[i % len(dtypes)]))
+    return out
+
+
+def case_id(wl: Workload) -> str:
+    return str(wl).replace(" ", ",")

@@ -1,0 +1,48 @@
+"""Ahead-of-time builds for NVIDIA and AMD targets on a machine with no GPU."""
+from __future__ import annotations
+
+import pytest
+
+import flashgen
+from flashgen.oplib import OPS
+
+TARGETS = ("sm_80", "sm_90", "gfx90a", "gfx942")
+
+
+def _workload(op: str):
+    if op == "rope":
+        return flashgen.workload("rope", M=7, Hq=8, Hkv=2, D=128, L=512, dtype="bf16")
+    return flashgen.workload(op, M=33, N=4096, dtype="bf16")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_aot_compile(op, target):
+    k = flashgen.compile(_workload(op), target)
+    assert k.binary[:4] == b"\x7fELF", "binary is not an ELF object"
+    assert k.metadata["binary_symbol"].encode() in k.binary
+    text = k.asm["ptx"] if target.startswith("sm_") else k.asm["amdgcn"]
+    assert k.metadata["binary_symbol"] in text
+    if target.startswith("sm_"):
+        assert f".target {target}" in text and k.binary_kind == "cubin"
+    else:
+        assert f"amdgcn-amd-amdhsa--{target}" in text and k.binary_kind == "hsaco"
+    assert k.metadata["schedule_source"] == "analytic default"
+
+
+def test_fp8_output_on_sm90():
+    wl = flashgen.workload("dynamic_quant", M=4, N=4096, dtype="bf16", out_dtype="fp8e4m3")
+    k = flashgen.compile(wl, "sm_90")
+    assert "cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"]
+
+
+def test_fp8_refused_where_target_lacks_it():
+    wl = flashgen.workload("dynamic_quant", M=4, N=4096, dtype="bf16", out_dtype="fp8e4m3")
+    with pytest.raises(flashgen.FlashgenError, match="does not support fp8e4m3"):
+        flashgen.compile(wl, "sm_80")
+
+
+def test_wide_loads_in_rmsnorm_ptx():
+    """A whole bf16 row per program with 16-byte-aligned pointers: loads are 128-bit vectors."""
+    k = flashgen.compile(flashgen.workload("rmsnorm", M=4096, N=8192, dtype="bf16"), "sm_90")
+    assert "ld.global.v4.b32" in k.asm["ptx"] or "ld.global.v4.u32" in k.asm["ptx"]

@@ -1,0 +1,118 @@
+"""The flashgen command: listings, AOT compile and its outputs, and every bad-input case."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import flashgen
+from flashgen.cli import main
+from flashgen.db import Database, Record
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ops_and_targets_listings(capsys):
+    code, out, _ = run_cli(capsys, "ops")
+    assert code == 0
+    for op in flashgen.OPS:
+        assert op in out
+    code, out, _ = run_cli(capsys, "targets")
+    assert code == 0 and "cuda:sm_90/h200" in out and "rocm:gfx942/mi300x" in out and "cpu/host" in out
+
+
+def test_compile_writes_source_binary_asm_metadata(capsys, tmp_path):
+    out_dir = tmp_path / "k"
+    code, out, err = run_cli(capsys, "compile", "rmsnorm", "--dim", "M=4096", "--dim", "N=8192",
+                             "--dtype", "bf16", "--target", "h200", "--out", str(out_dir))
+    assert code == 0, err
+    assert "analytic default" in out
+    meta = json.loads((out_dir / "rmsnorm_kernel.json").read_text())
+    assert meta["workload"] == {"op": "rmsnorm", "dims": {"M": 4096, "N": 8192}, "attrs": {"dtype": "bf16"}}
+    assert meta["target"] == "cuda:sm_90/h200" and meta["schedule_source"] == "analytic default"
+    assert {"flashgen", "triton", "torch"} <= set(meta["tools"])
+    cubin = (out_dir / "rmsnorm_kernel.cubin").read_bytes()
+    assert meta["sha256"]["rmsnorm_kernel.cubin"] == hashlib.sha256(cubin).hexdigest()
+    assert "@triton.jit" in (out_dir / "rmsnorm_kernel.py").read_text()
+    assert ".visible .entry rmsnorm_kernel" in (out_dir / "rmsnorm_kernel.ptx").read_text()
+    assert not [p for p in out_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_compile_rocm_with_attrs(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "compile", "rope", "--dim", "M=16", "--dim", "Hq=32", "--dim", "Hkv=8",
+                             "--dim", "D=128", "--dim", "L=4096", "--attr", "style=gptj", "--dtype", "fp16",
+                             "--target", "mi300x", "--out", str(tmp_path))
+    assert code == 0, err
+    assert (tmp_path / "rope_kernel.hsaco").read_bytes()[:4] == b"\x7fELF"
+    assert "v_" in (tmp_path / "rope_kernel.amdgcn").read_text()
+
+
+def test_compile_uses_database_best(capsys, tmp_path):
+    wl = flashgen.workload("silu_mul", M=64, N=4096, dtype="bf16")
+    db_path = tmp_path / "t.db"
+    fast = {"block_r": 2, "block_c": 512, "num_warps": 4}
+    with Database(db_path) as db:
+        for sched, lat, status in ((fast, 3.0, "ok"), ({"block_r": 1, "block_c": 256, "num_warps": 1}, 9.0, "ok"),
+                                   ({"block_r": 1, "block_c": 64, "num_warps": 1}, 1.0, "wrong_result")):
+            db.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200",
+                          schedule=sched, status=status, latency_us=lat, device="NVIDIA H200"))
+    code, out, err = run_cli(capsys, "compile", "silu_mul", "--dim", "M=64", "--dim", "N=4096", "--target",
+                             "h200", "--db", str(db_path), "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    assert "database best (3.00 us" in out
+    meta = json.loads((tmp_path / "o" / "silu_mul_kernel.json").read_text())
+    assert meta["schedule"] == fast
+    # Another device of the same architecture has no records: it gets the default.
+    code, out, _ = run_cli(capsys, "compile", "silu_mul", "--dim", "M=64", "--dim", "N=4096", "--target",
+                           "h100", "--db", str(db_path), "--out", str(tmp_path / "p"))
+    assert code == 0 and "analytic default" in out
+
+
+BAD = [
+    (["compile", "nosuchop", "--dim", "M=1", "--target", "h200"], "unknown op 'nosuchop'; valid ops: add_rmsnorm"),
+    (["compile", "rmsnorm", "--dim", "M=1", "--target", "h200"], "missing dim N"),
+    (["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=2", "--dim", "Q=3", "--target", "h200"], "unknown dim or attribute 'Q'"),
+    (["compile", "rmsnorm", "--dim", "M=0", "--dim", "N=2", "--target", "h200"], "dim M must be positive"),
+    (["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=99999999999", "--target", "h200"], "absurd"),
+    (["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=2", "--dtype", "fp64", "--target", "h200"], "dtype=fp64 is not supported; valid: bf16, fp16, fp32"),
+    (["compile", "dynamic_quant", "--dim", "M=1", "--dim", "N=2", "--attr", "out_dtype=fp8e4m3", "--target", "mi300x"], "does not support fp8e4m3"),
+    (["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=2", "--target", "tpu"], "unknown target 'tpu'; valid targets:"),
+    (["compile", "rmsnorm", "--dim", "M", "--target", "h200"], "expected NAME=VALUE"),
+    (["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=2", "--target", "h200", "--schedule", "{\"block_r\": 3}"], "invalid schedule"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_input_is_one_clear_line(capsys, tmp_path, argv, message):
+    out_dir = tmp_path / "out"
+    code, out, err = run_cli(capsys, *argv, "--out", str(out_dir))
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("flashgen: error: ") and message in err, err
+    assert "Traceback" not in err
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+
+
+def test_unwritable_out(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for target in (blocker, blocker / "sub"):
+        code, _, err = run_cli(capsys, "compile", "rmsnorm", "--dim", "M=1", "--dim", "N=8", "--target", "h200",
+                               "--out", str(target))
+        assert code == 2 and err.count("\n") == 1 and str(blocker) in err
+    assert blocker.read_text() == "x"
+
+
+def test_console_script_exit_code(tmp_path):
+    """The installed entry point: a real process, exit code 2, no traceback."""
+    env = {**os.environ, "FLASHGEN_CACHE_DIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "flashgen.cli", "compile", "rmsnorm", "--dim", "M=1",
+                        "--target", "h200", "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "missing dim N" in p.stderr and "Traceback" not in p.stderr
