@@ -7,6 +7,18 @@ A schedule is a plain JSON dict of knobs. Both classes tile the op's rows x cols
 - num_warps: threads per program / warp size.
 Validity rules bound the work per thread (too little idles lanes, too much spills registers) and the
 threads per program by the target's limit.
+
+On the cpu target (TVM backend, LLVM) the same knobs mean:
+- block_r: rows per parallel task. Rows are independent; the kernel's `T.parallel` loop runs over
+  ceil(M / block_r) tasks, which TVM's thread pool splits evenly among its threads. Small rows want
+  several per task so that loop overhead stays small next to the work.
+- block_c: the column tile, in elements, processed as one vector operation (LLVM splits a tile of 64
+  fp32 into 4 AVX-512 or 8 AVX2 instructions, which also unrolls the loop). A reduction keeps block_c
+  partial results, so a wider tile gives more independent accumulators. Every rowwise op walks its row
+  once per reduction (rows live in L1/L2, so the re-reads are cache hits) and the ragged end of a row
+  is one narrower vector loop, never masked lanes. At most CPU_MAX_BLOCK_C: wider tiles spill registers
+  and slow compilation without gaining speed.
+- num_warps: always 1.
 """
 from __future__ import annotations
 
@@ -21,8 +33,12 @@ from flashgen.ir.op import eval_int
 Schedule = dict[str, Any]
 
 MAX_ELEMS_PER_THREAD = 64   # fp32 values a thread holds per live tensor before spills become likely
-MAX_TILE = 1 << 16           # elements of one tile
+MIN_ELEMS_PER_THREAD = 4     # fewer leaves 16-byte loads unused and most of each warp's work idle
+MAX_TILE = 1 << 14           # elements of one tile
+MIN_LOOPED_TILE = 256        # a row walked in tiles narrower than this only adds loop overhead
 WARPS = (1, 2, 4, 8, 16, 32)
+CPU_MAX_BLOCK_C = 128        # cpu: widest column tile (elements) worth a vector operation
+CPU_TASK_ELEMENTS = 2048     # cpu default: elements of work per parallel task, at least
 
 
 def next_pow2(n: int) -> int:
@@ -66,12 +82,17 @@ class ScheduleSpace:
         if self.target.backend == "triton":
             if threads > self.target.get("max_threads_per_block", 1024):
                 return f"{threads} threads exceed the target's {self.target.get('max_threads_per_block')}"
-            if tile < threads and s["num_warps"] > 1:
+            if tile < threads * MIN_ELEMS_PER_THREAD and s["num_warps"] > 1:
                 return f"tile of {tile} elements leaves some of {threads} threads idle"
             if tile > MAX_TILE or tile > threads * MAX_ELEMS_PER_THREAD:
                 return f"tile of {tile} elements is too large for {threads} threads"
+            rows, cols = domain(self.workload)
+            if self.kclass == "rowwise" and s["block_c"] < min(cols, MIN_LOOPED_TILE):
+                return f"a row of {cols} walked in tiles of {s['block_c']} only adds loop overhead"
         elif s["num_warps"] != 1:
             return "cpu schedules use num_warps=1"
+        elif s["block_c"] > CPU_MAX_BLOCK_C:
+            return f"block_c={s['block_c']} is wider than the cpu's vector tiles (at most {CPU_MAX_BLOCK_C})"
         return None
 
     def __iter__(self) -> Iterator[Schedule]:
@@ -87,7 +108,11 @@ class ScheduleSpace:
         rows, cols = domain(self.workload)
         pc = next_pow2(cols)
         if self.target.backend != "triton":
-            return {"block_r": 1, "block_c": min(pc, 1024), "num_warps": 1}
+            # cpu: tiles of 64 columns (4 AVX-512 / 8 AVX2 vectors, measured best or near it for every op),
+            # and enough rows per task for about CPU_TASK_ELEMENTS elements of work.
+            block_c = min(pc, 64)
+            block_r = min(next_pow2(rows), 64, next_pow2(max(1, CPU_TASK_ELEMENTS // cols)))
+            return {"block_r": block_r, "block_c": block_c, "num_warps": 1}
         if self.kclass == "rowwise":
             block_c = min(pc, 8192)
         else:
