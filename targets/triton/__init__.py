@@ -1,27 +1,50 @@
-"""Triton backend: one generated source, compiled ahead of time for CUDA (PTX/cubin) and ROCm (AMDGCN/HSACO)."""
+"""Triton backend: one generated source, compiled ahead of time for CUDA (PTX/cubin) and ROCm
+(AMDGCN/HSACO), kept in the artifact cache so each kernel is compiled once."""
 from __future__ import annotations
 
-import triton
-import torch
+import json
+from pathlib import Path
 
+import torch
+import triton
+
+from flashgen import __version__
 from flashgen.schedules.space import Schedule
+from flashgen.targets import artifacts
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
-from flashgen.targets.triton.build import artifacts, compile_aot
-from flashgen.targets.triton.codegen import generate
+from flashgen.targets.triton.build import ast_source, compile_aot, load_compiled
+from flashgen.targets.triton.codegen import KernelSource, generate
 from flashgen.targets.triton.launch import TritonLauncher
 from flashgen.workload import Workload
+
+ASM = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+
+
+def cache_key(ks: KernelSource, schedule: Schedule, target: Target) -> str:
+    return artifacts.artifact_key({"source": ks.source, "num_warps": schedule["num_warps"],
+                                   "target": target.key, "triton": triton.__version__, "flashgen": __version__})
 
 
 def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     ks = generate(wl, schedule)
-    ck = compile_aot(ks, wl, schedule, target)
-    asm, binary, kind = artifacts(ck, target)
-    meta = {"kernel_name": ks.name, "binary_symbol": ck.metadata.name, "backend": "triton",
-            "num_warps": schedule["num_warps"], "shared_bytes": ck.metadata.shared,
+    key = cache_key(ks, schedule, target)
+    files = artifacts.lookup(key)
+    if files is None:
+        ck = compile_aot(ks, wl, schedule, target)
+        group = {Path(p).name: Path(p).read_bytes() for p in ck.metadata_group.values()}
+        info = {"binary_symbol": ck.metadata.name, "shared_bytes": ck.metadata.shared, "triton_hash": ck.hash}
+        files = artifacts.store(key, {**group, "flashgen.json": json.dumps(info).encode()})
+    info = json.loads(files["flashgen.json"].read_text())
+    ck = load_compiled(ast_source(ks, wl), {n: str(p) for n, p in files.items() if n != "flashgen.json"},
+                       info["triton_hash"])
+    text_kind, bin_kind = ASM[target.triton_target[0]]
+    asm = {text_kind: ck.asm[text_kind], "ttgir": ck.asm["ttgir"]}
+    meta = {"kernel_name": ks.name, "binary_symbol": info["binary_symbol"], "backend": "triton",
+            "num_warps": schedule["num_warps"], "shared_bytes": info["shared_bytes"], "cache_key": key,
             "signature": [a.name for a in ks.args],
             "constexprs": {a.name: a.value for a in ks.args if a.kind == "constexpr"},
             "tools": {"triton": triton.__version__, "torch": torch.__version__}}
     return Kernel(workload=wl, target=target, schedule=schedule, name=ks.name, source=ks.source, asm=asm,
-                  binary=binary, binary_kind=kind, metadata=meta,
+                  binary=ck.asm[bin_kind], binary_kind=bin_kind, metadata=meta,
                   launcher=TritonLauncher(ks, wl, target, ck))

@@ -61,13 +61,10 @@ def stride_hints(ks: KernelSource, wl: Workload) -> dict[str, bool]:
     return hints
 
 
-def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
-    """Compile for the target's GPU with Triton alone (no driver needed); returns a CompiledKernel."""
+def ast_source(ks: KernelSource, wl: Workload):
+    """Triton's description of what to compile: signature, baked constants, alignment promises."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
-    if interpreting():
-        raise FlashgenError("ahead-of-time compilation needs a process started without TRITON_INTERPRET=1")
     fn = load_function(ks)
     hints = stride_hints(ks, wl)
     signature, constexprs, attrs = {}, {}, {}
@@ -84,14 +81,25 @@ def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
         else:
             signature[a.name] = "constexpr"
             constexprs[a.name] = a.value
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
+    """Compile for the target's GPU with Triton alone (no driver needed); returns a CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if interpreting():
+        raise FlashgenError("ahead-of-time compilation needs a process started without TRITON_INTERPRET=1")
     backend, arch = target.triton_target
     options = {"num_warps": schedule["num_warps"], "num_stages": schedule.get("num_stages", 1)}
-    return triton.compile(src, target=GPUTarget(backend, arch, target.warp_size), options=options)
+    return triton.compile(ast_source(ks, wl), target=GPUTarget(backend, arch, target.warp_size), options=options)
 
 
-def artifacts(ck: Any, target: Target) -> tuple[dict[str, str], bytes, str]:
-    """(assembly texts, binary, binary kind) of a compiled kernel."""
-    if target.triton_target[0] == "cuda":
-        return {"ptx": ck.asm["ptx"], "ttgir": ck.asm["ttgir"]}, ck.asm["cubin"], "cubin"
-    return {"amdgcn": ck.asm["amdgcn"], "ttgir": ck.asm["ttgir"]}, ck.asm["hsaco"], "hsaco"
+def load_compiled(src: Any, files: dict[str, str], triton_hash: str):
+    """A CompiledKernel from files kept on disk: launchable without compiling again."""
+    from triton.compiler.compiler import CompiledKernel
+
+    return CompiledKernel(src, files, triton_hash)
+
+

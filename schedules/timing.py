@@ -1,0 +1,102 @@
+"""Timing one kernel call on a GPU or the CPU: median and spread of many runs.
+
+GPU work is timed with CUDA events after a warm-up. Two regimes, chosen by the caller:
+- `flush_l2=True`: a buffer twice the L2 is zeroed before each timed call, so the call reads its
+  inputs from memory; used when a workload's bytes are too many to stay in the L2 between calls.
+- `flush_l2=False`: the calls are captured in a CUDA graph and replayed, so host launch overhead
+  is gone and inputs are L2-hot, as a small activation is right after the kernel that wrote it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    spread_us: float  # interquartile range
+    runs: int
+
+
+def _summary(samples_us: list[float]) -> Timing:
+    samples_us = sorted(samples_us)
+    q = statistics.quantiles(samples_us, n=4) if len(samples_us) > 1 else [samples_us[0]] * 3
+    return Timing(statistics.median(samples_us), q[2] - q[0], len(samples_us))
+
+
+_FLUSH: dict[int, torch.Tensor] = {}
+
+
+def _flush_buffer(device: torch.device, l2_bytes: int) -> torch.Tensor:
+    idx = device.index or 0
+    if idx not in _FLUSH:
+        _FLUSH[idx] = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device=device)
+    return _FLUSH[idx]
+
+
+def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_bytes: int,
+             runs: int = 30, warmup_ms: float = 5.0, graph_us: float = 200.0) -> Timing:
+    """Median device time of one `fn()` call in microseconds."""
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        once_us = max(start.elapsed_time(end) * 1e3, 1.0)
+        deadline = time.perf_counter() + warmup_ms / 1e3
+        while time.perf_counter() < deadline:
+            fn()
+        torch.cuda.synchronize()
+        if flush_l2:
+            buf = _flush_buffer(device, l2_bytes)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(runs)]
+            for s, e in events:
+                buf.zero_()
+                s.record()
+                fn()
+                e.record()
+            torch.cuda.synchronize()
+            return _summary([s.elapsed_time(e) * 1e3 for s, e in events])
+        calls = max(1, min(200, int(graph_us / once_us)))
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            fn()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls):
+                    fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(runs)]
+        for s, e in events:
+            s.record()
+            graph.replay()
+            e.record()
+        torch.cuda.synchronize()
+        return _summary([s.elapsed_time(e) * 1e3 / calls for s, e in events])
+
+
+def cpu_time(fn: Callable[[], Any], runs: int = 20, min_run_s: float = 0.002) -> Timing:
+    """Median wall time of one `fn()` call on the CPU; each sample averages enough calls to last
+    `min_run_s`, so that timer resolution does not dominate short kernels."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    calls = max(1, int(min_run_s / once))
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return _summary(samples)
