@@ -43,8 +43,8 @@ def compare(wl: Workload, outs: Mapping[str, torch.Tensor], ref: Mapping[str, to
     checks = []
     for name, want in ref.items():
         dt = wl.tensor_dtype(name)
-        got = outs[name].detach().cpu()
-        want = want.detach().cpu().to(torch.float64)
+        got = outs[name].detach()
+        want = want.detach().to(got.device, torch.float64)
         if dt == "int8":
             if (got == -128).any():
                 checks.append(OutputCheck(name, 1.0, INT8_MAX_FRACTION, False, "unwritten elements"))

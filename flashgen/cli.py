@@ -56,11 +56,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     import flashgen
     from flashgen.compiler import check_supported, resolve_target
 
-    kw: dict[str, object] = dict(args.dim)
-    kw.update(dict(args.attr))
-    if args.dtype:
-        kw["dtype"] = args.dtype
-    wl = flashgen.workload(args.op, **kw)
+    [wl] = _workloads(argparse.Namespace(**{**vars(args), "workloads": None}))
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
     out = Path(args.out)
@@ -74,6 +70,63 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"schedule: {json.dumps(kernel.schedule, sort_keys=True)}  [{kernel.metadata['schedule_source']}]")
     for f in files:
         print(f"wrote {f} ({f.stat().st_size} bytes)")
+    return 0
+
+
+def _workloads(args: argparse.Namespace) -> list:
+    """The workloads named on the command line, or one per line of --workloads FILE.jsonl."""
+    import flashgen
+    from flashgen.workload import Workload
+
+    if args.workloads:
+        if args.op:
+            raise FlashgenError("give an op or --workloads, not both")
+        out = []
+        try:
+            lines = open(args.workloads).read().splitlines()
+        except OSError as e:
+            raise FlashgenError(f"cannot read {args.workloads}: {e.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    out.append(Workload.from_json(json.loads(line)))
+                except (json.JSONDecodeError, FlashgenError) as e:
+                    raise FlashgenError(f"{args.workloads}:{n}: {e}") from None
+        return out
+    if not args.op:
+        raise FlashgenError("name an op (see `flashgen ops`) or pass --workloads FILE.jsonl")
+    kw: dict[str, object] = dict(args.dim)
+    kw.update(dict(args.attr))
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    return [flashgen.workload(args.op, **kw)]
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from flashgen.compiler import check_supported, resolve_target
+    from flashgen.db import Database
+    from flashgen.schedules.tuner import plot_history, tune
+
+    if args.trials < 1:
+        raise FlashgenError("--trials must be at least 1")
+    target = resolve_target(args.target, args.targets_dir)
+    wls = _workloads(args)
+    for wl in wls:
+        check_supported(wl, target)
+    results = []
+    with Database(args.db) as db:
+        for wl in wls:
+            res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed)
+            results.append(res)
+            if res.best is None:
+                print(f"{wl}: no schedule ran correctly ({res.measured} measured)")
+                continue
+            gain = f", {res.default_us / res.best.latency_us:.2f}x the default" if res.default_us else ""
+            print(f"{wl}: best {res.best.latency_us:.2f} us{gain}; {res.measured} measured in "
+                  f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}")
+    if args.plot:
+        plot_history(results, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -104,6 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
     c.add_argument("--targets-dir", help="a folder of extra descriptor files")
     c.set_defaults(func=cmd_compile)
+
+    t = sub.add_parser("tune", help="search schedules, measuring on the target, and record them in the database")
+    t.add_argument("op", nargs="?")
+    t.add_argument("--dim", type=_pair, action="append", default=[], metavar="NAME=VALUE")
+    t.add_argument("--dtype")
+    t.add_argument("--attr", type=_pair, action="append", default=[], metavar="NAME=VALUE")
+    t.add_argument("--workloads", help="a JSON-lines file of workloads ({op, dims, attrs} per line)")
+    t.add_argument("--target", required=True)
+    t.add_argument("--trials", type=int, default=64, help="new measurements per workload (default 64)")
+    t.add_argument("--strategy", default="evolutionary", choices=("evolutionary", "random", "exhaustive"))
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
+    t.add_argument("--plot", help="write best-so-far against trials to this PNG")
+    t.add_argument("--targets-dir", help="a folder of extra descriptor files")
+    t.set_defaults(func=cmd_tune)
 
     db_cli.register(sub)
     return p

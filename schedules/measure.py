@@ -1,0 +1,202 @@
+"""Runner: measures candidate kernels in an isolated worker process per device, with a timeout.
+
+Each candidate is first checked against the op's float64 reference on random inputs drawn fresh for
+the tuning run (outputs poisoned, so an unwritten element fails), then timed. A candidate that fails
+to build, gives a wrong result, raises, kills its worker or outlasts the timeout is reported with that
+status; a dead or hung worker is replaced and measurement goes on. With several devices, one worker
+per device measures in parallel.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from flashgen.schedules.space import Schedule
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Workload
+
+DEFAULT_FACTORY = "flashgen.schedules.measure:build_kernel"
+
+
+@dataclass(frozen=True)
+class MeasureResult:
+    schedule: Schedule
+    status: str  # one of flashgen.db.STATUSES
+    latency_us: float | None = None
+    spread_us: float | None = None
+    error: str = ""
+    runs: int = 0
+
+
+def build_kernel(wl: Workload, schedule: Schedule, target: Target) -> Any:
+    """The default kernel factory: the compile driver (the builder has filled the artifact cache)."""
+    from flashgen.compiler import compile as compile_kernel
+
+    return compile_kernel(wl, target, schedule=schedule)
+
+
+def _resolve(path: str) -> Callable[..., Any]:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _WorkloadState:
+    """Inputs and float64 reference of one workload on the worker's device, made once per run."""
+
+    def __init__(self, wl: Workload, device: Any, seed: int):
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        host = wl.op.make_inputs(wl.dim, wl.attr, gen)
+        self.inputs = {k: v.to(device) for k, v in host.items()}
+        ref_in = {k: v.to(device) for k, v in host.items()}
+        self.ref = wl.op.reference(ref_in, wl.op.params, wl.dim, wl.attr)
+
+
+def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs: int) -> None:
+    """Worker loop: receive (workload JSON, schedule, seed), answer a result dict."""
+    import torch
+
+    from flashgen.check import compare, poisoned
+    from flashgen.roofline import bytes_moved
+    from flashgen.schedules.timing import cpu_time, gpu_time
+    from flashgen.targets.descriptor import get_target
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    target = get_target(target_id)
+    factory = _resolve(factory_path)
+    states: dict[tuple[str, int], _WorkloadState] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        wl_json, schedule, seed = msg
+        wl = Workload.from_json(wl_json)
+        try:
+            kernel = factory(wl, schedule, target)
+        except Exception as e:  # noqa: BLE001
+            conn.send({"status": "compile_error", "error": f"{type(e).__name__}: {e}"})
+            continue
+        try:
+            if (wl.key, seed) not in states:
+                states.clear()
+                states[(wl.key, seed)] = _WorkloadState(wl, device, seed)
+            st = states[(wl.key, seed)]
+            outs = poisoned(wl, wl.dim, device)
+            kernel.run(st.inputs, outs)
+            bad = [c for c in compare(wl, outs, st.ref) if not c.ok]
+            if bad:
+                conn.send({"status": "wrong_result", "error": "; ".join(
+                    f"{c.tensor}: error {c.error:.3g} > {c.tolerance:g} {c.detail}".strip() for c in bad)})
+                continue
+            if device.type == "cuda":
+                flush = bytes_moved(wl) > target.get("l2_bytes", 0) // 2
+                t = gpu_time(lambda: kernel.run(st.inputs, outs), device, flush, target.get("l2_bytes", 1 << 26),
+                             runs=runs)
+            else:
+                t = cpu_time(lambda: kernel.run(st.inputs, outs), runs=runs)
+            conn.send({"status": "ok", "latency_us": t.median_us, "spread_us": t.spread_us, "runs": t.runs})
+        except Exception as e:  # noqa: BLE001
+            conn.send({"status": "crash", "error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
+
+
+class _Worker:
+    def __init__(self, device: str, target: Target, factory: str, runs: int):
+        self.args = (device, target.id, factory, runs)
+        self.proc: Any = None
+        self.conn: Any = None
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, *self.args), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+            self.proc = None
+
+    def measure(self, wl: Workload, schedule: Schedule, seed: int, timeout_s: float,
+                start_timeout_s: float) -> MeasureResult:
+        fresh = self.proc is None or not self.proc.is_alive()
+        if fresh:
+            self.start()
+        try:
+            self.conn.send((wl.to_json(), schedule, seed))
+            # A fresh worker imports torch and sets up the device before it can answer.
+            if not self.conn.poll(timeout_s + (start_timeout_s if fresh else 0)):
+                self.stop()
+                return MeasureResult(schedule, "timeout", error=f"no answer within {timeout_s:g} s")
+            reply = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self.proc.join(5)
+            code = self.proc.exitcode
+            self.stop()
+            return MeasureResult(schedule, "crash", error=f"worker died (exit code {code})")
+        return MeasureResult(schedule, reply["status"], reply.get("latency_us"), reply.get("spread_us"),
+                             reply.get("error", ""), reply.get("runs", 0))
+
+
+class Runner:
+    """`measure(workload, schedules)` in order; one worker per device (e.g. ["cuda:0", "cuda:1"])."""
+
+    def __init__(self, target: Target, devices: list[str] | None = None, timeout_s: float = 30.0,
+                 runs: int = 30, seed: int = 0, factory: str = DEFAULT_FACTORY, start_timeout_s: float = 120.0):
+        if devices is None:
+            devices = ["cpu"] if target.backend == "tvm" else _cuda_devices()
+        self.target, self.timeout_s, self.seed, self.start_timeout_s = target, timeout_s, seed, start_timeout_s
+        self.workers = [_Worker(d, target, factory, runs) for d in devices]
+
+    def measure(self, wl: Workload, schedules: list[Schedule]) -> list[MeasureResult]:
+        results: list[MeasureResult | None] = [None] * len(schedules)
+        queue = list(enumerate(schedules))
+        lock = threading.Lock()
+
+        def drain(worker: _Worker) -> None:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i, s = queue.pop(0)
+                results[i] = worker.measure(wl, s, self.seed, self.timeout_s, self.start_timeout_s)
+
+        threads = [threading.Thread(target=drain, args=(w,)) for w in self.workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.proc is not None and w.proc.is_alive():
+                try:
+                    w.conn.send(None)
+                except OSError:
+                    pass
+            w.stop()
+
+
+def _cuda_devices() -> list[str]:
+    import torch
+
+    from flashgen.errors import FlashgenError
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise FlashgenError("measuring a GPU target needs that GPU; this machine has none "
+                            "(compile ahead of time with `flashgen compile`, or tune the cpu target)")
+    return [f"cuda:{i}" for i in range(n)]

@@ -1,0 +1,49 @@
+"""TVM backend for the `cpu` target: IR -> TVMScript -> LLVM -> a shared library, run on torch CPU tensors.
+
+`build(wl, schedule, target)` returns a Kernel whose source is the generated TVMScript (lower.py),
+whose binary is the linked .so (build.py) and whose launcher calls that library (launch.py); the
+launcher also has `.time(...)` for measurement. `load(kernel_json, so_bytes)`-style reuse of a saved
+kernel goes through `launcher_from_binary`.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import tvm
+from tvm.target import codegen
+
+from flashgen.schedules.space import Schedule
+from flashgen.targets.descriptor import Target
+from flashgen.targets.kernel import Kernel
+from flashgen.targets.tvm_backend.build import artifacts, compile_module, export, llvm_target, load_library
+from flashgen.targets.tvm_backend.launch import TVMLauncher
+from flashgen.targets.tvm_backend.lower import Arg, KernelSource, generate
+from flashgen.workload import Workload
+
+__all__ = ["build", "generate", "launcher_from_binary", "TVMLauncher"]
+
+
+def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
+    if target.backend != "tvm":
+        raise ValueError(f"the tvm backend cannot build for {target.key} (backend {target.backend})")
+    ks: KernelSource = generate(wl, schedule)
+    llvm = llvm_target()
+    ex = compile_module(ks, llvm)
+    asm = artifacts(ex)
+    binary, lib = export(ex, ks.name)
+    meta = {"kernel_name": ks.name, "entry": ks.name, "backend": "tvm", "llvm_target": str(llvm),
+            "signature": [a.to_json() for a in ks.args],
+            "row_dims": list(wl.op.row_dims), "params": dict(wl.op.params),
+            "notes": "bf16 tensors are passed as uint16 bits; row dims are read off the tensors' shapes",
+            "tools": {"tvm": tvm.__version__, "llvm": codegen.llvm_version_major(),
+                      "torch": torch.__version__}}
+    return Kernel(workload=wl, target=target, schedule=schedule, name=ks.name, source=ks.source, asm=asm,
+                  binary=binary, binary_kind="so", metadata=meta,
+                  launcher=TVMLauncher(wl, ks.args, lib, ks.name))
+
+
+def launcher_from_binary(wl: Workload, metadata: Mapping[str, Any], binary: bytes) -> TVMLauncher:
+    """A launcher for a saved kernel: its metadata JSON and the bytes of its .so."""
+    args = [Arg(**a) for a in metadata["signature"]]
+    return TVMLauncher(wl, args, load_library(binary, metadata["entry"]), metadata["entry"])

@@ -1,0 +1,41 @@
+"""Kernel factories for runner tests: each schedule's block_c picks a behaviour."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+BEHAVIOUR = {16: "ok", 32: "raise", 64: "hang", 128: "wrong", 256: "die", 512: "no_build", 1024: "partial"}
+
+
+class FakeKernel:
+    """Computes the op's float64 reference in the outputs' dtypes, then misbehaves as told."""
+
+    def __init__(self, wl, behaviour: str):
+        self.wl, self.behaviour = wl, behaviour
+
+    def run(self, inputs, outputs):
+        if self.behaviour == "raise":
+            raise RuntimeError("candidate kernel failed at launch")
+        if self.behaviour == "hang":
+            time.sleep(3600)
+        if self.behaviour == "die":
+            os._exit(3)
+        ref = self.wl.op.reference(inputs, self.wl.op.params, self.wl.dim, self.wl.attr)
+        for name, out in outputs.items():
+            val = ref[name].to(out.dtype)
+            if self.behaviour == "wrong":
+                val = val * 1.5 + 0.25
+            if self.behaviour == "partial":
+                out[..., : out.shape[-1] // 2] = val[..., : out.shape[-1] // 2]
+            else:
+                out.copy_(val)
+        return outputs
+
+
+def factory(wl, schedule, target):
+    behaviour = BEHAVIOUR[schedule["block_c"]]
+    if behaviour == "no_build":
+        raise ValueError("unsupported tile")
+    return FakeKernel(wl, behaviour)
