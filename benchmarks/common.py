@@ -18,29 +18,32 @@ import torch
 RESULTS = Path(__file__).with_name("results")
 
 
-def bench_us(fn: Callable[[], Any], warmup_ms: int = 100, rep_ms: int = 100) -> float:
-    """Median device time of one call in microseconds, L2 flushed before each call. The long warm-up
-    brings an idle GPU's clocks up (an H200 idles at 345 MHz) before anything is timed."""
-    import triton.testing
+def bench_side_by_side(fns: dict[str, Callable[[], Any]], nbytes: int, l2_bytes: int,
+                       rounds: int = 3) -> dict[str, float]:
+    """Median device time (us) of each version of one computation, timed as the tuner's runner times
+    candidates (schedules/timing.py: L2 flushed when the data outgrows half the L2, else CUDA-graph
+    replay), in interleaved rounds keeping each version's best median, so that clock drift or a
+    neighbour's burst does not favour whichever ran first. The first round's long warm-up brings an
+    idle GPU's clocks up (an H200 idles at 345 MHz)."""
+    from flashgen.schedules.timing import gpu_time
 
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
-
-
-def bench_side_by_side(fns: dict[str, Callable[[], Any]], rounds: int = 2) -> dict[str, float]:
-    """Time several versions of one computation in interleaved rounds and keep each one's best median,
-    so that clock drift or a neighbour's burst does not favour whichever ran first."""
+    dev = torch.device("cuda")
+    flush = nbytes > l2_bytes // 2
     best = {k: float("inf") for k in fns}
-    for _ in range(rounds):
+    for i in range(rounds):
         for k, fn in fns.items():
-            best[k] = min(best[k], bench_us(fn))
+            t = gpu_time(fn, dev, flush, l2_bytes, runs=30, warmup_ms=100.0 if i == 0 else 5.0)
+            best[k] = min(best[k], t.median_us)
     return best
 
 
 def copy_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate, counting bytes read plus written: the memory ceiling."""
+    from flashgen.schedules.timing import gpu_time
+
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    us = bench_us(lambda: dst.copy_(src))
+    us = gpu_time(lambda: dst.copy_(src), torch.device("cuda"), True, 64 << 20, warmup_ms=200.0).median_us
     return 2 * nbytes / (us * 1e3)
 
 

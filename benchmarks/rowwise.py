@@ -66,7 +66,8 @@ def main() -> None:
                 outs = kernel.run(ins)
                 compiled(**ins)
                 t = bench_side_by_side({"fg": lambda: kernel.run(ins, outs), "eager": lambda: peer(**ins),
-                                        "compile": lambda: compiled(**ins)})
+                                        "compile": lambda: compiled(**ins)}, bytes_moved(wl),
+                                       target.get("l2_bytes"))
                 t_fg, t_eager, t_comp = t["fg"], t["eager"], t["compile"]
                 nbytes = bytes_moved(wl)
                 t_roof = nbytes / (bw * 1e3)
