@@ -116,7 +116,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     results = []
     with Database(args.db) as db:
         for wl in wls:
-            res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed)
+            res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr)
             results.append(res)
             if res.best is None:
                 print(f"{wl}: no schedule ran correctly ({res.measured} measured)")

@@ -1,0 +1,151 @@
+"""The tuning loop: propose schedules, build them in parallel, measure them, record every result.
+
+Schedules the database already holds for this workload and target are never measured again, so a
+stopped tune resumes where it was. The analytic default is measured first, so a tune can only end with
+a best at least as fast as what `flashgen compile` gives untuned.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from flashgen import __version__
+from flashgen.db import Database, Record
+from flashgen.db.record import schedule_key
+from flashgen.roofline import roofline_us
+from flashgen.schedules.builder import Builder
+from flashgen.schedules.cost_model import CostModel
+from flashgen.schedules.measure import MeasureResult, Runner
+from flashgen.schedules.search import make_strategy
+from flashgen.schedules.space import Schedule, ScheduleSpace
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Workload
+
+
+@dataclass
+class TuneResult:
+    workload: Workload
+    best: Record | None
+    default_us: float | None
+    measured: int                    # new measurements in this run
+    history: list[float | None] = field(default_factory=list)  # latency per measurement, None = failed
+    wall_s: float = 0.0
+
+
+class Progress:
+    """One status line: trials done, best latency so far and its fraction of the roofline."""
+
+    def __init__(self, wl: Workload, total: int, roof_us: float, stream: TextIO | None):
+        self.wl, self.total, self.roof, self.stream = wl, total, roof_us, stream
+        self.done, self.best = 0, float("inf")
+        self.t0 = time.perf_counter()
+
+    def update(self, results: list[MeasureResult]) -> None:
+        self.done += len(results)
+        for r in results:
+            if r.status == "ok" and r.latency_us is not None:
+                self.best = min(self.best, r.latency_us)
+        if self.stream is None:
+            return
+        width = 24
+        fill = int(width * self.done / max(self.total, 1))
+        best = f"best {self.best:.2f} us ({self.roof / self.best:.0%} of roofline)" if self.best < float("inf") else "best -"
+        self.stream.write(f"\r{self.wl.op_name} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                          f"{best} {time.perf_counter() - self.t0:.0f}s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _record(wl: Workload, target: Target, device: str, r: MeasureResult) -> Record:
+    extra = {"runs": r.runs}
+    if r.error:
+        extra["error"] = r.error[:2000]
+    return Record(workload_key=wl.key, workload=wl.to_json(), target_key=target.id, schedule=r.schedule,
+                  status=r.status, latency_us=r.latency_us if r.status == "ok" else None,
+                  spread_us=r.spread_us if r.status == "ok" else None, flashgen_version=__version__,
+                  device=device, extra=extra)
+
+
+def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: str = "evolutionary",
+         seed: int = 0, batch: int = 16, builder: Builder | None = None, runner: Runner | None = None,
+         device_name: str | None = None, progress: TextIO | None = None) -> TuneResult:
+    """Measure up to `trials` new schedules of `wl` on `target`, recording each in `db`."""
+    t0 = time.perf_counter()
+    space = ScheduleSpace(wl, target)
+    own_builder, own_runner = builder is None, runner is None
+    builder = builder or Builder(target)
+    runner = runner or Runner(target, seed=seed)
+    device = device_name or _device_name(target)
+    known = {r.schedule_key: r for r in db.records(wl.key, target.id)}
+    # Only the evolutionary search is guided by the learned model; the others need no training.
+    model = CostModel.for_database(db.path, wl.op.kclass) if strategy == "evolutionary" else None
+    strat = make_strategy(strategy, space, model, seed,
+                          measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in known.values()])
+    default = space.default()
+    pending_default = schedule_key(default) not in known
+    total = min(trials, len(list(space)) - len(known))
+    bar = Progress(wl, total, roofline_us(wl, target), progress)
+    history: list[float | None] = []
+    try:
+        while len(history) < total:
+            want = min(batch, total - len(history))
+            cands = ([default] if pending_default else []) + strat.propose(want - int(pending_default))
+            pending_default = False
+            cands = [s for s in cands if schedule_key(s) not in known][:want]
+            if not cands:
+                break
+            errors = builder.build(wl, cands)
+            results = [MeasureResult(s, "compile_error", error=e) for s, e in zip(cands, errors) if e]
+            results += runner.measure(wl, [s for s, e in zip(cands, errors) if not e])
+            recs = [_record(wl, target, device, r) for r in results]
+            db.add_many(recs)
+            for rec in recs:
+                known[rec.schedule_key] = rec
+            strat.observe([(r.schedule, r.latency_us if r.status == "ok" else None) for r in results])
+            history += [r.latency_us if r.status == "ok" else None for r in results]
+            bar.update(results)
+    finally:
+        bar.close()
+        if own_builder:
+            builder.close()
+        if own_runner:
+            runner.close()
+    d = known.get(schedule_key(default))
+    return TuneResult(wl, db.best(wl.key, target.id), d.latency_us if d and d.status == "ok" else None,
+                      len(history), history, time.perf_counter() - t0)
+
+
+def _device_name(target: Target) -> str:
+    if target.backend == "tvm":
+        import platform
+        return f"cpu ({platform.processor() or platform.machine()})"
+    import torch
+    return torch.cuda.get_device_name()
+
+
+def plot_history(results: list[TuneResult], path: str | Path) -> None:
+    """Best latency so far against trials, one line per workload."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for res in results:
+        best, ys = float("inf"), []
+        for lat in res.history:
+            if lat is not None:
+                best = min(best, lat)
+            ys.append(best if best < float("inf") else None)
+        ax.plot(range(1, len(ys) + 1), ys, label=str(res.workload))
+    ax.set_xlabel("trials")
+    ax.set_ylabel("best latency so far (us)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

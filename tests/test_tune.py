@@ -1,0 +1,69 @@
+"""End-to-end tuning on the cpu target with real measurements, through the CLI and the API."""
+from __future__ import annotations
+
+import json
+
+import flashgen
+from flashgen.cli import main
+from flashgen.db import Database
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.schedules.tuner import tune
+from flashgen.targets import get_target
+
+
+def test_tune_cli_records_best_and_compile_uses_it(tmp_path, capsys):
+    db_path, plot = tmp_path / "t.db", tmp_path / "best.png"
+    code = main(["tune", "rmsnorm", "--dim", "M=64", "--dim", "N=2048", "--dtype", "fp32", "--target", "cpu",
+                 "--trials", "6", "--db", str(db_path), "--plot", str(plot)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "6/6" in err and "of roofline" in err          # the progress line
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    wl = flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32")
+    target = get_target("cpu")
+    with Database(db_path) as db:
+        records = db.records(wl.key, target.id)
+        best = db.best(wl.key, target.id)
+    assert len(records) == 6 and all(r.status == "ok" for r in records)
+    default = ScheduleSpace(wl, target).default()
+    by_key = {r.schedule_key: r for r in records}
+    from flashgen.db.record import schedule_key
+    assert best.latency_us <= by_key[schedule_key(default)].latency_us   # never worse than untuned
+    code = main(["compile", "rmsnorm", "--dim", "M=64", "--dim", "N=2048", "--dtype", "fp32", "--target", "cpu",
+                 "--db", str(db_path), "--out", str(tmp_path / "k")])
+    out, err = capsys.readouterr()
+    assert code == 0, err and "database best" in out
+    meta = json.loads((tmp_path / "k" / "rmsnorm_kernel.json").read_text())
+    assert meta["schedule"] == best.schedule
+
+
+def test_tune_resumes_without_measuring_again(tmp_path):
+    wl = flashgen.workload("silu_mul", M=16, N=1000, dtype="fp32")
+    target = get_target("cpu")
+    with Database(tmp_path / "t.db") as db:
+        first = tune(wl, target, db, 4, strategy="random", seed=1, progress=None)
+        second = tune(wl, target, db, 4, strategy="evolutionary", seed=2, progress=None)
+        records = db.records(wl.key, target.id)
+    assert first.measured == 4 and second.measured == 4
+    assert len({r.schedule_key for r in records}) == len(records) == 8
+    assert second.best.latency_us <= first.best.latency_us
+
+
+def test_tune_workloads_file(tmp_path, capsys):
+    f = tmp_path / "w.jsonl"
+    f.write_text("\n".join(json.dumps(flashgen.workload(op, M=8, N=512, dtype="fp32").to_json())
+                           for op in ("softmax", "dynamic_quant")) + "\n")
+    code = main(["tune", "--workloads", str(f), "--target", "cpu", "--trials", "3", "--db", str(tmp_path / "t.db")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.count("best ") == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"op": "softmax", "dims": {"M": 8}}\n')
+    assert main(["tune", "--workloads", str(bad), "--target", "cpu", "--db", str(tmp_path / "t.db")]) == 2
+    assert "bad.jsonl:1:" in capsys.readouterr().err
+
+
+def test_tune_gpu_target_without_gpu_is_a_clear_error(tmp_path, capsys):
+    code = main(["tune", "rmsnorm", "--dim", "M=8", "--dim", "N=512", "--target", "h200", "--trials", "2",
+                 "--db", str(tmp_path / "t.db")])
+    assert code == 2 and "needs that GPU" in capsys.readouterr().err
