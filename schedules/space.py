@@ -10,8 +10,9 @@ threads per program by the target's limit.
 
 On the cpu target (TVM backend, LLVM) the same knobs mean:
 - block_r: rows per parallel task. Rows are independent; the kernel's `T.parallel` loop runs over
-  ceil(M / block_r) tasks, which TVM's thread pool splits evenly among its threads. Small rows want
-  several per task so that loop overhead stays small next to the work.
+  ceil(M / block_r) tasks, which TVM's thread pool splits evenly among its threads (a call with fewer
+  than 65536 elements in its domain runs the same tasks serially: a parallel launch costs ~5 us).
+  Small rows want several per task so that loop overhead stays small next to the work.
 - block_c: the column tile, in elements, processed as one vector operation (LLVM splits a tile of 64
   fp32 into 4 AVX-512 or 8 AVX2 instructions, which also unrolls the loop). A reduction keeps block_c
   partial results, so a wider tile gives more independent accumulators. Every rowwise op walks its row
@@ -117,7 +118,7 @@ class ScheduleSpace:
             block_c = min(pc, 8192)
         else:
             block_c = min(pc, 1024)
-        block_r = min(next_pow2(rows), max(1, 1024 // block_c))
+        block_r = min(next_pow2(rows), max(1, 1024 // block_c), self.knobs()["block_r"][-1])
         tile = block_r * block_c
         warps = max(1, min(16 if self.kclass == "rowwise" else 4, tile // (8 * self.target.warp_size)))
         warps = 1 << (warps.bit_length() - 1)

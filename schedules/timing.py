@@ -1,8 +1,11 @@
 """Timing one kernel call on a GPU or the CPU: median and spread of many runs.
 
-GPU work is timed with CUDA events after a warm-up. Two regimes, chosen by the caller:
-- `flush_l2=True`: a buffer twice the L2 is zeroed before each timed call, so the call reads its
+GPU work is timed with CUDA events after a warm-up (the first call of a kernel also loads its module,
+so nothing is estimated from it). Two regimes, chosen by the caller:
+- `flush_l2=True`: a buffer twice the L2 is read (summed) before each timed call, so the call reads its
   inputs from memory; used when a workload's bytes are too many to stay in the L2 between calls.
+  Reading, not writing, the buffer matters: a zeroed buffer leaves the L2 full of dirty lines whose
+  write-back then competes with the timed kernel (seen: 2x slower timings of a 64 MB rmsnorm).
 - `flush_l2=False`: the calls are captured in a CUDA graph and replayed, so host launch overhead
   is gone and inputs are L2-hot, as a small activation is right after the kernel that wrote it.
 """
@@ -30,6 +33,7 @@ def _summary(samples_us: list[float]) -> Timing:
 
 
 _FLUSH: dict[int, torch.Tensor] = {}
+MIN_GRAPH_CALLS = 20  # a replay costs a few microseconds of its own: spread it over many calls
 
 
 def _flush_buffer(device: torch.device, l2_bytes: int) -> torch.Tensor:
@@ -43,28 +47,30 @@ def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_byt
              runs: int = 30, warmup_ms: float = 5.0, graph_us: float = 200.0) -> Timing:
     """Median device time of one `fn()` call in microseconds."""
     with torch.cuda.device(device):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        once_us = max(start.elapsed_time(end) * 1e3, 1.0)
         deadline = time.perf_counter() + warmup_ms / 1e3
         while time.perf_counter() < deadline:
             fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
         torch.cuda.synchronize()
+        once_us = max(start.elapsed_time(end) * 1e3 / 5, 0.5)
         if flush_l2:
             buf = _flush_buffer(device, l2_bytes)
+            sink = torch.empty((), dtype=torch.int64, device=device)
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(runs)]
             for s, e in events:
-                buf.zero_()
+                torch.sum(buf, out=sink)
                 s.record()
                 fn()
                 e.record()
             torch.cuda.synchronize()
             return _summary([s.elapsed_time(e) * 1e3 for s, e in events])
-        calls = max(1, min(200, int(graph_us / once_us)))
+        calls = max(MIN_GRAPH_CALLS, min(200, int(graph_us / once_us)))
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         graph = torch.cuda.CUDAGraph()

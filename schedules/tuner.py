@@ -97,7 +97,8 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
             want = min(batch, total - len(history))
             cands = ([default] if pending_default else []) + strat.propose(want - int(pending_default))
             pending_default = False
-            cands = [s for s in cands if schedule_key(s) not in known][:want]
+            keys = set(known)
+            cands = [s for s in cands if schedule_key(s) not in keys and not keys.add(schedule_key(s))][:want]
             if not cands:
                 break
             errors = builder.build(wl, cands)

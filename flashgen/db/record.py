@@ -28,6 +28,11 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def schedule_key(schedule: dict) -> str:
+    """Identifies a schedule across records and searches, so nothing is measured twice."""
+    return _sha256(canonical_json(schedule))[:16]
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
@@ -90,7 +95,7 @@ class Record:
     @property
     def schedule_key(self) -> str:
         """Identifies the schedule across records, so the search can skip what it already measured."""
-        return _sha256(canonical_json(self.schedule))[:16]
+        return schedule_key(self.schedule)
 
     @property
     def content_hash(self) -> str:

@@ -1,9 +1,14 @@
 """TVM backend for the `cpu` target: IR -> TVMScript -> LLVM -> a shared library, run on torch CPU tensors.
 
 `build(wl, schedule, target)` returns a Kernel whose source is the generated TVMScript (lower.py),
-whose binary is the linked .so (build.py) and whose launcher calls that library (launch.py); the
-launcher also has `.time(...)` for measurement. `load(kernel_json, so_bytes)`-style reuse of a saved
-kernel goes through `launcher_from_binary`.
+whose binary is the linked .so (build.py) and whose launcher calls that very library (launch.py); the
+launcher also has `.time(tensors, params, dims, number=, repeat=)` for measurement. A saved kernel
+(its metadata JSON and .so bytes) gets a launcher again through `launcher_from_binary`.
+
+Threads: rows run on TVM's thread pool: $TVM_NUM_THREADS threads, else $OMP_NUM_THREADS, else half the
+logical CPUs on x86 (TVM assumes hyper-threading: 1 thread on a 2-vCPU machine). Start the pool in the
+process that runs kernels: a child fork()ed after its parent ran a parallel kernel hangs in its first
+parallel kernel (checked with TVM_NUM_THREADS=2); measure in spawned workers.
 """
 from __future__ import annotations
 

@@ -15,12 +15,15 @@ The generated text is plain TVMScript, readable and parseable as is:
   multi-tile plan). Rows of LLM ops fit in L1/L2, so the repeated reads are cache hits.
 - Every float computes in fp32. bf16 tensors are `uint16` buffers converted by hand (shift to load;
   round to nearest even, NaN kept, to store) because TVM's own bf16 legalization miscompiles values
-  bound by `T.let` (it converts the integer bits as numbers). "rint" is `T.nearbyint`, which rounds
-  half to even (roundps on x86).
+  bound by `T.let` (it converts the integer bits as numbers). "rint" is `T.round`, which TVM lowers to
+  llvm.nearbyint: half to even, vectorized (vroundps/vrndscaleps on x86). exp (and sigmoid through it)
+  is expanded inline into a polynomial that vectorizes; LLVM would call libm's scalar expf per lane.
 - Named values are `T.let` bindings, never plain assignments: in TIRX `x = e` declares a mutable local
   scalar, which the vectorizer turns into garbage. A masked load reads a clamped (always valid) address
-  and selects 0 where the mask is false, so it stays vectorizable; a pass with masked stores (`if`) runs
-  its column loop serially, because TVM's vectorizer cannot scalarize a loop that holds `T.let`s.
+  and selects 0 where the mask is false, so it stays vectorizable. TVM's vectorizer cannot scalarize a
+  loop that holds `T.let`s (the build fails with "variables ... are used, but are not passed in as API
+  arguments"), and it scalarizes for an `if` on a lane-varying condition and for some calls (see
+  UNARY); such column loops are emitted serial.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, eval_int, 
 from flashgen.schedules.space import Schedule, domain
 from flashgen.workload import Workload
 
+PARALLEL_MIN_ELEMENTS = 1 << 16  # smaller domains run serially (a parallel launch costs ~5 us)
 # Names the generated function uses for itself; tensors or params that collide are renamed.
 RESERVED = {"T", "r", "rb", "ri", "c", "c0", "ci"}
 # Only calls TVM can vectorize: T.rsqrt, T.nearbyint, T.copysign, T.isnan and T.erf make its vectorizer
@@ -156,9 +160,13 @@ class _Gen:
 
     # ---- expressions -------------------------------------------------------------------------
     def temp(self, scope: _Scope, code: str, kind: str) -> str:
+        """Bind `code` to a new T.let name; booleans stay inline (a T.let of a bool fails to
+        vectorize: "IntImm can only take scalar, but boolx32 was supplied")."""
+        if kind == "bool":
+            return code if code.startswith("(") else f"({code})"
         name = f"t{self.ntemp}"
         self.ntemp += 1
-        ty = {"f32": "T.float32", "bool": "T.bool", "i32": "T.int32", "i64": "T.int64", "u32": "T.uint32"}[kind]
+        ty = {"f32": "T.float32", "i32": "T.int32", "i64": "T.int64", "u32": "T.uint32"}[kind]
         scope.add(f"{name}: T.let[{ty}] = {code}")
         return name
 
@@ -169,6 +177,8 @@ class _Gen:
                 return _float(e.value)
             if isinstance(e, E.Dim) and e.name not in self.row_dims:
                 return _float(self.wl.dim[e.name])
+            if self.kind(e) == "bool":  # a T.let of Cast(float32, bool) fails to vectorize
+                return f"T.Select({self.emit(e, scope)}, T.float32(1.0), T.float32(0.0))"
             return f'T.Cast("float32", {self.emit(e, scope)})'
         return self.emit(e, scope)
 
@@ -199,6 +209,8 @@ class _Gen:
             elif e.fn == "sigmoid":
                 neg = self.exp(scope, self.temp(scope, f"(-{x})", "f32"))
                 v = self.temp(scope, f"(T.float32(1.0) / (T.float32(1.0) + {neg}))", kind)
+            elif e.fn == "abs" and kind != "f32":
+                v = self.temp(scope, f"T.abs({x})", kind)
             else:
                 v = self.temp(scope, UNARY[e.fn].format(x), kind)
         elif isinstance(e, E.Binary):
@@ -462,13 +474,10 @@ class _Gen:
             note = "  # bf16 bits" if a.dtype == "bf16" else ""
             scope.add(f'{self.buf[a.tensor]} = T.match_buffer({a.name}, ({shape}), "{tvm_dt}"){note}')
         rows = self.emit_as(op.domain[0], scope, "i64")
-        if self.br == 1:
-            scope.add(f"for r in T.parallel({rows}):")
-            task = scope.child(scope.indent + "    ")
-            body = task
-        else:
-            scope.add(f"for rb in T.parallel(({rows} + {self.br - 1}) // {self.br}):")
-            task = scope.child(scope.indent + "    ")
+        var, extent = ("r", rows) if self.br == 1 else ("rb", f"({rows} + {self.br - 1}) // {self.br}")
+        task_lines: list[str] = []  # the body of one parallel task, indented relative to its loop
+        task = _Scope(task_lines, "", dict(scope.cache))
+        body = task
         accs = {red.name: f"acc{i}" for i, red in enumerate(self.reduces)}
         for red in self.reduces:
             task.add(f'{accs[red.name]} = T.alloc_local(({self.bc},), "float32")  # partial {red.kind}s of {red.name}')
@@ -479,6 +488,22 @@ class _Gen:
             guard.add(f"if r < {rows}:")
             body = guard.child(guard.indent + "    ")
         self.row(body, accs)
+
+        def loop(kind: str, indent: str) -> None:
+            lines.append(f"{indent}for {var} in {kind}({extent}):")
+            lines.extend(f"{indent}    {line}" for line in task_lines)
+
+        # A parallel launch costs about 5 us even on one thread: little work runs on the calling thread.
+        min_rows = -(-PARALLEL_MIN_ELEMENTS // self.cols)
+        if min_rows <= 1:
+            loop("T.parallel", scope.indent)
+        elif not any(isinstance(n, E.Dim) and n.name in self.row_dims for n in E.walk(op.domain[0])):
+            loop("T.parallel" if self.rows >= min_rows else "T.serial", scope.indent)
+        else:
+            scope.add(f"if {rows} < {min_rows}:  # under {PARALLEL_MIN_ELEMENTS} elements: no thread pool")
+            loop("T.serial", scope.indent + "    ")
+            scope.add("else:")
+            loop("T.parallel", scope.indent + "    ")
         script = "\n".join(lines) + "\n"
         header = [f"# flashgen: {op.name} ({op.kclass}) - {op.doc}",
                   f"# workload: {self.wl.canonical()}",

@@ -1,0 +1,273 @@
+"""The TVM backend on the cpu target: every op compiled with LLVM and run for real on CPU tensors,
+against the float64 reference on fresh random inputs; artifacts, dynamic M, params, layouts, timing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashgen.check import check
+from flashgen.errors import FlashgenError
+from flashgen.oplib import OPS
+from flashgen.schedules.space import CPU_MAX_BLOCK_C, ScheduleSpace, domain
+from flashgen.targets import get_target
+from flashgen.workload import Workload, workload
+from tests.cases import case_id, numerics_cases
+
+tvm_backend = pytest.importorskip("flashgen.targets.tvm_backend")
+
+CPU = get_target("cpu")
+_KERNELS: dict = {}
+
+
+def kernel(wl: Workload, schedule: dict | None = None):
+    """Build once per (workload, schedule) for the whole module."""
+    schedule = schedule or ScheduleSpace(wl, CPU).default()
+    key = (wl, json.dumps(schedule, sort_keys=True))
+    if key not in _KERNELS:
+        _KERNELS[key] = tvm_backend.build(wl, schedule, CPU)
+    return _KERNELS[key]
+
+
+def run_check(wl: Workload, schedule: dict | None = None, seed: int = 0, built_for: Workload | None = None):
+    """check() through the launcher of the kernel built for `built_for` (default: `wl` itself)."""
+    k = kernel(built_for or wl, schedule)
+    checks = check(wl, lambda ins, outs: k.launcher({**ins, **outs}, dict(wl.op.params), wl.dim), seed)
+    assert {c.tensor for c in checks} == {t.name for t in wl.op.outputs}
+    return checks
+
+
+# Every op over M in {1, 3, 17} x N in {1, 127, 5120, 11008}, dtypes cycling fp32/bf16/fp16 across the
+# shapes (so every op meets each), int8 quant outputs; rope at the brief's small shape in fp32 and bf16.
+CASES = numerics_cases(dtypes=("fp32", "bf16", "fp16"), quant_out=("int8",))
+CASES += [workload("rope", M=m, Hq=4, Hkv=2, D=64, L=50, style=s, dtype=dt)
+          for m, dt in ((3, "fp32"), (17, "bf16")) for s in ("neox", "gptj")]
+CASES += [workload(op, M=17, N=5120, dtype=dt, **({"out_dtype": "int8"} if "quant" in op else {}))
+          for op in OPS if op != "rope" for dt in ("fp32", "bf16")]
+
+
+def test_cases_cover_the_brief():
+    seen = {(wl.op_name, wl.dtype) for wl in CASES}
+    for op in OPS:
+        assert {(op, "fp32"), (op, "bf16")} <= seen, op
+    assert {wl.dim.get("M") for wl in CASES} >= {1, 3, 17}
+    assert {wl.dim.get("N") for wl in CASES} >= {1, 127, 5120, 11008}
+    assert {wl.attr["out_dtype"] for wl in CASES if "out_dtype" in wl.attr} == {"int8"}
+
+
+@pytest.mark.parametrize("wl", CASES, ids=case_id)
+def test_default_schedule(wl):
+    for c in run_check(wl, seed=len(case_id(wl))):
+        assert c.ok, c
+
+
+ROWWISE = [op for op, o in OPS.items() if o.kclass == "rowwise"]
+# Narrow tiles: 5120 = 320 x 16 (many passes over full tiles), 127 = 7 x 16 + 15 (a ragged end),
+# 17 rows in tasks of 4 (a ragged last task); and the widest tile the cpu space allows.
+NARROW = [(op, n, dt) for op in ROWWISE for n, dt in ((5120, "bf16"), (127, "fp32"))]
+
+
+@pytest.mark.parametrize("op,n,dt", NARROW)
+def test_narrow_tiles_multi_pass(op, n, dt):
+    wl = workload(op, M=17, N=n, dtype=dt, **({"out_dtype": "int8"} if "quant" in op else {}))
+    schedule = {"block_r": 4, "block_c": 16, "num_warps": 1}
+    assert ScheduleSpace(wl, CPU).is_valid(schedule) and schedule != ScheduleSpace(wl, CPU).default()
+    src = kernel(wl, schedule).source
+    assert "T.vectorized(16)" in src and "rb * 4 + ri" in src
+    for c in run_check(wl, schedule, seed=3):
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("wl", [workload("softmax", M=3, N=5120, dtype="fp16"),
+                                workload("silu_mul", M=17, N=11008, dtype="bf16"),
+                                workload("rope", M=17, Hq=4, Hkv=2, D=64, L=50, style="gptj", dtype="fp16")],
+                         ids=case_id)
+def test_widest_tiles(wl):
+    schedule = {"block_r": 2, "block_c": CPU_MAX_BLOCK_C, "num_warps": 1}
+    assert ScheduleSpace(wl, CPU).is_valid(schedule)
+    for c in run_check(wl, schedule, seed=4):
+        assert c.ok, c
+
+
+def test_one_kernel_serves_any_m():
+    """M is a runtime variable: the kernel built for M=4 runs M=1, 17 and 600, through the launcher
+    and through Kernel.__call__ (which reads M off the tensors). 600 rows of 127 take the parallel
+    loop, fewer the serial one."""
+    built = workload("rmsnorm_quant", M=4, N=127, dtype="bf16", out_dtype="int8")
+    schedule = {"block_r": 4, "block_c": 32, "num_warps": 1}
+    src = kernel(built, schedule).source
+    assert "if M < 517:" in src and "for rb in T.serial((M + 3) // 4)" in src and "T.parallel((M + 3) // 4)" in src
+    for m in (1, 17, 600):
+        for c in run_check(built.with_dims(M=m), schedule, seed=m, built_for=built):
+            assert c.ok, (m, c)
+    k = kernel(built, schedule)
+    x = torch.randn(9, 127).bfloat16()
+    w = torch.randn(127).bfloat16()
+    q, scale = k(x, w)
+    assert q.shape == (9, 127) and scale.shape == (9,)
+    ref = built.op.reference({"x": x, "w": w}, built.op.params, {"M": 9, "N": 127}, built.attr)
+    assert (q.double() - ref["q"]).abs().max() <= 1
+    torch.testing.assert_close(scale.double(), ref["scale"], rtol=1e-5, atol=0)
+
+
+def test_rint_is_half_to_even():
+    """absmax 127 gives scale 1, so x / scale hits exact .5 ties: int8 must round them to even."""
+    wl = workload("dynamic_quant", M=2, N=8, dtype="fp32", out_dtype="int8")
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5],
+                      [-127.0, 4.5, 5.5, -4.5, 126.5, -126.5, 0.49999997, 1.0]])
+    q, scale = kernel(wl)(x)
+    assert torch.equal(scale, torch.ones(2))
+    assert torch.equal(q, torch.round(x).to(torch.int8)), q  # torch.round is half to even
+    assert q[0, 1:4].tolist() == [0, 2, 2]
+
+
+def test_params_are_runtime_arguments():
+    for op, params, kw in (("rmsnorm", {"eps": 0.25}, {}), ("softmax", {"temperature": 0.3}, {}),
+                           ("layernorm", {"eps": 2.0}, {})):
+        wl = workload(op, M=5, N=300, dtype="fp32", **kw)
+        k = kernel(wl)
+        ins = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0))
+        got = k(*[ins[t.name] for t in wl.op.inputs], **params)
+        ref = wl.op.reference(ins, {**wl.op.params, **params}, wl.dim, wl.attr)["y"]
+        default = wl.op.reference(ins, wl.op.params, wl.dim, wl.attr)["y"]
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got.double(), default, rtol=1e-3, atol=1e-3), op
+
+
+def test_non_contiguous_tensors():
+    wl = workload("add_rmsnorm", M=6, N=40, dtype="bf16")
+    k = kernel(wl)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 6, generator=g).bfloat16().t()            # strided input
+    res = torch.randn(6, 80, generator=g).bfloat16()[:, ::2]       # every other column
+    w = torch.randn(40, generator=g).bfloat16()
+    y = torch.full((40, 6), float("nan")).bfloat16().t()           # strided output
+    r_out = torch.empty(6, 40).bfloat16()
+    k.launcher({"x": x, "residual": res, "w": w, "y": y, "residual_out": r_out}, {"eps": 1e-6}, wl.dim)
+    ref = wl.op.reference({"x": x, "residual": res, "w": w}, wl.op.params, wl.dim, wl.attr)
+    torch.testing.assert_close(y.double(), ref["y"], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(r_out.double(), ref["residual_out"], rtol=1e-2, atol=1e-2)
+
+
+def test_nan_propagates_through_bf16_stores():
+    wl = workload("silu_mul", M=2, N=64, dtype="bf16")
+    x = torch.randn(2, 128).bfloat16()
+    x[1, 70] = float("nan")  # the "up" half of column 6 of row 1
+    y = kernel(wl)(x)
+    assert torch.isnan(y[1, 6]) and torch.isfinite(y[0]).all() and torch.isnan(y).sum() == 1
+
+
+def test_shape_mismatch_is_an_error():
+    wl = workload("rmsnorm", M=4, N=64, dtype="fp32")
+    k = kernel(wl)
+    with pytest.raises(FlashgenError):
+        k(torch.randn(4, 65), torch.randn(65))
+    y = torch.empty(4, 64)
+    with pytest.raises(Exception, match="shape"):  # the compiled function checks its arguments too
+        k.launcher({"x": torch.randn(4, 64), "w": torch.randn(63), "y": y}, {"eps": 1e-6}, wl.dim)
+
+
+def test_source_and_artifacts():
+    wl = workload("rmsnorm", M=8, N=5120, dtype="bf16")
+    k = kernel(wl)
+    src = k.source
+    assert src.startswith("# flashgen: rmsnorm") and "from tvm.script import tirx as T" in src
+    assert "@T.prim_func" in src and "M = T.int64()" in src and "(M, 5120)" in src
+    assert "T.parallel(" in src and "T.vectorized(64)" in src and "eps: T.float32" in src
+    assert k.binary_kind == "so" and k.binary[:4] == b"\x7fELF"
+    assert "define" in k.asm["llvm"] and k.asm.get("s")
+    meta = k.metadata
+    assert meta["backend"] == "tvm" and meta["tools"]["tvm"] and meta["entry"] == k.name == "rmsnorm_kernel"
+    assert [a["name"] for a in meta["signature"]] == ["x_h", "w_h", "y_h", "eps"]
+
+
+def test_saved_kernel_reloads_and_runs(tmp_path):
+    wl = workload("rope", M=5, Hq=4, Hkv=2, D=64, L=50, style="neox", dtype="bf16")
+    k = kernel(wl)
+    written = {p.name for p in k.save(tmp_path)}
+    assert {"rope_kernel.so", "rope_kernel.tvm.py", "rope_kernel.json", "rope_kernel.llvm"} <= written
+    meta = json.loads((tmp_path / "rope_kernel.json").read_text())
+    assert meta["backend"] == "tvm" and meta["sha256"]["rope_kernel.so"]
+    assert (tmp_path / "rope_kernel.tvm.py").read_text() == k.source
+    launcher = tvm_backend.launcher_from_binary(wl, meta, (tmp_path / "rope_kernel.so").read_bytes())
+    for c in check(wl, lambda i, o: launcher({**i, **o}, {}, wl.dim), seed=9):
+        assert c.ok, c
+
+
+def test_timing():
+    wl = workload("softmax", M=64, N=1024, dtype="fp32")
+    k = kernel(wl)
+    ins = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0))
+    y = torch.empty(64, 1024)
+    times = k.launcher.time({**ins, "y": y}, {"temperature": 1.0}, wl.dim, number=5, repeat=3)
+    assert len(times) == 3 and all(0 < t < 1.0 for t in times)
+    torch.testing.assert_close(y, torch.softmax(ins["x"], -1))  # the timed runs wrote the output
+
+
+def test_cpu_schedule_space():
+    wl = workload("layernorm", M=17, N=11008, dtype="bf16")
+    space = ScheduleSpace(wl, CPU)
+    default = space.default()
+    assert space.is_valid(default) and default["num_warps"] == 1
+    schedules = list(space)
+    assert schedules and all(s["num_warps"] == 1 and s["block_c"] <= CPU_MAX_BLOCK_C for s in schedules)
+    assert "num_warps" in space.why_invalid({**default, "num_warps": 4})
+    assert space.why_invalid({**default, "block_c": 256})
+    small = ScheduleSpace(workload("rmsnorm", M=64, N=1), CPU).default()
+    assert small["block_c"] == 1 and small["block_r"] > 1 and domain(workload("rmsnorm", M=64, N=1)) == (64, 1)
+
+
+@pytest.mark.parametrize("with_erf", [False, True])
+def test_every_expression_node_lowers(monkeypatch, with_erf):
+    """A synthetic pointwise op applying every unary function, comparison and index operation of the IR
+    (one fp32 output each), registered for this test only, against float64 torch. erf cannot be
+    vectorized, so with it the column loop runs serially; without it everything is vectorized."""
+    from flashgen.ir import expr as E
+    from flashgen.ir.op import Let, Op, Store, TensorSpec
+    from flashgen.oplib import _common
+
+    r, c, M, N = _common.r, _common.c, _common.M, _common.N
+    x = E.Ref("x")
+    funcs = {  # name -> (IR expression of x, float64 torch reference of x)
+        "exp": (E.exp(x), torch.exp), "log": (E.log(E.absolute(x) + 1), lambda t: torch.log(t.abs() + 1)),
+        "sqrt": (E.sqrt(E.absolute(x)), lambda t: t.abs().sqrt()),
+        "rsqrt": (E.rsqrt(E.absolute(x) + 0.5), lambda t: (t.abs() + 0.5).rsqrt()),
+        "sigmoid": (E.sigmoid(x), torch.sigmoid), "tanh": (E.tanh(x), torch.tanh), "erf": (E.erf(x), torch.erf),
+        "cos": (E.Unary("cos", x), torch.cos), "sin": (E.Unary("sin", x), torch.sin), "neg": (-x, torch.neg),
+        "rint": (E.rint(x * 4), lambda t: torch.round(t * 4)),
+        "where": (E.where(E.Binary("le", x, E.lift(0.25)), x * 2, E.maximum(x, 1.0) / 3 - E.minimum(x, 2.0)),
+                  lambda t: torch.where(t <= 0.25, t * 2, t.clamp_min(1.0) / 3 - t.clamp_max(2.0))),
+        "index": (E.where(E.Binary("eq", c % 3, E.lift(0)), (c // 3) * 1.0, E.Binary("gt", x, E.lift(0.0)) * 1.0 + r),
+                  None),
+    }
+    if not with_erf:
+        del funcs["erf"]
+
+    def reference(t, p, d, a):
+        xs = t["x"].double()
+        out = {f"y_{k}": ref(xs) for k, (_, ref) in funcs.items() if ref is not None}
+        cols = torch.arange(d["N"], dtype=torch.float64)[None, :].expand(d["M"], -1)
+        rows = torch.arange(d["M"], dtype=torch.float64)[:, None].expand(-1, d["N"])
+        out["y_index"] = torch.where(cols % 3 == 0, torch.div(cols, 3, rounding_mode="floor"), (xs > 0).double() + rows)
+        return out
+
+    op = Op(name="every_node", kclass="pointwise", doc="test op", dims=("M", "N"), row_dims=("M",),
+            inputs=(TensorSpec("x", (M, N), "fp32"),),
+            outputs=tuple(TensorSpec(f"y_{k}", (M, N), "fp32") for k in funcs),
+            domain=(M, N),
+            build=lambda a: (Let("x", E.Load("x", (r, c))),
+                             *(Store(f"y_{k}", (r, c), e) for k, (e, _) in funcs.items())),
+            reference=reference,
+            make_inputs=lambda d, a, g: {"x": _common.randn((d["M"], d["N"]), "fp32", g, 0.0, 2.0)},
+            attrs={"dtype": ("fp32",)})
+    monkeypatch.setitem(OPS, "every_node", op)
+    wl = workload("every_node", M=5, N=100)
+    k = tvm_backend.build(wl, {"block_r": 2, "block_c": 32, "num_warps": 1}, CPU)
+    assert ("T.erf(" in k.source) == with_erf
+    assert ("for ci in T.serial(32)" in k.source) == with_erf
+    assert ("for ci in T.vectorized(32)" in k.source) == (not with_erf)
+    checks = check(wl, lambda i, o: k.launcher({**i, **o}, {}, wl.dim), seed=2)
+    assert len(checks) == len(funcs)
+    for ch in checks:
+        assert ch.ok, ch
