@@ -33,6 +33,7 @@ def _summary(samples_us: list[float]) -> Timing:
 
 
 _FLUSH: dict[int, torch.Tensor] = {}
+SLEEP_CYCLES = 100_000  # ~50 us at 2 GHz
 MIN_GRAPH_CALLS = 20  # a replay costs a few microseconds of its own: spread it over many calls
 
 
@@ -64,6 +65,7 @@ def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_byt
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(runs)]
             for s, e in events:
+                torch.cuda._sleep(SLEEP_CYCLES)  # lets the host queue the call before the GPU needs it
                 torch.sum(buf, out=sink)
                 s.record()
                 fn()
