@@ -1,10 +1,11 @@
-"""Rowwise/pointwise kernels with the analytic default schedule vs torch eager, torch.compile and the
-copy-bandwidth roofline, all measured in one run on the current GPU.
+"""Rowwise and pointwise kernels against torch eager, torch.compile and the copy-bandwidth roofline,
+measured side by side in one run on the current GPU: the analytic default schedule and, given a tuning
+database, the tuned one (the database's best).
 
-    python benchmarks/rowwise.py [--ops rmsnorm,rope] [--out-dir benchmarks/results]
+    python benchmarks/rowwise.py [--tuned-db DB] [--ops rmsnorm,rope] [--ms 1,32] [--out-dir DIR]
 
 N is the hidden size; for rope it picks Llama-shaped heads (N=4096: Hq=32 Hkv=8 D=128; N=8192:
-Hq=64 Hkv=8 D=128) and a 4096-entry cos/sin cache.
+Hq=64 Hkv=8 D=128) and a 4096-entry cos/sin cache. Quantizing ops take fp16, the others bf16.
 """
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from peers import PEERS  # noqa: E402
 
 import flashgen  # noqa: E402
 from flashgen.check import check  # noqa: E402
+from flashgen.db import Database  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
+from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
 from flashgen.targets.triton.launch import device_arch  # noqa: E402
 
 MS = (1, 32, 4096, 16384)
 NS = (4096, 8192)
-OPS = ("rmsnorm", "add_rmsnorm", "dynamic_quant", "silu_mul", "rope")
+OPS = ("rmsnorm", "add_rmsnorm", "dynamic_quant", "rmsnorm_quant", "silu_mul", "rope")
 
 
 def make_workload(op: str, m: int, n: int) -> flashgen.Workload:
@@ -37,52 +40,71 @@ def make_workload(op: str, m: int, n: int) -> flashgen.Workload:
     return flashgen.workload(op, M=m, N=n, dtype="bf16")
 
 
+def workloads(ops: list[str], ms: list[int]) -> list[flashgen.Workload]:
+    return [make_workload(op, m, n) for op in ops for n in NS for m in ms]
+
+
+def verified(wl, kernel, dev):
+    bad = [c for c in check(wl, lambda i, o: kernel.run(i, o), 0, dev) if not c.ok]
+    if bad:
+        raise SystemExit(f"{wl} {kernel.schedule}: wrong result {bad}")
+    return kernel
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--tuned-db", help="tuning database whose best schedules are the tuned kernels")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 256
     dev = torch.device("cuda")
     target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    l2 = target.get("l2_bytes")
     bw = copy_gbs()
     print(f"{target.id}: measured copy bandwidth {bw:.0f} GB/s", flush=True)
-    header = ("op", "M", "N", "schedule", "flashgen_us", "eager_us", "compile_us", "roofline_us",
-              "vs_eager", "vs_compile", "of_roofline", "GB/s")
+    db = Database(args.tuned_db) if args.tuned_db else None
     rows = []
     for op in args.ops.split(","):
         peer = PEERS[op]
         compiled = torch.compile(peer, dynamic=False)
-        for n in NS:
-            for m in map(int, args.ms.split(",")):
-                wl = make_workload(op, m, n)
-                kernel = flashgen.compile(wl, target)
-                bad = [c for c in check(wl, lambda i, o: kernel.run(i, o), 0, dev) if not c.ok]
-                if bad:
-                    raise SystemExit(f"{wl}: wrong result {bad}")
-                gen = torch.Generator().manual_seed(1)
-                ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, gen).items()}
-                outs = kernel.run(ins)
-                compiled(**ins)
-                t = bench_side_by_side({"fg": lambda: kernel.run(ins, outs), "eager": lambda: peer(**ins),
-                                        "compile": lambda: compiled(**ins)}, bytes_moved(wl),
-                                       target.get("l2_bytes"))
-                t_fg, t_eager, t_comp = t["fg"], t["eager"], t["compile"]
-                nbytes = bytes_moved(wl)
-                t_roof = nbytes / (bw * 1e3)
-                row = (op, m, n, kernel.schedule, t_fg, t_eager, t_comp, t_roof, t_eager / t_fg,
-                       t_comp / t_fg, t_roof / t_fg, nbytes / (t_fg * 1e3))
-                rows.append(row)
-                print(f"{op:14s} M={m:<6d} N={n:<5d} fg {t_fg:8.2f} us  eager {t_eager:8.2f}  "
-                      f"compile {t_comp:8.2f}  roof {t_roof:8.2f}", flush=True)
-    meta = {**environment(), "target": target.id, "copy_gbs": bw}
-    note = ("vs_eager / vs_compile: peer time / flashgen time (above 1: flashgen faster). of_roofline: "
-            "roofline time / flashgen time, roofline = bytes moved / measured copy bandwidth "
-            f"({bw:.0f} GB/s). Default (untuned) schedules.")
-    write_results("rowwise", header, [[*r[:3], str(r[3]), *r[4:]] for r in rows], meta, args.out_dir, note)
-    print_table(("op", "M", "N", "fg_us", "vs_compile", "of_roofline"),
-                [(r[0], r[1], r[2], r[4], r[9], r[10]) for r in rows])
+        for wl in workloads([op], [int(m) for m in args.ms.split(",")]):
+            default = verified(wl, flashgen.compile(wl, target, schedule=ScheduleSpace(wl, target).default()), dev)
+            best = db.best(wl.key, target.id) if db else None
+            tuned = verified(wl, flashgen.compile(wl, target, schedule=best.schedule), dev) if best else None
+            gen = torch.Generator().manual_seed(1)
+            ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, gen).items()}
+            outs = {"default": default.run(ins)}
+            fns = {"default": lambda: default.run(ins, outs["default"]), "eager": lambda: peer(**ins),
+                   "compile": lambda: compiled(**ins)}
+            if tuned:
+                outs["tuned"] = tuned.run(ins)
+                fns["tuned"] = lambda: tuned.run(ins, outs["tuned"])
+            compiled(**ins)
+            nbytes = bytes_moved(wl)
+            t = bench_side_by_side(fns, nbytes, l2)
+            roof = nbytes / (bw * 1e3)
+            tt = t.get("tuned", float("nan"))
+            n = wl.dim.get("N", wl.dim.get("Hq", 0) * 128)
+            rows.append([op, wl.dim["M"], n, t["default"], tt, t["eager"], t["compile"], roof,
+                         t["compile"] / t["default"], t["compile"] / tt, roof / t["default"], roof / tt,
+                         t["default"] / tt, str(tuned.schedule if tuned else default.schedule)])
+            print(f"{op:14s} M={wl.dim['M']:<6d} N={n:<5d} default {t['default']:8.2f} tuned {tt:8.2f} "
+                  f"eager {t['eager']:8.2f} compile {t['compile']:8.2f} roof {roof:8.2f}", flush=True)
+    header = ("op", "M", "N", "default_us", "tuned_us", "eager_us", "compile_us", "roofline_us",
+              "default_vs_compile", "tuned_vs_compile", "default_of_roofline", "tuned_of_roofline",
+              "tuned_vs_default", "schedule")
+    meta = {**environment(), "target": target.id, "copy_gbs": bw, "tuned_db": args.tuned_db}
+    note = ("Times are medians in microseconds, measured as the tuner measures candidates: L2 flushed (by "
+            "reading a buffer twice its size) when a workload moves more than half the L2, else CUDA-graph "
+            "replay with L2-hot inputs; versions interleaved over 3 rounds, best median kept. *_vs_compile = "
+            "torch.compile time / flashgen time (above 1: flashgen faster). *_of_roofline = bytes moved / "
+            f"measured copy bandwidth ({bw:.0f} GB/s) / time. default = analytic default schedule; tuned = "
+            "the database's best schedule (schedule column).")
+    write_results("rowwise", header, rows, meta, args.out_dir, note)
+    print_table(("op", "M", "N", "default", "tuned", "compile", "tuned_vs_compile", "tuned_of_roof"),
+                [(r[0], r[1], r[2], r[3], r[4], r[6], r[9], r[11]) for r in rows])
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_byt
                       for _ in range(runs)]
             for s, e in events:
                 torch.cuda._sleep(SLEEP_CYCLES)  # lets the host queue the call before the GPU needs it
-                torch.sum(buf, out=sink)
+                torch.sum(buf, dim=0, out=sink)
                 s.record()
                 fn()
                 e.record()

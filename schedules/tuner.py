@@ -19,7 +19,7 @@ from flashgen.schedules.builder import Builder
 from flashgen.schedules.cost_model import CostModel
 from flashgen.schedules.measure import MeasureResult, Runner
 from flashgen.schedules.search import make_strategy
-from flashgen.schedules.space import Schedule, ScheduleSpace
+from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 
 BEHAVIOUR = {16: "ok", 32: "raise", 64: "hang", 128: "wrong", 256: "die", 512: "no_build", 1024: "partial"}
 

@@ -157,7 +157,7 @@ def test_malformed_jsonl_adds_nothing(tmp_path: Path) -> None:
     with Database(tmp_path / "t.db") as db:
         db.add(make(50.0, block=50))
         log.write_text(f"{good}\n{{not json\n")
-        with pytest.raises(FlashgenError, match=rf"bad\.jsonl:2: invalid JSON"):
+        with pytest.raises(FlashgenError, match=r"bad\.jsonl:2: invalid JSON"):
             db.import_jsonl(log)
         incomplete = make(2.0, block=2).to_json()
         del incomplete["target_key"]
