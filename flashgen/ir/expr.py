@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Union
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sigmoid", "tanh", "erf", "rint", "cos", "sin")
-BINARY = ("add", "sub", "mul", "div", "max", "min", "floordiv", "mod", "lt", "le", "gt", "ge", "eq")
+BINARY = ("add", "sub", "mul", "div", "max", "min", "floordiv", "mod", "lt", "le", "gt", "ge", "eq",
+          "shr", "and")  # shr/and: bit fields of packed integer tensors (int4 weights)
 REDUCE = ("sum", "max")
 
 Operand = Union["Expr", int, float]
@@ -29,6 +30,8 @@ class Expr:
     def __rtruediv__(self, o: Operand) -> Expr: return Binary("div", lift(o), self)
     def __floordiv__(self, o: Operand) -> Expr: return Binary("floordiv", self, lift(o))
     def __mod__(self, o: Operand) -> Expr: return Binary("mod", self, lift(o))
+    def __rshift__(self, o: Operand) -> Expr: return Binary("shr", self, lift(o))
+    def __and__(self, o: Operand) -> Expr: return Binary("and", self, lift(o))
     def __neg__(self) -> Expr: return Unary("neg", self)
     def __lt__(self, o: Operand) -> Expr: return Binary("lt", self, lift(o))
     def __ge__(self, o: Operand) -> Expr: return Binary("ge", self, lift(o))

@@ -111,7 +111,7 @@ def is_index(e: E.Expr, op: Op) -> bool:
         return e.is_int
     if isinstance(e, E.Load):
         return op.tensors[e.tensor].dtype in ("int32", "int64")
-    if isinstance(e, E.Binary) and e.op in ("floordiv", "mod"):
+    if isinstance(e, E.Binary) and e.op in ("floordiv", "mod", "shr", "and"):
         return True
     if isinstance(e, E.Binary) and e.op in ("add", "sub", "mul", "max", "min"):
         return is_index(e.a, op) and is_index(e.b, op)

@@ -14,7 +14,8 @@ from flashgen.targets import artifacts
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
 from flashgen.targets.triton.build import ast_source, compile_aot, load_compiled
-from flashgen.targets.triton.codegen import KernelSource, generate
+from flashgen.targets.triton.codegen import generate
+from flashgen.targets.triton.emit import KernelSource
 from flashgen.targets.triton.launch import TritonLauncher
 from flashgen.workload import Workload
 

@@ -15,7 +15,7 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.paths import cache_dir
 from flashgen.targets.descriptor import Target
-from flashgen.targets.triton.codegen import KernelSource
+from flashgen.targets.triton.emit import KernelSource
 from flashgen.workload import Workload
 
 DIVISIBILITY = 16

@@ -10,7 +10,8 @@ from flashgen.errors import FlashgenError
 from flashgen.ir.op import eval_int
 from flashgen.targets.descriptor import Target
 from flashgen.targets.triton.build import DIVISIBILITY, interpreting, load_function, stride_hints
-from flashgen.targets.triton.codegen import KernelSource, grid
+from flashgen.targets.triton.codegen import grid
+from flashgen.targets.triton.emit import KernelSource
 from flashgen.workload import Workload
 
 

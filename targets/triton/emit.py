@@ -1,0 +1,168 @@
+"""Expression and statement emission shared by the Triton generators of every kernel class.
+
+A Scope is one nesting level of the kernel being written: its lines' indent, the values emitted so far
+(common-subexpression cache, keyed by expression node) and what each domain axis is called there,
+with its bounds mask when the tile can run past the domain.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from flashgen.ir import dtypes
+from flashgen.ir import expr as E
+from flashgen.ir.op import Op, Store
+from flashgen.workload import Workload
+
+RINT_MAGIC = 12582912.0  # 1.5 * 2**23: (x + m) - m rounds an fp32 |x| < 2**22 half-to-even, on any backend
+UNARY = {"exp": "tl.exp({})", "log": "tl.log({})", "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})",
+         "abs": "tl.abs({})", "sigmoid": "tl.sigmoid({})", "erf": "tl.erf({})", "cos": "tl.cos({})",
+         "sin": "tl.sin({})", "neg": "(-{})", "tanh": "(2.0 * tl.sigmoid(2.0 * {}) - 1.0)",
+         "rint": f"(({{}} + {RINT_MAGIC}) - {RINT_MAGIC})"}
+IDENTITY = {"sum": "0.0", "max": 'float("-inf")'}
+BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})",
+          "floordiv": "({} // {})", "mod": "({} % {})", "max": "tl.maximum({}, {})",
+          "min": "tl.minimum({}, {})", "lt": "({} < {})", "le": "({} <= {})", "gt": "({} > {})",
+          "ge": "({} >= {})", "eq": "({} == {})", "shr": "({} >> {})", "and": "({} & {})"}
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel parameter: a tensor pointer, a tensor stride, a runtime dim, a param or a constexpr."""
+    name: str
+    kind: str  # "ptr" | "stride" | "dim" | "param" | "constexpr"
+    tensor: str = ""
+    axis: int = 0
+    value: int = 0
+
+
+@dataclass
+class KernelSource:
+    """Generated module text, its parameters, and how its programs tile the (rows, cols) domain:
+    `tiles` rows x cols per program; cols tiled only when `tile_cols`; `flat` numbers every tile
+    along one grid axis (the kernel maps program ids to tiles itself)."""
+    name: str
+    source: str
+    args: list[Arg]
+    tiles: tuple[int, int]
+    tile_cols: bool
+    flat: bool = False
+
+
+@dataclass
+class Scope:
+    lines: list[str]
+    indent: str
+    axes: dict[str, tuple[str, str | None]]  # IR axis -> (variable, bounds mask or None)
+    cache: dict = field(default_factory=dict)
+
+    def child(self, indent: str | None = None, axes: Mapping[str, tuple[str, str | None]] | None = None,
+              fresh: bool = False) -> "Scope":
+        return Scope(self.lines, self.indent if indent is None else indent,
+                     dict(self.axes if axes is None else axes), {} if fresh else dict(self.cache))
+
+    def line(self, text: str) -> None:
+        self.lines.append(self.indent + text)
+
+
+class Emitter:
+    """Writes IR expressions as Triton: every non-trivial node becomes a temporary, emitted once."""
+
+    def __init__(self, op: Op, attrs: Mapping[str, str], lets: Mapping[str, E.Expr]):
+        self.op, self.attrs, self.lets = op, attrs, lets
+        self.named: dict[str, str] = {}  # values computed outside expressions (reductions, accumulators)
+        self.ntemp = 0
+
+    def temp(self, scope: Scope, code: str) -> str:
+        name = f"t{self.ntemp}"
+        self.ntemp += 1
+        scope.line(f"{name} = {code}")
+        return name
+
+    def emit(self, e: E.Expr, scope: Scope, raw: bool = False) -> str:
+        """The variable or literal holding `e`; `raw` loads keep the tensor's dtype (no fp32 upcast)."""
+        key = (e, raw) if raw else e
+        if key in scope.cache:
+            return scope.cache[key]
+        if isinstance(e, E.Const):
+            return repr(e.value) if e.is_int else repr(float(e.value))
+        if isinstance(e, (E.Dim, E.Param)):
+            return e.name
+        if isinstance(e, E.Index):
+            return scope.axes[e.axis][0]
+        if isinstance(e, E.Ref):
+            if e.name in self.named:
+                return self.named[e.name]
+            v = self.emit(self.lets[e.name], scope, raw)
+        elif isinstance(e, E.Load):
+            v = self.temp(scope, self.load(e, scope, raw))
+        elif isinstance(e, E.Unary):
+            v = self.temp(scope, UNARY[e.fn].format(self.emit(e.x, scope)))
+        elif isinstance(e, E.Binary):
+            v = self.temp(scope, BINARY[e.op].format(self.emit(e.a, scope), self.emit(e.b, scope)))
+        elif isinstance(e, E.Where):
+            v = self.temp(scope, "tl.where({}, {}, {})".format(
+                self.emit(e.cond, scope), self.emit(e.a, scope), self.emit(e.b, scope)))
+        else:
+            raise TypeError(f"cannot emit {e!r}")
+        scope.cache[key] = v
+        return v
+
+    def address(self, tensor: str, indices: tuple[E.Expr, ...], scope: Scope) -> str:
+        terms = []
+        last = len(indices) - 1
+        for axis, ix in enumerate(indices):
+            v = self.emit(ix, scope)
+            if axis == last:
+                terms.append(v)
+            else:
+                v = f"{v}.to(tl.int64)" if axis == 0 else v
+                terms.append(f"{v} * {tensor}_s{axis}")
+        return f"{tensor}_ptr + " + " + ".join(terms)
+
+    def mask(self, indices: tuple[E.Expr, ...], extra: E.Expr | None, scope: Scope) -> str | None:
+        axes = {n.axis for ix in indices for n in E.walk(ix) if isinstance(n, E.Index)}
+        parts = [scope.axes[a][1] for a in sorted(axes) if scope.axes[a][1]]
+        if extra is not None:
+            parts.append(self.emit(extra, scope))
+        return " & ".join(parts) if parts else None
+
+    def load(self, e: E.Load, scope: Scope, raw: bool = False) -> str:
+        addr = self.address(e.tensor, e.indices, scope)
+        m = self.mask(e.indices, e.mask, scope)
+        code = f"tl.load({addr}, mask={m}, other=0)" if m else f"tl.load({addr})"
+        if not raw and dtypes.is_float(self.op.dtype_of(e.tensor, self.attrs)):
+            code += ".to(tl.float32)"
+        return code
+
+    def store(self, st: Store, scope: Scope) -> None:
+        v = self.emit(st.value, scope)
+        addr = self.address(st.tensor, st.indices, scope)
+        m = self.mask(st.indices, st.mask, scope)
+        dt = dtypes.TL[self.op.dtype_of(st.tensor, self.attrs)]
+        mask = f", mask={m}" if m else ""
+        scope.line(f"tl.store({addr}, {v}.to({dt}){mask})")
+
+
+def kernel_args(wl: Workload, constexprs: Mapping[str, int]) -> list[Arg]:
+    """Pointers, strides (all but the last, contiguous, axis), run-time dims, params, then constants:
+    every dim but the row dims, and the schedule's tile sizes."""
+    op = wl.op
+    tensors = op.inputs + op.outputs
+    out = [Arg(f"{t.name}_ptr", "ptr", t.name) for t in tensors]
+    out += [Arg(f"{t.name}_s{k}", "stride", t.name, k) for t in tensors for k in range(len(t.shape) - 1)]
+    out += [Arg(d, "dim") for d in op.row_dims]
+    out += [Arg(p, "param") for p in op.params]
+    out += [Arg(d, "constexpr", value=wl.dim[d]) for d in op.dims if d not in op.row_dims]
+    out += [Arg(k, "constexpr", value=v) for k, v in constexprs.items()]
+    return out
+
+
+def module_header(wl: Workload, schedule: Mapping[str, int], name: str, args: list[Arg]) -> list[str]:
+    sig = ", ".join(a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args)
+    return [f"# flashgen: {wl.op.name} ({wl.op.kclass}) - {wl.op.doc}",
+            f"# workload: {wl.canonical()}",
+            f"# schedule: {json.dumps(dict(schedule), sort_keys=True)}",
+            "import triton", "import triton.language as tl", "", "",
+            "@triton.jit", f"def {name}({sig}):"]
