@@ -32,7 +32,7 @@ def check_supported(wl: Workload, target: Target) -> None:
         if dt not in target.dtypes:
             raise FlashgenError(f"target {target.id} does not support {dt} ({wl.op_name} tensor '{t.name}'); "
                                 f"it supports {', '.join(target.dtypes)}")
-    if wl.op.kclass not in ("rowwise", "pointwise"):
+    if wl.op.kclass not in ("rowwise", "pointwise", "contraction"):
         raise FlashgenError(f"{wl.op.kclass} kernels are not generated yet")
 
 

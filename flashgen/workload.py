@@ -89,7 +89,7 @@ def workload(op: str, **kw: Any) -> Workload:
         raise FlashgenError(f"{op}: missing dim {', '.join(missing)} (needs {', '.join(o.dims)})")
     for name, choices in o.attrs.items():
         attrs.setdefault(name, choices[0])
-    problem = o.check_dims(dims)
+    problem = o.check_dims(dims, attrs)
     if problem:
         raise FlashgenError(f"{op}: {problem}")
     for t in o.inputs + o.outputs:

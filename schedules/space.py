@@ -27,6 +27,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from flashgen.schedules import contraction_space
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 from flashgen.ir.op import eval_int
@@ -62,6 +63,8 @@ class ScheduleSpace:
         return self.workload.op.kclass
 
     def knobs(self) -> dict[str, tuple[int, ...]]:
+        if self.kclass == "contraction":
+            return contraction_space.knobs(self.workload, self.target)
         rows, cols = domain(self.workload)
         pc, pr = next_pow2(cols), next_pow2(rows)
         block_c = tuple(b for b in (2 ** i for i in range(17)) if b <= pc and (b >= 16 or b == pc))
@@ -78,6 +81,8 @@ class ScheduleSpace:
         for k, v in s.items():
             if v not in knobs[k]:
                 return f"{k}={v} is not one of {knobs[k]}"
+        if self.kclass == "contraction":
+            return contraction_space.why_invalid(self.workload, self.target, s)
         threads = s["num_warps"] * self.target.warp_size
         tile = s["block_r"] * s["block_c"]
         if self.target.backend == "triton":
@@ -106,6 +111,10 @@ class ScheduleSpace:
     def default(self) -> Schedule:
         """Analytic choice: whole row per tile up to 8192 elements, 16-byte loads per thread, enough
         rows per program to give every thread work, warps to keep ~8 elements per thread."""
+        if self.kclass == "contraction":
+            s = contraction_space.default(self.workload, self.target)
+            assert self.is_valid(s), (s, self.why_invalid(s))
+            return s
         rows, cols = domain(self.workload)
         pc = next_pow2(cols)
         if self.target.backend != "triton":

@@ -74,6 +74,9 @@ class Load(Expr):
     indices: tuple[Expr, ...]
     mask: Expr | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "indices", tuple(lift(i) for i in self.indices))
+
 
 @dataclass(frozen=True, eq=True)
 class Unary(Expr):

@@ -49,7 +49,23 @@ class Store:
     mask: E.Expr | None = None
 
 
-Stmt = Union[Let, Reduce, Store]
+@dataclass(frozen=True)
+class Contract:
+    """acc[r, c] = sum over k < extent of a(r, k) * b(c, k): the contraction class's one reduction.
+
+    `a` and `b` are prologues over the axes (r, k) and (c, k) (loads, unpacking, dequantization);
+    both are cast to `operand` (a dtype name or placeholder) for the matrix instruction, and the sum
+    accumulates in `acc` ("fp32" or "int32"). Later statements (the epilogue) read it as Ref(name).
+    """
+    name: str
+    a: E.Expr
+    b: E.Expr
+    extent: E.Expr
+    operand: str
+    acc: str = "fp32"
+
+
+Stmt = Union[Let, Reduce, Store, Contract]
 Attrs = Mapping[str, str]
 Reference = Callable[[Mapping[str, torch.Tensor], Mapping[str, float], Mapping[str, int], Attrs], dict]
 InputMaker = Callable[[Mapping[str, int], Attrs, torch.Generator], dict]
@@ -72,7 +88,7 @@ class Op:
     # Workload attributes and their allowed values, the first being the default.
     attrs: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: {"dtype": ("bf16", "fp16", "fp32")})
     params: Mapping[str, float] = field(default_factory=dict)
-    check_dims: Callable[[Mapping[str, int]], str | None] = lambda dims: None
+    check_dims: Callable[[Mapping[str, int], Attrs], str | None] = lambda dims, attrs: None
 
     def body(self, attrs: Attrs) -> tuple[Stmt, ...]:
         stmts = self.build(attrs)

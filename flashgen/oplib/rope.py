@@ -63,7 +63,7 @@ def _inputs(d, a, g) -> dict:
             "cos_sin": cos_sin_cache(d["L"], d["D"])}
 
 
-def _check(d) -> str | None:
+def _check(d, a) -> str | None:
     return None if d["D"] % 2 == 0 else f"rope needs an even head dim D, got D={d['D']}"
 
 

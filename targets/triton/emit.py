@@ -131,7 +131,9 @@ class Emitter:
     def load(self, e: E.Load, scope: Scope, raw: bool = False) -> str:
         addr = self.address(e.tensor, e.indices, scope)
         m = self.mask(e.indices, e.mask, scope)
-        code = f"tl.load({addr}, mask={m}, other=0)" if m else f"tl.load({addr})"
+        fp8 = self.op.dtype_of(e.tensor, self.attrs) in dtypes.FP8  # Triton cannot cast a literal 0 to fp8
+        other = "" if fp8 else ", other=0"
+        code = f"tl.load({addr}, mask={m}{other})" if m else f"tl.load({addr})"
         if not raw and dtypes.is_float(self.op.dtype_of(e.tensor, self.attrs)):
             code += ".to(tl.float32)"
         return code

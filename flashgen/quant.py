@@ -1,0 +1,81 @@
+"""Weight quantization and packing, done once, offline, before a quantized GEMM runs.
+
+- `quantize_rtn`: round-to-nearest quantization of a float weight [N, K] (nn.Linear layout) to 4 or 8
+  bits, per output channel or per group of `group` consecutive k, symmetric or with zero points.
+  Codes are unsigned for 4 bits (w ~ (u - zero) * scale, u in [0, 15]; symmetric means zero = 8) and
+  signed for 8 bits (w ~ q * scale, q in [-127, 127]).
+- `pack_int4` / `unpack_int4`: eight 4-bit codes per int32 along k; code j of a word holds k = 8*word + j
+  in bits 4j..4j+3. This is the layout the generated W4A16 kernels read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashgen.errors import FlashgenError
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    codes: torch.Tensor          # [N, K]: uint8 codes (4 bits) or int8 values (8 bits)
+    scales: torch.Tensor         # [N, K // group] float32
+    zeros: torch.Tensor | None   # [N, K // group] uint8 zero points (4 bits, asymmetric), else None
+    bits: int
+    group: int                   # k per scale; K for per-channel
+
+    def dequantize(self) -> torch.Tensor:
+        """The float64 weight the quantized kernels compute with."""
+        s = self.scales.to(torch.float64).repeat_interleave(self.group, dim=1)
+        q = self.codes.to(torch.float64)
+        if self.bits == 4:
+            z = (self.zeros.to(torch.float64) if self.zeros is not None
+                 else torch.full_like(self.scales, 8, dtype=torch.float64)).repeat_interleave(self.group, dim=1)
+            q = q - z
+        return q * s
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group: int | None = None, symmetric: bool = True) -> QuantizedWeight:
+    if w.dim() != 2:
+        raise FlashgenError(f"a weight must be [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    g = k if group is None else group
+    if bits not in (4, 8):
+        raise FlashgenError(f"bits must be 4 or 8, got {bits}")
+    if k % g:
+        raise FlashgenError(f"K={k} is not a multiple of the group size {g}")
+    if bits == 8 and not symmetric:
+        raise FlashgenError("8-bit weights are symmetric")
+    wg = w.to(torch.float64).reshape(n, k // g, g)
+    if symmetric:
+        qmax = 7.0 if bits == 4 else 127.0
+        scale = wg.abs().amax(-1).clamp_min(1e-12) / qmax
+        q = torch.round(wg / scale[..., None]).clamp(-qmax - (bits == 4), qmax)
+        if bits == 4:
+            return QuantizedWeight((q + 8).to(torch.uint8).reshape(n, k), scale.float(), None, 4, g)
+        return QuantizedWeight(q.to(torch.int8).reshape(n, k), scale.float(), None, 8, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    u = torch.round(wg / scale[..., None] + zero[..., None]).clamp(0, 15)
+    return QuantizedWeight(u.to(torch.uint8).reshape(n, k), scale.float(), zero.to(torch.uint8), 4, g)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes in 0..15 -> [N, K // 8] int32, eight codes per word along k."""
+    n, k = codes.shape
+    if k % 8:
+        raise FlashgenError(f"K={k} must be a multiple of 8 to pack 4-bit codes")
+    if codes.min() < 0 or codes.max() > 15:
+        raise FlashgenError("4-bit codes must lie in 0..15")
+    c = codes.to(torch.int64).reshape(n, k // 8, 8)
+    word = torch.zeros(n, k // 8, dtype=torch.int64)
+    for j in range(8):
+        word |= c[..., j] << (4 * j)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, w = packed.shape
+    word = packed.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(word >> (4 * j)) & 15 for j in range(8)], dim=-1).reshape(n, w * 8).to(torch.uint8)

@@ -1,0 +1,94 @@
+"""The contraction class's schedule space: tiled tensor-core GEMM, which at small M becomes a GEMV.
+
+Knobs: block_m x block_n output tile, block_k depth per k step, num_warps, num_stages (software
+pipelining buffers), group_m (row tiles launched together so they share weight tiles in the L2).
+Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
+the registers of the program's threads, and tiles stop at the next power of two of each extent
+(16 is the smallest tile a matrix instruction takes). At M <= 16 the space still holds the GEMV
+regime: one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flashgen.ir import dtypes
+from flashgen.ir.op import Contract, eval_int
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Workload
+
+MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread
+
+
+def _extents(wl: Workload) -> tuple[int, int, int, Contract]:
+    [con] = [s for s in wl.op.body(wl.attr) if isinstance(s, Contract)]
+    m, n = (eval_int(e, wl.dim) for e in wl.op.domain)
+    return m, n, eval_int(con.extent, wl.dim), con
+
+
+def _p2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
+    m, n, k, _ = _extents(wl)
+    amd = target.vendor == "amd"
+    return {"block_m": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(m))),
+            "block_n": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(n))),
+            "block_k": tuple(b for b in (32, 64, 128, 256, 512) if b <= max(32, _p2(k))),
+            "num_warps": (2, 4, 8),
+            "num_stages": (1, 2) if amd else (2, 3, 4, 5),
+            "group_m": (1, 8)}
+
+
+def _operand(wl: Workload) -> str:
+    _, _, _, con = _extents(wl)
+    return wl.attr[con.operand[1:]] if con.operand.startswith("$") else con.operand
+
+
+def operand_bytes(wl: Workload) -> int:
+    return dtypes.BYTES[_operand(wl)]
+
+
+def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    ob = operand_bytes(wl)
+    if ob == 1 and dtypes.is_float(_operand(wl)) and _extents(wl)[2] % s["block_k"]:
+        return "fp8 operands cannot be zero-filled past K: block_k must divide K"
+    smem = s["num_stages"] * (s["block_m"] + s["block_n"]) * s["block_k"] * ob
+    limit = int(target.get("smem_per_block", 0))
+    if smem > limit:
+        return f"{smem} bytes of pipelined tiles exceed the {limit} bytes of shared memory"
+    threads = s["num_warps"] * target.warp_size
+    if s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
+        return f"a {s['block_m']}x{s['block_n']} accumulator does not fit {threads} threads' registers"
+    if s["block_m"] * s["block_n"] < threads * 4 and s["num_warps"] > 2:
+        return "too few accumulator elements for the warps"
+    return None
+
+
+def default(wl: Workload, target: Target) -> dict[str, int]:
+    """Analytic choice per regime, shrunk until it satisfies the rules."""
+    m, n, k, _ = _extents(wl)
+    kn = knobs(wl, target)
+    stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
+    if m <= 16:
+        s = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": stages, "group_m": 1}
+    elif m <= 64:
+        s = {"block_m": max(16, _p2(m)), "block_n": 128, "block_k": 128, "num_warps": 4,
+             "num_stages": stages, "group_m": 8}
+    else:
+        s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8,
+             "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8}
+    for key in ("block_m", "block_n", "block_k"):
+        s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]
+    while why_invalid(wl, target, s):
+        if s["num_stages"] > kn["num_stages"][0]:
+            s["num_stages"] -= 1
+        elif s["block_k"] > kn["block_k"][0]:
+            s["block_k"] //= 2
+        elif s["num_warps"] < 8 and s["block_m"] * s["block_n"] > s["num_warps"] * target.warp_size * MAX_ACC_PER_THREAD:
+            s["num_warps"] *= 2
+        elif s["num_warps"] > 2:
+            s["num_warps"] //= 2
+        else:
+            break
+    return s

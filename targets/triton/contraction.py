@@ -1,0 +1,83 @@
+"""Triton code generation for the contraction class: tiled tensor-core GEMM with fused prologues and
+epilogues.
+
+One program computes a block_m x block_n tile of the output. Tiles are numbered along one grid axis
+and grouped `group_m` row-tiles at a time, so that programs running together share weight tiles in
+the L2. The k loop loads an A tile [block_m, block_k] and a B tile [block_k, block_n] through the
+op's prologue expressions (unpacking, dequantization), casts both to the operand dtype and
+accumulates `tl.dot` in fp32 (or int32 for int8 operands); Triton pipelines the loop over
+`num_stages` buffers. The epilogue (scales, stores) runs on the accumulator tile.
+"""
+from __future__ import annotations
+
+from flashgen.ir import dtypes
+from flashgen.ir import expr as E
+from flashgen.ir.op import Contract, Let, Store, eval_int
+from flashgen.schedules.space import Schedule
+from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, kernel_args, module_header
+from flashgen.workload import Workload
+
+ACC = {"fp32": "tl.float32", "int32": "tl.int32"}
+
+
+def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
+    while isinstance(e, E.Ref) and e.name in lets:
+        e = lets[e.name]
+    return e if isinstance(e, E.Load) else None
+
+
+def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
+    op, attrs = wl.op, wl.attr
+    body = op.body(attrs)
+    lets = {st.name: st.value for st in body if isinstance(st, Let)}
+    [con] = [st for st in body if isinstance(st, Contract)]
+    m_extent, n_extent = op.domain
+    em = Emitter(op, attrs, lets)
+    name = f"{op.name}_kernel"
+    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"]}
+    args = kernel_args(wl, consts)
+    lines = module_header(wl, s, name, args)
+    n_val, k_val = eval_int(n_extent, wl.dim), eval_int(con.extent, wl.dim)
+    cmask = "cmask" if n_val % s["block_n"] else None
+    kmask = k_val % s["block_k"] != 0
+    top = Scope(lines, "    ", {"r": ("r", "rmask"), "c": ("c", cmask)})
+    rows, cols = em.emit(m_extent, top), em.emit(n_extent, top)
+    top.line("pid = tl.program_id(0)")
+    top.line(f"tiles_m = tl.cdiv({rows}, BLOCK_M)")
+    top.line(f"tiles_n = tl.cdiv({cols}, BLOCK_N)")
+    top.line("group = pid // (GROUP_M * tiles_n)")
+    top.line("first_m = group * GROUP_M")
+    top.line("size_m = tl.minimum(tiles_m - first_m, GROUP_M)")
+    top.line("pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m")
+    top.line("pid_n = (pid % (GROUP_M * tiles_n)) // size_m")
+    top.line("r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
+    top.line(f"rmask = r < {rows}")
+    top.line("c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+    if cmask:
+        top.line(f"cmask = c < {cols}")
+    acc = f"acc_{con.name}"
+    top.line(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype={ACC[con.acc]})")
+    top.line(f"for k0 in range(0, {em.emit(con.extent, top)}, BLOCK_K):")
+    ind = top.indent + "    "
+    a_scope = top.child(ind, {"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None)}, fresh=True)
+    a_scope.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
+    if kmask:
+        a_scope.line(f"kmask_a = ka < {em.emit(con.extent, a_scope)}")
+    b_scope = top.child(ind, {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None)}, fresh=True)
+    b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+    if kmask:
+        b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
+    operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
+    tl_operand = dtypes.TL[operand]
+    tiles = []
+    for expr, scope in ((con.a, a_scope), (con.b, b_scope)):
+        load = _bare_load(expr, lets)
+        raw = load is not None and op.dtype_of(load.tensor, attrs) == operand
+        v = em.emit(expr, scope, raw=raw)
+        tiles.append(v if raw else em.temp(scope, f"{v}.to({tl_operand})"))
+    b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
+    em.named[con.name] = acc
+    for st in body[body.index(con) + 1:]:
+        if isinstance(st, Store):
+            em.store(st, top)
+    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], s["block_n"]), tile_cols=True, flat=True)

@@ -1,0 +1,82 @@
+"""The contraction class: quantizer and packer, interpreter numerics and AOT builds of every GEMM op."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.errors import FlashgenError
+from flashgen.quant import pack_int4, quantize_rtn, unpack_int4
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.targets import get_target
+
+W4 = [dict(G=32), dict(G=64, zp="asym"), dict(G=128), dict(G=256, group="channel", zp="asym")]
+CASES = [("gemm", {}), ("gemm_w8a16", {})] + [("gemm_w4a16", kw) for kw in W4] + [("gemm_w8a8", {})]
+
+
+def test_pack_round_trip():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (24, 64), generator=g, dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (24, 8)
+    assert torch.equal(unpack_int4(packed), codes)
+    assert (packed < 0).any()  # code 8..15 in the top nibble: the word's sign bit is data
+    with pytest.raises(FlashgenError, match="multiple of 8"):
+        pack_int4(codes[:, :7])
+
+
+@pytest.mark.parametrize("bits, group, symmetric", [(4, 32, True), (4, 128, False), (4, None, True), (8, None, True)])
+def test_rtn_quantizer_error_is_within_half_a_step(bits, group, symmetric):
+    w = torch.randn(16, 256, generator=torch.Generator().manual_seed(1))
+    q = quantize_rtn(w, bits, group, symmetric)
+    deq = q.dequantize()
+    step = q.scales.to(torch.float64).repeat_interleave(q.group, 1)
+    assert ((deq - w.double()).abs() <= step / 2 + 1e-9).all()
+    if bits == 4:
+        assert q.codes.max() <= 15 and q.codes.min() >= 0
+    else:
+        assert q.codes.abs().max() <= 127
+
+
+def test_rtn_quantizer_rejects_bad_shapes():
+    with pytest.raises(FlashgenError, match="multiple of the group"):
+        quantize_rtn(torch.randn(4, 100), 4, 32)
+
+
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("op, kw", CASES, ids=[f"{o}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for o, kw in CASES])
+def test_interpreter_numerics(interpreter, op, kw, m):
+    """fp16 (bf16 tl.dot is wrong in Triton's interpreter: bf16 numerics run on the GPU); N and K tails."""
+    wl = flashgen.workload(op, M=m, N=40, K=256 if "G" in kw else 200, dtype="fp16", **kw)
+    s = {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 8}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    for c in interpreter.check(wl, s, "h200", seed=m):
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942"])
+@pytest.mark.parametrize("op, kw", CASES + [("gemm_fp8", {})], ids=[o + str(len(kw)) for o, kw in CASES + [("gemm_fp8", {})]])
+def test_aot_uses_matrix_instructions(op, kw, target):
+    wl = flashgen.workload(op, M=256, N=512, K=512, dtype="bf16", **({**kw, "G": 512} if kw.get("group") == "channel" else kw))
+    t = get_target(target)
+    if any(wl.tensor_dtype(x.name) not in t.dtypes for x in wl.op.inputs):
+        with pytest.raises(FlashgenError, match="does not support fp8e4m3"):
+            flashgen.compile(wl, t)
+        return
+    k = flashgen.compile(wl, t)
+    assert k.binary[:4] == b"\x7fELF"
+    if target == "sm_90":
+        assert "wgmma.mma_async" in k.asm["ptx"]
+    elif target == "sm_80":
+        assert "mma.sync" in k.asm["ptx"]
+    else:
+        assert "v_mfma" in k.asm["amdgcn"]
+
+
+def test_contraction_defaults_valid():
+    for t in ("h200", "a100", "mi300x", "mi250"):
+        for m in (1, 16, 33, 256, 4096):
+            for op, kw in CASES + [("gemm_fp8", {})]:
+                wl = flashgen.workload(op, M=m, N=6144, K=4096, **({**kw, "G": 4096} if kw.get("group") == "channel" else kw))
+                space = ScheduleSpace(wl, get_target(t))
+                assert space.why_invalid(space.default()) is None
