@@ -36,7 +36,7 @@ import xgboost as xgb
 from flashgen.db.record import canonical_json, schedule_key
 from flashgen.errors import FlashgenError
 from flashgen.roofline import roofline_us
-from flashgen.schedules.features import FEATURE_NAMES, analytic_latency_us, feature_matrix
+from flashgen.schedules.features import analytic_latency_us, feature_matrix, feature_names
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
@@ -110,7 +110,8 @@ def _dmatrix(groups: Mapping[tuple[str, str], tuple[Workload, Target, list, list
         qids.append(np.full(len(scheds), q, dtype=np.int64))
     if not xs:
         return None
-    d = xgb.DMatrix(np.concatenate(xs), label=np.concatenate(ys), feature_names=list(FEATURE_NAMES),
+    kclass = next(iter(groups.values()))[0].op.kclass
+    d = xgb.DMatrix(np.concatenate(xs), label=np.concatenate(ys), feature_names=list(feature_names(kclass)),
                     qid=np.concatenate(qids) if objective == "rank" else None)
     return d
 
@@ -193,7 +194,7 @@ class XGBCostModel:
             raise FlashgenError("the cost model is not trained; fit() or load() it first")
         if not schedules:
             return np.zeros(0)
-        d = xgb.DMatrix(feature_matrix(wl, schedules, target), feature_names=list(FEATURE_NAMES))
+        d = xgb.DMatrix(feature_matrix(wl, schedules, target), feature_names=list(feature_names(wl.op.kclass)))
         return self.booster.predict(d).astype(np.float64)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -202,8 +203,9 @@ class XGBCostModel:
             raise FlashgenError("cannot save an untrained cost model")
         path = Path(path)
         raw = bytes(self._base.save_raw("json"))
+        names = self._base.feature_names or []
         side = {"format": SIDE_FORMAT, "version": SIDE_VERSION, "objective": self.objective,
-                "feature_names": list(FEATURE_NAMES), "n_records": self.n_records,
+                "feature_names": list(names), "n_records": self.n_records,
                 "num_rounds": self.num_rounds, "model_sha256": hashlib.sha256(raw).hexdigest()}
         _write_atomic(path, raw)
         _write_atomic(sidecar_path(path), (canonical_json(side) + "\n").encode())
@@ -222,7 +224,7 @@ class XGBCostModel:
             raise FlashgenError(f"{sidecar_path(path)} is not a flashgen cost model sidecar")
         if side.get("model_sha256") != hashlib.sha256(raw).hexdigest():
             raise FlashgenError(f"cost model {path} does not match its sidecar (saved concurrently?)")
-        if tuple(side.get("feature_names", ())) != FEATURE_NAMES:
+        if tuple(side.get("feature_names", ())) not in (feature_names("rowwise"), feature_names("contraction")):
             raise FlashgenError(f"cost model {path} was trained on other features; retrain it")
         m = cls(objective=side["objective"], num_rounds=int(side.get("num_rounds", NUM_ROUNDS)))
         booster = xgb.Booster()

@@ -195,8 +195,19 @@ def _columns(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Targe
     }
 
 
+def feature_names(kclass: str) -> tuple[str, ...]:
+    """The features of a kernel class: GEMM tiles have other knobs than row tiles."""
+    if kclass == "contraction":
+        from flashgen.schedules import contraction_features
+        return contraction_features.FEATURE_NAMES
+    return FEATURE_NAMES
+
+
 def feature_matrix(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
-    """float32 array of shape (len(schedules), len(FEATURE_NAMES))."""
+    """float32 array of shape (len(schedules), len(feature_names(class)))."""
+    if wl.op.kclass == "contraction":
+        from flashgen.schedules import contraction_features
+        return contraction_features.feature_matrix(wl, schedules, target)
     cols = _columns(wl, list(schedules), target)
     return np.stack([cols[name] for name in FEATURE_NAMES], axis=1).astype(np.float32)
 
@@ -208,4 +219,7 @@ def features(wl: Workload, schedule: Mapping[str, Any], target: Target) -> np.nd
 
 def analytic_latency_us(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
     """The analytic latency estimate (us) of each schedule: what the prior ranks by."""
+    if wl.op.kclass == "contraction":
+        from flashgen.schedules import contraction_features
+        return contraction_features.analytic_latency_us(wl, schedules, target)
     return _columns(wl, list(schedules), target)["_latency_us"]

@@ -1,0 +1,129 @@
+"""Generated GEMMs against cuBLAS (torch.matmul), torch._int_mm, torch._scaled_mm and the roofline,
+side by side in one run on the current GPU. Each workload is tuned briefly first (the analytic default
+plus the prior's best few schedules, every candidate checked against the float64 reference), and the
+database's best is what is timed.
+
+    python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
+
+Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
+dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
+torch._scaled_mm with the same row/column scales. Roofline = max(flops / datasheet peak, bytes / measured
+copy bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, bench_side_by_side, copy_gbs, environment, print_table, write_results  # noqa: E402
+
+import flashgen  # noqa: E402
+from flashgen.db import Database  # noqa: E402
+from flashgen.roofline import bytes_moved  # noqa: E402
+from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.targets import target_for_device  # noqa: E402
+from flashgen.targets.triton.launch import device_arch  # noqa: E402
+
+SHAPES = {"8192x8192": (8192, 8192), "qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+OPS = ("gemm", "gemm_w4a16", "gemm_w8a8", "gemm_fp8")
+
+
+def make_workload(op: str, m: int, n: int, k: int) -> flashgen.Workload:
+    if op == "gemm":
+        return flashgen.workload("gemm", M=m, N=n, K=k, dtype="bf16")
+    if op == "gemm_w4a16":
+        return flashgen.workload("gemm_w4a16", M=m, N=n, K=k, G=128, dtype="fp16")
+    return flashgen.workload(op, M=m, N=n, K=k, dtype="bf16")
+
+
+def peer(op: str, ins: dict):
+    """The named library call for this op, on the same inputs (None where the library refuses)."""
+    if op == "gemm":
+        x, wt = ins["x"], ins["w"].t()
+        return lambda: torch.matmul(x, wt)
+    if op == "gemm_w4a16":
+        codes = torch.stack([(ins["w_packed"].to(torch.int64) >> (4 * j)) & 15 for j in range(8)], -1)
+        n = codes.shape[0]
+        w = ((codes.reshape(n, -1).to(torch.float16) - 8) * ins["scales"].repeat_interleave(128, 1)).t()
+        x = ins["x"]
+        return lambda: torch.matmul(x, w)
+    if op == "gemm_w8a8":
+        x, wt = ins["x"], ins["w"].t()
+        fn = lambda: torch._int_mm(x, wt)  # noqa: E731
+    else:
+        x, wt = ins["x"], ins["w"].t()
+        sa, sb = ins["x_scale"][:, None].contiguous(), ins["w_scale"][None, :].contiguous()
+        fn = lambda: torch._scaled_mm(x, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return fn
+    except RuntimeError as e:
+        print(f"  peer refused: {str(e).splitlines()[0][:100]}")
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--db", required=True)
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ms", default="1,16,64,256,4096")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    bw = copy_gbs()
+    header = ("op", "shape", "M", "N", "K", "flashgen_us", "peer", "peer_us", "vs_peer", "roofline_us",
+              "of_roofline", "TFLOP/s", "schedule")
+    rows = []
+    t0 = time.perf_counter()
+    with Database(args.db) as db:
+        for op in args.ops.split(","):
+            for shape in args.shapes.split(","):
+                n, k = SHAPES[shape]
+                for m in map(int, args.ms.split(",")):
+                    wl = make_workload(op, m, n, k)
+                    res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None)
+                    if res.best is None:
+                        print(f"{wl}: no correct schedule", flush=True)
+                        continue
+                    kern = flashgen.compile(wl, target, db=db)
+                    gen = torch.Generator().manual_seed(3)
+                    ins = {kk: v.to(dev) for kk, v in wl.op.make_inputs(wl.dim, wl.attr, gen).items()}
+                    out = kern.run(ins)
+                    fns = {"flashgen": lambda: kern.run(ins, out)}
+                    p = peer(op, ins)
+                    if p is not None:
+                        fns["peer"] = p
+                    nbytes = bytes_moved(wl)
+                    t = bench_side_by_side(fns, nbytes, target.get("l2_bytes"), rounds=2)
+                    flops = 2.0 * m * n * k
+                    peak = target.peak_tflops.get(wl.tensor_dtype("x"), target.peak_tflops["bf16"])
+                    roof = max(flops / (peak * 1e6), nbytes / (bw * 1e3))
+                    pt = t.get("peer", float("nan"))
+                    rows.append([op, shape, m, n, k, t["flashgen"], {"gemm": "cuBLAS bf16", "gemm_w4a16":
+                                 "cuBLAS fp16", "gemm_w8a8": "_int_mm", "gemm_fp8": "_scaled_mm"}[op], pt,
+                                 pt / t["flashgen"], roof, roof / t["flashgen"], flops / (t["flashgen"] * 1e6),
+                                 str(kern.schedule)])
+                    print(f"{op:11s} {shape:9s} M={m:<5d} flashgen {t['flashgen']:9.2f} us  peer {pt:9.2f}  "
+                          f"roof {roof:8.2f}  ({time.perf_counter() - t0:.0f}s)", flush=True)
+                    write_results("gemm", header, rows, {**environment(), "target": target.id, "copy_gbs": bw},
+                                  args.out_dir, NOTE.format(trials=args.trials, bw=bw))
+    print_table(("op", "shape", "M", "us", "vs_peer", "of_roof"), [(r[0], r[1], r[2], r[5], r[8], r[10]) for r in rows])
+
+
+NOTE = ("Each workload tuned with {trials} measured schedules (analytic default first, then the analytic "
+        "prior's ranking: no GEMM records existed to train the cost model). vs_peer = peer time / flashgen "
+        "time (above 1: flashgen faster). Roofline = max(flops / datasheet peak, bytes / measured copy "
+        "bandwidth {bw:.0f} GB/s).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Features and the analytic latency estimate of contraction (GEMM) schedules, for the cost model.
+
+The quantities a GEMM tile choice changes: tiles launched and how they fill the SMs (waves, last-wave
+fill), padding waste along M and N, k steps, pipelining depth against shared memory, accumulator
+registers per thread, how often A and W tiles are re-read (each W tile once per row of tiles, each A
+tile once per column of tiles), and the tile's arithmetic intensity. The estimate is the larger of the
+matrix-unit time (at an efficiency that grows with the tile) and the memory time of the bytes really
+moved, stretched by wave quantization, plus a per-k-step latency that deeper pipelines hide.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from flashgen.ir import dtypes
+from flashgen.roofline import bytes_moved
+from flashgen.schedules.contraction_space import _extents, _operand
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Workload
+
+KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
+FEATURE_NAMES: tuple[str, ...] = (
+    *KNOBS, *(f"log2_{k}" for k in KNOBS),
+    "log2_m", "log2_n", "log2_k", "operand_bytes", "log2_flops", "log2_bytes_moved", "log2_roofline_us",
+    "log2_tiles", "log2_waves", "last_wave_fill", "m_waste", "n_waste", "log2_k_steps", "smem_fraction",
+    "acc_per_thread", "log2_w_reads", "log2_a_reads", "tile_intensity", "log2_traffic", "mma_efficiency",
+    "log2_estimate_us", "sm_count", "log2_copy_gbs", "warp_size", "log2_peak_tflops",
+)
+STEP_LATENCY_US = 0.35  # one k step's load latency, hidden in proportion to the pipeline depth
+
+
+def _peak_tflops(wl: Workload, target: Target) -> float:
+    op = _operand(wl)
+    peaks = target.peak_tflops
+    return float(peaks.get(op, peaks.get("bf16", peaks.get("fp32", 1.0))))
+
+
+def _columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
+    m, n, k, _ = _extents(wl)
+    kv = {name: np.asarray([float(s[name]) for s in schedules]) for name in KNOBS}
+    bm, bn, bk = kv["block_m"], kv["block_n"], kv["block_k"]
+    ob = dtypes.BYTES[_operand(wl)]
+    flops = 2.0 * m * n * k
+    nbytes = float(bytes_moved(wl))
+    peak = _peak_tflops(wl, target) * 1e6  # flop per us
+    bw = target.copy_gbs * 1e3  # bytes per us
+    tm, tn = np.ceil(m / bm), np.ceil(n / bn)
+    tiles = tm * tn
+    sms = max(target.sm_count, 1)
+    waves = tiles / sms
+    full = np.ceil(waves)
+    threads = kv["num_warps"] * target.warp_size
+    w_bytes = n * k * ob
+    a_bytes = m * k * ob
+    # W tiles are read once per row of tiles; grouping row tiles lets the L2 serve most repeats.
+    w_reads = np.maximum(1.0, tm / np.where(kv["group_m"] > 1, np.minimum(kv["group_m"], tm), 1.0))
+    traffic = w_bytes * w_reads + a_bytes * tn + (nbytes - w_bytes - a_bytes)
+    mma_eff = np.clip((bm * bn) / (128.0 * 128.0), 0.05, 1.0) ** 0.5 * np.clip(bm / 64.0, 0.25, 1.0)
+    compute_us = flops / (peak * mma_eff)
+    memory_us = traffic / bw
+    k_steps = np.ceil(k / bk)
+    latency_us = k_steps * STEP_LATENCY_US / kv["num_stages"]
+    est = np.maximum(compute_us, memory_us) * (full / np.maximum(waves, 1e-9)).clip(1, 8) + latency_us + 2.0
+    smem = kv["num_stages"] * (bm + bn) * bk * ob
+    roof_us = max(flops / peak, nbytes / bw)
+    cols = {name: kv[name] for name in KNOBS}
+    cols.update({f"log2_{name}": np.log2(kv[name]) for name in KNOBS})
+    ones = np.ones(len(schedules))
+    cols.update({
+        "log2_m": ones * np.log2(m), "log2_n": ones * np.log2(n), "log2_k": ones * np.log2(k),
+        "operand_bytes": ones * ob, "log2_flops": ones * np.log2(flops), "log2_bytes_moved": ones * np.log2(nbytes),
+        "log2_roofline_us": ones * np.log2(roof_us), "log2_tiles": np.log2(tiles), "log2_waves": np.log2(waves),
+        "last_wave_fill": waves / full, "m_waste": tm * bm / m - 1, "n_waste": tn * bn / n - 1,
+        "log2_k_steps": np.log2(k_steps), "smem_fraction": smem / max(int(target.get("smem_per_block", 1)), 1),
+        "acc_per_thread": bm * bn / threads, "log2_w_reads": np.log2(w_reads), "log2_a_reads": np.log2(tn),
+        "tile_intensity": 2 * bm * bn * bk / ((bm + bn) * bk * ob), "log2_traffic": np.log2(traffic),
+        "mma_efficiency": mma_eff, "log2_estimate_us": np.log2(est), "sm_count": ones * sms,
+        "log2_copy_gbs": ones * np.log2(target.copy_gbs), "warp_size": ones * target.warp_size,
+        "log2_peak_tflops": ones * np.log2(_peak_tflops(wl, target)), "_latency_us": est,
+    })
+    return cols
+
+
+def feature_matrix(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
+    cols = _columns(wl, list(schedules), target)
+    return np.stack([cols[name] for name in FEATURE_NAMES], axis=1).astype(np.float32)
+
+
+def analytic_latency_us(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
+    return _columns(wl, list(schedules), target)["_latency_us"]
