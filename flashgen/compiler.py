@@ -32,8 +32,10 @@ def check_supported(wl: Workload, target: Target) -> None:
         if dt not in target.dtypes:
             raise FlashgenError(f"target {target.id} does not support {dt} ({wl.op_name} tensor '{t.name}'); "
                                 f"it supports {', '.join(target.dtypes)}")
-    if wl.op.kclass not in ("rowwise", "pointwise", "contraction"):
-        raise FlashgenError(f"{wl.op.kclass} kernels are not generated yet")
+    supported = ("rowwise", "pointwise", "contraction") if target.backend == "triton" else ("rowwise", "pointwise")
+    if wl.op.kclass not in supported:
+        raise FlashgenError(f"{wl.op.kclass} kernels are not generated for {target.id} yet "
+                            f"(its {target.backend} backend generates {', '.join(supported)})")
 
 
 def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLike | None,
