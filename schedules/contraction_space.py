@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from flashgen.ir import dtypes
-from flashgen.ir.op import Contract, eval_int
+from flashgen.ir import expr as E
+from flashgen.ir.op import Contract, Let, eval_int
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
@@ -49,11 +50,35 @@ def operand_bytes(wl: Workload) -> int:
     return dtypes.BYTES[_operand(wl)]
 
 
+def load_bytes(wl: Workload) -> tuple[int, int]:
+    """Bytes loaded per element of the A and B tiles: every Load in a prologue is one element-wise
+    load per tile element (a packed int4 word is loaded whole for each of its 8 codes), and the
+    software pipeliner keeps each in shared memory for every stage."""
+    _, _, _, con = _extents(wl)
+    lets = {st.name: st.value for st in wl.op.body(wl.attr) if isinstance(st, Let)}
+
+    def total(e: E.Expr) -> int:
+        seen, n = set(), 0
+        stack = [e]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, E.Ref) and x.name in lets:
+                stack.append(lets[x.name])
+                continue
+            if isinstance(x, E.Load) and x not in seen:
+                seen.add(x)
+                n += dtypes.BYTES[wl.tensor_dtype(x.tensor)]
+            stack.extend(E.children(x))
+        return n
+
+    return total(con.a), total(con.b)
+
+
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
-    ob = operand_bytes(wl)
-    if ob == 1 and dtypes.is_float(_operand(wl)) and _extents(wl)[2] % s["block_k"]:
+    if operand_bytes(wl) == 1 and dtypes.is_float(_operand(wl)) and _extents(wl)[2] % s["block_k"]:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
-    smem = s["num_stages"] * (s["block_m"] + s["block_n"]) * s["block_k"] * ob
+    a_bytes, b_bytes = load_bytes(wl)
+    smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
     limit = int(target.get("smem_per_block", 0))
     if smem > limit:
         return f"{smem} bytes of pipelined tiles exceed the {limit} bytes of shared memory"

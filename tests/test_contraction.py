@@ -80,3 +80,15 @@ def test_contraction_defaults_valid():
                 wl = flashgen.workload(op, M=m, N=6144, K=4096, **({**kw, "G": 4096} if kw.get("group") == "channel" else kw))
                 space = ScheduleSpace(wl, get_target(t))
                 assert space.why_invalid(space.default()) is None
+
+
+def test_shared_memory_rule_counts_what_prologues_load():
+    """Seen on the H200: a W4A16 tile of 16x64x256 with 4 stages needed 253952 bytes (each int4 code
+    loads its whole int32 word, plus its scale) and failed to launch; the space must exclude it."""
+    from flashgen.schedules.contraction_space import load_bytes
+    wl = flashgen.workload("gemm_w4a16", M=1, N=8192, K=8192, G=128, dtype="fp16")
+    assert load_bytes(wl) == (2, 4 + 2)
+    space = ScheduleSpace(wl, get_target("h200"))
+    bad = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 4, "group_m": 1}
+    assert "shared memory" in space.why_invalid(bad)
+    assert space.is_valid(space.default())
