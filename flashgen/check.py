@@ -31,7 +31,7 @@ class OutputCheck:
 
 def poisoned(wl: Workload, dims: Mapping[str, int], device: torch.device | str) -> dict[str, torch.Tensor]:
     out = {}
-    for t in wl.op.outputs:
+    for t in wl.outputs:
         dt = wl.tensor_dtype(t.name)
         shape = tuple(eval_int(e, dims) for e in t.shape)
         fill = -128 if dt == "int8" else float("nan")

@@ -27,7 +27,7 @@ def resolve_target(target: str | Target, targets_dir: str | os.PathLike | None =
 
 def check_supported(wl: Workload, target: Target) -> None:
     """Every tensor dtype of the workload must be one the target computes with."""
-    for t in wl.op.inputs + wl.op.outputs:
+    for t in wl.inputs + wl.outputs:
         dt = wl.tensor_dtype(t.name)
         if dt not in target.dtypes:
             raise FlashgenError(f"target {target.id} does not support {dt} ({wl.op_name} tensor '{t.name}'); "

@@ -11,7 +11,7 @@ from flashgen.workload import Workload
 def bytes_moved(wl: Workload) -> int:
     """Each input read once and each output written once (gathered tables: the part touched)."""
     total = 0
-    for t in wl.op.inputs + wl.op.outputs:
+    for t in wl.inputs + wl.outputs:
         n = 1
         for e in t.shape:
             n *= eval_int(e, wl.dim)

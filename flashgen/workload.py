@@ -47,6 +47,15 @@ class Workload:
         """Stable across runs and versions: the op name plus a hash of the canonical JSON."""
         return f"{self.op_name}-{hashlib.sha256(self.canonical().encode()).hexdigest()[:16]}"
 
+    @property
+    def inputs(self):
+        """The op's input TensorSpecs present for these attrs (an epilogue's bias only when asked for)."""
+        return self.op.inputs_for(self.attr)
+
+    @property
+    def outputs(self):
+        return self.op.outputs_for(self.attr)
+
     def shape(self, tensor: str) -> tuple[int, ...]:
         return tuple(eval_int(e, self.dim) for e in self.op.tensors[tensor].shape)
 
@@ -92,7 +101,7 @@ def workload(op: str, **kw: Any) -> Workload:
     problem = o.check_dims(dims, attrs)
     if problem:
         raise FlashgenError(f"{op}: {problem}")
-    for t in o.inputs + o.outputs:
+    for t in o.inputs_for(attrs) + o.outputs_for(attrs):
         n = 1
         for e in t.shape:
             n *= eval_int(e, dims)

@@ -34,13 +34,13 @@ def bind_dims(wl: Workload, inputs: Mapping[str, torch.Tensor]) -> dict[str, int
     layouts checked so that a bad call is an error, not a wrong answer."""
     op = wl.op
     dims = dict(wl.dim)
-    for t in op.inputs:
+    for t in wl.inputs:
         if t.name not in inputs:
-            raise FlashgenError(f"{op.name}: missing input '{t.name}' (inputs: {', '.join(i.name for i in op.inputs)})")
+            raise FlashgenError(f"{op.name}: missing input '{t.name}' (inputs: {', '.join(i.name for i in wl.inputs)})")
         for axis, e in enumerate(t.shape):
             if isinstance(e, Dim) and e.name in op.row_dims and axis < inputs[t.name].dim():
                 dims[e.name] = inputs[t.name].shape[axis]
-    for t in op.inputs:
+    for t in wl.inputs:
         x = inputs[t.name]
         want = tuple(eval_int(e, dims) for e in t.shape)
         if tuple(x.shape) != want:
@@ -56,7 +56,7 @@ def bind_dims(wl: Workload, inputs: Mapping[str, torch.Tensor]) -> dict[str, int
 def alloc_outputs(wl: Workload, dims: Mapping[str, int], device: torch.device) -> dict[str, torch.Tensor]:
     return {t.name: torch.empty(tuple(eval_int(e, dims) for e in t.shape),
                                 dtype=dtypes.TORCH[wl.tensor_dtype(t.name)], device=device)
-            for t in wl.op.outputs}
+            for t in wl.outputs}
 
 
 @dataclass
@@ -75,11 +75,12 @@ class Kernel:
     def __call__(self, *inputs: torch.Tensor, **params: float) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run on tensors given in the op's input order; returns the op's outputs (one, or a tuple)."""
         op = self.workload.op
-        if len(inputs) != len(op.inputs):
-            raise FlashgenError(f"{op.name} takes {len(op.inputs)} inputs "
-                                f"({', '.join(t.name for t in op.inputs)}), got {len(inputs)}")
-        outs = self.run(dict(zip((t.name for t in op.inputs), inputs)), params=params)
-        vals = tuple(outs[t.name] for t in op.outputs)
+        ins, outs_spec = self.workload.inputs, self.workload.outputs
+        if len(inputs) != len(ins):
+            raise FlashgenError(f"{op.name} takes {len(ins)} inputs "
+                                f"({', '.join(t.name for t in ins)}), got {len(inputs)}")
+        outs = self.run(dict(zip((t.name for t in ins), inputs)), params=params)
+        vals = tuple(outs[t.name] for t in outs_spec)
         return vals[0] if len(vals) == 1 else vals
 
     def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,

@@ -92,3 +92,23 @@ def test_shared_memory_rule_counts_what_prologues_load():
     bad = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 4, "group_m": 1}
     assert "shared memory" in space.why_invalid(bad)
     assert space.is_valid(space.default())
+
+
+EPILOGUES = [("gemm", dict(bias="bias", act="silu", residual="add")), ("gemm_w8a16", dict(act="gelu")),
+             ("gemm_w8a8", dict(bias="bias", out="int8")), ("gemm_w4a16", dict(G=64, residual="add", zp="asym")),
+             ("gemm", dict(act="gelu", out="int8"))]
+
+
+@pytest.mark.parametrize("op, kw", EPILOGUES, ids=[f"{o}-{'-'.join(map(str, kw.values()))}" for o, kw in EPILOGUES])
+def test_fused_epilogues(interpreter, op, kw):
+    """Bias, activation, residual and int8 output quantization, written as IR expressions, fused."""
+    wl = flashgen.workload(op, M=5, N=48, K=128, dtype="fp16", **kw)
+    names = {t.name for t in wl.inputs + wl.outputs}
+    assert ("bias" in names) == (kw.get("bias") == "bias") and ("y_q" in names) == (kw.get("out") == "int8")
+    s = {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 1}
+    checks = interpreter.check(wl, s, "h200", seed=4)
+    assert {c.tensor for c in checks} == {t.name for t in wl.outputs}
+    for c in checks:
+        assert c.ok, c
+    k = flashgen.compile(wl, "sm_90")
+    assert k.binary[:4] == b"\x7fELF"

@@ -25,6 +25,10 @@ class TensorSpec:
     shape: tuple[E.Expr, ...]
     dtype: str  # a concrete dtype name, DTYPE or OUT_DTYPE
     touched: E.Expr | None = None  # elements a kernel reads, when less than the shape (gathered tables)
+    when: tuple[tuple[str, tuple[str, ...]], ...] = ()  # present only where each attr has one of these values
+
+    def present(self, attrs: Mapping[str, str]) -> bool:
+        return all(attrs.get(a) in values for a, values in self.when)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,12 @@ class Op:
         if self.kclass == "pointwise" and any(isinstance(s, Reduce) for s in stmts):
             raise ValueError(f"{self.name}: a pointwise op cannot reduce")
         return stmts
+
+    def inputs_for(self, attrs: Attrs) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.inputs if t.present(attrs))
+
+    def outputs_for(self, attrs: Attrs) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.outputs if t.present(attrs))
 
     @property
     def tensors(self) -> dict[str, TensorSpec]:

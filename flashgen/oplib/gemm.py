@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from flashgen.ir import dtypes
-from flashgen.ir.expr import Const, Dim, Index, Load, Ref
+from flashgen.ir import expr as E
+from flashgen.ir.expr import Const, Dim, Index, Load, Ref, clamp, erf, rint, sigmoid
 from flashgen.ir.op import DTYPE, Contract, Op, Store, TensorSpec
 from flashgen.oplib._common import M, N, c, f64, r, randn
 from flashgen.quant import pack_int4, quantize_rtn
@@ -17,10 +18,72 @@ from flashgen.quant import pack_int4, quantize_rtn
 K = Dim("K")
 k = Index("k")
 HALF = ("bf16", "fp16")
+# Epilogue attrs every GEMM op takes: y = act(acc * scales + bias) + residual, optionally quantized to
+# int8 with a static per-tensor scale. Each is an IR expression, fused into the kernel's store.
+EPILOGUE = {"bias": ("none", "bias"), "act": ("none", "silu", "gelu"), "residual": ("none", "add"),
+            "out": ("none", "int8")}
+EPILOGUE_INPUTS = (TensorSpec("bias", (N,), DTYPE, when=(("bias", ("bias",)),)),
+                   TensorSpec("residual", (M, N), DTYPE, when=(("residual", ("add",)),)),
+                   TensorSpec("out_scale", (Const(1),), "fp32", when=(("out", ("int8",)),)))
+OUTPUTS = (TensorSpec("y", (M, N), DTYPE, when=(("out", ("none",)),)),
+           TensorSpec("y_q", (M, N), "int8", when=(("out", ("int8",)),)))
 
 
-def _out(y: Ref) -> tuple:
+def _out(y: E.Expr, a) -> tuple:
+    """The epilogue's statements for the accumulator value `y` (already scaled)."""
+    if a["bias"] == "bias":
+        y = y + Load("bias", (c,))
+    if a["act"] == "silu":
+        y = y * sigmoid(y)
+    elif a["act"] == "gelu":
+        y = 0.5 * y * (1.0 + erf(y * 0.7071067811865476))
+    if a["residual"] == "add":
+        y = y + Load("residual", (r, c))
+    if a["out"] == "int8":
+        return (Store("y_q", (r, c), rint(clamp(y / Load("out_scale", (0,)), -127.0, 127.0))),)
     return (Store("y", (r, c), y),)
+
+
+def _epilogue_ref(y: torch.Tensor, t, a) -> dict:
+    if a["bias"] == "bias":
+        y = y + f64(t["bias"])
+    if a["act"] == "silu":
+        y = y * torch.sigmoid(y)
+    elif a["act"] == "gelu":
+        y = 0.5 * y * (1.0 + torch.erf(y / 2 ** 0.5))
+    if a["residual"] == "add":
+        y = y + f64(t["residual"])
+    if a["out"] == "int8":
+        return {"y_q": torch.round(y / f64(t["out_scale"])[0]).clamp(-127, 127)}
+    return {"y": y}
+
+
+def _with_epilogue(make, base_ref):
+    """Input maker adding the epilogue's tensors; the output scale fits the data it will quantize."""
+    def inputs(d, a, g):
+        t = make(d, a, g)
+        if a["bias"] == "bias":
+            t["bias"] = randn((d["N"],), a["dtype"], g)
+        if a["residual"] == "add":
+            t["residual"] = randn((d["M"], d["N"]), a["dtype"], g)
+        if a["out"] == "int8":
+            plain = _epilogue_ref(base_ref(t, {}, d, a), t, {**a, "out": "none"})["y"]
+            t["out_scale"] = (plain.abs().amax().clamp_min(1e-6) / 127.0).float().reshape(1)
+        return t
+    return inputs
+
+
+def _contraction_op(name: str, doc: str, dims: tuple, inputs: tuple, attrs: dict, prologue, base_ref, make,
+                    check=lambda d, a: None) -> Op:
+    """A GEMM op: `prologue(attrs)` gives (Contract statement, scaled accumulator expression)."""
+    def build(a):
+        con, y = prologue(a)
+        return (con, *_out(y, a))
+
+    return Op(name=name, kclass="contraction", doc=doc, dims=dims, row_dims=("M",),
+              inputs=inputs + EPILOGUE_INPUTS, outputs=OUTPUTS, domain=(M, N), attrs={**attrs, **EPILOGUE},
+              build=build, reference=lambda t, p, d, a: _epilogue_ref(base_ref(t, p, d, a), t, a),
+              make_inputs=_with_epilogue(make, base_ref), check_dims=check)
 
 
 def _xw_inputs(d, a, g, w_dtype: str | None = None) -> dict:
@@ -29,15 +92,11 @@ def _xw_inputs(d, a, g, w_dtype: str | None = None) -> dict:
     return {"x": x, "w": w.to(dtypes.TORCH[w_dtype or a["dtype"]])}
 
 
-GEMM = Op(
-    name="gemm", kclass="contraction", doc="y = x @ w.T (fp16/bf16, fp32 accumulation)",
-    dims=("M", "N", "K"), row_dims=("M",),
-    inputs=(TensorSpec("x", (M, K), DTYPE), TensorSpec("w", (N, K), DTYPE)),
-    outputs=(TensorSpec("y", (M, N), DTYPE),), domain=(M, N), attrs={"dtype": HALF},
-    build=lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, DTYPE), *_out(Ref("acc"))),
-    reference=lambda t, p, d, a: {"y": f64(t["x"]) @ f64(t["w"]).T},
-    make_inputs=lambda d, a, g: _xw_inputs(d, a, g),
-)
+GEMM = _contraction_op(
+    "gemm", "y = epilogue(x @ w.T) (fp16/bf16, fp32 accumulation)", ("M", "N", "K"),
+    (TensorSpec("x", (M, K), DTYPE), TensorSpec("w", (N, K), DTYPE)), {"dtype": HALF},
+    lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, DTYPE), Ref("acc")),
+    lambda t, p, d, a: f64(t["x"]) @ f64(t["w"]).T, lambda d, a, g: _xw_inputs(d, a, g))
 
 
 def _w8a16_inputs(d, a, g) -> dict:
@@ -46,27 +105,21 @@ def _w8a16_inputs(d, a, g) -> dict:
     return {"x": x, "w": qw.codes, "w_scale": qw.scales[:, 0].contiguous()}
 
 
-W8A16 = Op(
-    name="gemm_w8a16", kclass="contraction",
-    doc="y = x @ (w_int8 * w_scale[n]).T: int8 weights, per-channel fp32 scales, fp16/bf16 activations",
-    dims=("M", "N", "K"), row_dims=("M",),
-    inputs=(TensorSpec("x", (M, K), DTYPE), TensorSpec("w", (N, K), "int8"), TensorSpec("w_scale", (N,), "fp32")),
-    outputs=(TensorSpec("y", (M, N), DTYPE),), domain=(M, N), attrs={"dtype": HALF},
-    build=lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, DTYPE),
-                     *_out(Ref("acc") * Load("w_scale", (c,)))),
-    reference=lambda t, p, d, a: {"y": f64(t["x"]) @ (f64(t["w"]) * f64(t["w_scale"])[:, None]).T},
-    make_inputs=_w8a16_inputs,
-)
+W8A16 = _contraction_op(
+    "gemm_w8a16", "y = epilogue(x @ (w_int8 * w_scale[n]).T): int8 weights, per-channel fp32 scales, "
+    "fp16/bf16 activations", ("M", "N", "K"),
+    (TensorSpec("x", (M, K), DTYPE), TensorSpec("w", (N, K), "int8"), TensorSpec("w_scale", (N,), "fp32")),
+    {"dtype": HALF},
+    lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, DTYPE), Ref("acc") * Load("w_scale", (c,))),
+    lambda t, p, d, a: f64(t["x"]) @ (f64(t["w"]) * f64(t["w_scale"])[:, None]).T, _w8a16_inputs)
 
 
-def _w4_build(a) -> tuple:
+def _w4_prologue(a) -> tuple:
     code = (Load("w_packed", (c, k // 8)) >> ((k % 8) * 4)) & 15
     zero = Const(8) if a["zp"] == "sym" else Load("zeros", (c, k // Dim("G")))
     if a["group"] == "channel":
-        return (Contract("acc", Load("x", (r, k)), code - zero, K, DTYPE),
-                *_out(Ref("acc") * Load("scales", (c, 0))))
-    return (Contract("acc", Load("x", (r, k)), (code - zero) * Load("scales", (c, k // Dim("G"))), K, DTYPE),
-            *_out(Ref("acc")))
+        return Contract("acc", Load("x", (r, k)), code - zero, K, DTYPE), Ref("acc") * Load("scales", (c, 0))
+    return Contract("acc", Load("x", (r, k)), (code - zero) * Load("scales", (c, k // Dim("G"))), K, DTYPE), Ref("acc")
 
 
 def _w4_inputs(d, a, g) -> dict:
@@ -74,17 +127,17 @@ def _w4_inputs(d, a, g) -> dict:
     qw = quantize_rtn(torch.randn((d["N"], d["K"]), generator=g), bits=4, group=d["G"],
                       symmetric=a["zp"] == "sym")
     t = {"x": x, "w_packed": pack_int4(qw.codes), "scales": qw.scales.to(dtypes.TORCH[a["dtype"]])}
-    zeros = qw.zeros if qw.zeros is not None else torch.full_like(qw.codes[:, :: d["G"]], 8)
-    t["zeros"] = zeros.to(torch.int8)  # read only with zp=asym
+    if qw.zeros is not None:
+        t["zeros"] = qw.zeros.to(torch.int8)
     return t
 
 
-def _w4_reference(t, p, d, a) -> dict:
+def _w4_reference(t, p, d, a) -> torch.Tensor:
     codes = torch.stack([(t["w_packed"].to(torch.int64) >> (4 * j)) & 15 for j in range(8)], -1)
     codes = codes.reshape(d["N"], d["K"]).to(torch.float64)
     zeros = f64(t["zeros"]) if a["zp"] == "asym" else torch.full_like(f64(t["scales"]), 8.0)
     w = (codes - zeros.repeat_interleave(d["G"], 1)) * f64(t["scales"]).repeat_interleave(d["G"], 1)
-    return {"y": f64(t["x"]) @ w.T}
+    return f64(t["x"]) @ w.T
 
 
 def _w4_dims(d, a) -> str | None:
@@ -97,18 +150,15 @@ def _w4_dims(d, a) -> str | None:
     return None
 
 
-W4A16 = Op(
-    name="gemm_w4a16", kclass="contraction",
-    doc="y = x @ dequant(w_int4).T: 4-bit weights packed 8 per int32, group or per-channel scales, "
-        "symmetric or with zero points",
-    dims=("M", "N", "K", "G"), row_dims=("M",),
-    inputs=(TensorSpec("x", (M, K), DTYPE), TensorSpec("w_packed", (N, K // 8), "int32"),
-            TensorSpec("scales", (N, K // Dim("G")), DTYPE), TensorSpec("zeros", (N, K // Dim("G")), "int8")),
-    outputs=(TensorSpec("y", (M, N), DTYPE),), domain=(M, N),
+W4A16 = _contraction_op(
+    "gemm_w4a16", "y = epilogue(x @ dequant(w_int4).T): 4-bit weights packed 8 per int32, group or "
+    "per-channel scales, symmetric or with zero points", ("M", "N", "K", "G"),
+    (TensorSpec("x", (M, K), DTYPE), TensorSpec("w_packed", (N, K // 8), "int32"),
+     TensorSpec("scales", (N, K // Dim("G")), DTYPE),
+     TensorSpec("zeros", (N, K // Dim("G")), "int8", when=(("zp", ("asym",)),))),
     # group: scales per G consecutive k (applied in the k loop), or channel: G=K, applied to the sum.
-    attrs={"dtype": HALF, "zp": ("sym", "asym"), "group": ("group", "channel")},
-    build=_w4_build, reference=_w4_reference, make_inputs=_w4_inputs, check_dims=_w4_dims,
-)
+    {"dtype": HALF, "zp": ("sym", "asym"), "group": ("group", "channel")},
+    _w4_prologue, _w4_reference, _w4_inputs, _w4_dims)
 
 
 def _scaled_inputs(d, a, g, qdtype: str) -> dict:
@@ -121,20 +171,18 @@ def _scaled_inputs(d, a, g, qdtype: str) -> dict:
     return {"x": xq.to(t), "x_scale": xs.float(), "w": wq.to(t), "w_scale": ws.float()}
 
 
-def _scaled_reference(t, p, d, a) -> dict:
-    return {"y": (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ (f64(t["w"]) * f64(t["w_scale"])[:, None]).T}
+def _scaled_reference(t, p, d, a) -> torch.Tensor:
+    return (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ (f64(t["w"]) * f64(t["w_scale"])[:, None]).T
 
 
 def _scaled(name: str, qdtype: str, acc: str, doc: str) -> Op:
-    return Op(
-        name=name, kclass="contraction", doc=doc, dims=("M", "N", "K"), row_dims=("M",),
-        inputs=(TensorSpec("x", (M, K), qdtype), TensorSpec("x_scale", (M,), "fp32"),
-                TensorSpec("w", (N, K), qdtype), TensorSpec("w_scale", (N,), "fp32")),
-        outputs=(TensorSpec("y", (M, N), DTYPE),), domain=(M, N), attrs={"dtype": HALF},
-        build=lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, qdtype, acc),
-                         *_out(Ref("acc") * Load("x_scale", (r,)) * Load("w_scale", (c,)))),
-        reference=_scaled_reference, make_inputs=lambda d, a, g: _scaled_inputs(d, a, g, qdtype),
-    )
+    return _contraction_op(
+        name, doc, ("M", "N", "K"),
+        (TensorSpec("x", (M, K), qdtype), TensorSpec("x_scale", (M,), "fp32"),
+         TensorSpec("w", (N, K), qdtype), TensorSpec("w_scale", (N,), "fp32")), {"dtype": HALF},
+        lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, qdtype, acc),
+                   Ref("acc") * Load("x_scale", (r,)) * Load("w_scale", (c,))),
+        _scaled_reference, lambda d, a, g: _scaled_inputs(d, a, g, qdtype))
 
 
 W8A8 = _scaled("gemm_w8a8", "int8", "int32",

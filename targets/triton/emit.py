@@ -151,7 +151,7 @@ def kernel_args(wl: Workload, constexprs: Mapping[str, int]) -> list[Arg]:
     """Pointers, strides (all but the last, contiguous, axis), run-time dims, params, then constants:
     every dim but the row dims, and the schedule's tile sizes."""
     op = wl.op
-    tensors = op.inputs + op.outputs
+    tensors = wl.inputs + wl.outputs
     out = [Arg(f"{t.name}_ptr", "ptr", t.name) for t in tensors]
     out += [Arg(f"{t.name}_s{k}", "stride", t.name, k) for t in tensors for k in range(len(t.shape) - 1)]
     out += [Arg(d, "dim") for d in op.row_dims]
