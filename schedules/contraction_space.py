@@ -13,6 +13,7 @@ from typing import Any
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
+from flashgen.ir import prologue
 from flashgen.ir.op import Contract, Let, eval_int
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -50,15 +51,18 @@ def operand_bytes(wl: Workload) -> int:
     return dtypes.BYTES[_operand(wl)]
 
 
-def load_bytes(wl: Workload) -> tuple[int, int]:
-    """Bytes loaded per element of the A and B tiles: every Load in a prologue is one element-wise
-    load per tile element (a packed int4 word is loaded whole for each of its 8 codes), and the
-    software pipeliner keeps each in shared memory for every stage."""
+def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
+    """Bytes loaded per element of the A and B tiles, after the prologue is made tile-shaped
+    (flashgen/ir/prologue.py): a packed int4 word serves eight elements, a per-tile scale row none to
+    speak of. The software pipeliner keeps each load in shared memory for every stage."""
     _, _, _, con = _extents(wl)
     lets = {st.name: st.value for st in wl.op.body(wl.attr) if isinstance(st, Let)}
 
-    def total(e: E.Expr) -> int:
-        seen, n = set(), 0
+    def total(e: E.Expr) -> float:
+        unpacked: dict = {}
+        e = prologue.rewrite(e, wl.dim, block_k, unpacked)
+        n = sum(dtypes.BYTES[wl.tensor_dtype(w.tensor)] / 8 for w in unpacked)
+        seen = set()
         stack = [e]
         while stack:
             x = stack.pop()
@@ -67,7 +71,8 @@ def load_bytes(wl: Workload) -> tuple[int, int]:
                 continue
             if isinstance(x, E.Load) and x not in seen:
                 seen.add(x)
-                n += dtypes.BYTES[wl.tensor_dtype(x.tensor)]
+                per_tile = not any(isinstance(i, E.Index) and i.axis == "k" for ix in x.indices for i in E.walk(ix))
+                n += 0 if per_tile else dtypes.BYTES[wl.tensor_dtype(x.tensor)]
             stack.extend(E.children(x))
         return n
 
@@ -77,7 +82,7 @@ def load_bytes(wl: Workload) -> tuple[int, int]:
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     if operand_bytes(wl) == 1 and dtypes.is_float(_operand(wl)) and _extents(wl)[2] % s["block_k"]:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
-    a_bytes, b_bytes = load_bytes(wl)
+    a_bytes, b_bytes = load_bytes(wl, s["block_k"])
     smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
     limit = int(target.get("smem_per_block", 0))
     if smem > limit:

@@ -83,15 +83,27 @@ def test_contraction_defaults_valid():
 
 
 def test_shared_memory_rule_counts_what_prologues_load():
-    """Seen on the H200: a W4A16 tile of 16x64x256 with 4 stages needed 253952 bytes (each int4 code
-    loads its whole int32 word, plus its scale) and failed to launch; the space must exclude it."""
+    """Per tile element, A loads 2 bytes; B half a byte of packed word, plus the group scale when
+    the k tile spans several groups (G=128: a tile of 256 k reads two scales per column)."""
     from flashgen.schedules.contraction_space import load_bytes
     wl = flashgen.workload("gemm_w4a16", M=1, N=8192, K=8192, G=128, dtype="fp16")
-    assert load_bytes(wl) == (2, 4 + 2)
-    space = ScheduleSpace(wl, get_target("h200"))
-    bad = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 4, "group_m": 1}
+    assert load_bytes(wl, 64) == (2, 0.5)
+    assert load_bytes(wl, 256) == (2, 0.5 + 2)
+    space = ScheduleSpace(flashgen.workload("gemm_w4a16", M=256, N=8192, K=8192, G=128, dtype="fp16"),
+                          get_target("h200"))
+    bad = {"block_m": 256, "block_n": 256, "block_k": 512, "num_warps": 8, "num_stages": 5, "group_m": 1}
     assert "shared memory" in space.why_invalid(bad)
     assert space.is_valid(space.default())
+
+
+def test_int4_prologue_becomes_tile_loads():
+    """The generated W4A16 kernel loads each packed word once per tile and one scale row per tile."""
+    from flashgen.targets.triton.codegen import generate
+    wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=512, G=128, dtype="fp16")
+    src = generate(wl, {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 2,
+                        "group_m": 1}).source
+    assert "tl.reshape((words_w_packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15" in src
+    assert "(k0 // G)" in src and "kb // 8" not in src
 
 
 EPILOGUES = [("gemm", dict(bias="bias", act="silu", residual="add")), ("gemm_w8a16", dict(act="gelu")),

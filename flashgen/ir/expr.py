@@ -130,6 +130,22 @@ def children(e: Expr) -> tuple[Expr, ...]:
     return ()
 
 
+def transform(e: Expr, f) -> Expr:
+    """Rebuild `e` bottom-up, replacing each node n by f(n) (f returns n itself to keep it)."""
+    if isinstance(e, Load):
+        n: Expr = Load(e.tensor, tuple(transform(i, f) for i in e.indices),
+                       transform(e.mask, f) if e.mask is not None else None)
+    elif isinstance(e, Unary):
+        n = Unary(e.fn, transform(e.x, f))
+    elif isinstance(e, Binary):
+        n = Binary(e.op, transform(e.a, f), transform(e.b, f))
+    elif isinstance(e, Where):
+        n = Where(transform(e.cond, f), transform(e.a, f), transform(e.b, f))
+    else:
+        n = e
+    return f(n)
+
+
 def walk(e: Expr):
     """Yield every node of the tree, children first."""
     for ch in children(e):

@@ -14,6 +14,7 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.schedules.space import Schedule
+from flashgen.ir import prologue
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, kernel_args, module_header
 from flashgen.workload import Workload
 
@@ -24,6 +25,18 @@ def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
     while isinstance(e, E.Ref) and e.name in lets:
         e = lets[e.name]
     return e if isinstance(e, E.Load) else None
+
+
+def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool) -> None:
+    """Load the tile's packed words once, [block_k / 8, block_n], and unpack all eight codes of each."""
+    t = word.tensor
+    scope.line(f"kw_{t} = k0 // 8 + tl.arange(0, BLOCK_K // 8)[:, None]")
+    mask = " & ".join(m for m in (scope.axes["c"][1], f"(kw_{t} < {em.emit(E.Dim('K'), scope)} // 8)" if kmask else None) if m)
+    load = f"tl.load({t}_ptr + c.to(tl.int64) * {t}_s0 + kw_{t}" + (f", mask={mask}, other=0)" if mask else ")")
+    scope.line(f"words_{t} = {load}")
+    scope.line(f"{var} = tl.reshape((words_{t}[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15, "
+               "[BLOCK_K, BLOCK_N])")
+    em.named[var] = var
 
 
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
@@ -63,14 +76,19 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     a_scope.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
     if kmask:
         a_scope.line(f"kmask_a = ka < {em.emit(con.extent, a_scope)}")
-    b_scope = top.child(ind, {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None)}, fresh=True)
+    b_scope = top.child(ind, {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None),
+                              "k0": ("k0", None)}, fresh=True)
     b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
     if kmask:
         b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
+    unpacked: dict[E.Load, str] = {}
+    b_expr = prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked)
+    for word, var in unpacked.items():
+        _unpack_int4(em, b_scope, word, var, kmask)
     operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
     tl_operand = dtypes.TL[operand]
     tiles = []
-    for expr, scope in ((con.a, a_scope), (con.b, b_scope)):
+    for expr, scope in ((con.a, a_scope), (b_expr, b_scope)):
         load = _bare_load(expr, lets)
         raw = load is not None and op.dtype_of(load.tensor, attrs) == operand
         v = em.emit(expr, scope, raw=raw)
