@@ -124,3 +124,20 @@ def test_fused_epilogues(interpreter, op, kw):
         assert c.ok, c
     k = flashgen.compile(wl, "sm_90")
     assert k.binary[:4] == b"\x7fELF"
+
+
+def test_search_proposes_valid_gemm_schedules():
+    """The search and the analytic prior work on the contraction space as on the row classes."""
+    from flashgen.db.record import schedule_key
+    from flashgen.schedules.cost_model import AnalyticPrior
+    from flashgen.schedules.search import make_strategy
+    wl = flashgen.workload("gemm_w8a8", M=256, N=8192, K=8192)
+    space = ScheduleSpace(wl, get_target("h200"))
+    strat = make_strategy("evolutionary", space, AnalyticPrior(), seed=0)
+    first = strat.propose(8)
+    strat.observe([(s, 100.0 + i) for i, s in enumerate(first)])
+    second = strat.propose(8)
+    keys = [schedule_key(s) for s in first + second]
+    assert len(keys) == len(set(keys)) == 16
+    assert all(space.is_valid(s) for s in first + second)
+    assert all(s["block_m"] >= 64 for s in first[:3])  # the prior knows a 256-row GEMM wants big tiles
