@@ -3,22 +3,24 @@ that rowwise and pointwise kernels are judged against."""
 from __future__ import annotations
 
 from flashgen.ir import dtypes
-from flashgen.ir.op import eval_int
+from flashgen.ir.op import TensorSpec, eval_int
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
 
+def tensor_bytes(wl: Workload, t: TensorSpec) -> int:
+    """Bytes of one tensor a kernel touches: all of it, or the touched part of a gathered table."""
+    n = 1
+    for e in t.shape:
+        n *= eval_int(e, wl.dim)
+    if t.touched is not None:
+        n = min(n, eval_int(t.touched, wl.dim))
+    return n * dtypes.BYTES[wl.tensor_dtype(t.name)]
+
+
 def bytes_moved(wl: Workload) -> int:
-    """Each input read once and each output written once (gathered tables: the part touched)."""
-    total = 0
-    for t in wl.inputs + wl.outputs:
-        n = 1
-        for e in t.shape:
-            n *= eval_int(e, wl.dim)
-        if t.touched is not None:
-            n = min(n, eval_int(t.touched, wl.dim))
-        total += n * dtypes.BYTES[wl.tensor_dtype(t.name)]
-    return total
+    """Each input read once and each output written once."""
+    return sum(tensor_bytes(wl, t) for t in wl.inputs + wl.outputs)
 
 
 def roofline_us(wl: Workload, target: Target, copy_gbs: float | None = None) -> float:

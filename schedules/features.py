@@ -23,8 +23,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from flashgen.ir import dtypes
-from flashgen.ir.op import Reduce, eval_int
-from flashgen.roofline import bytes_moved, roofline_us
+from flashgen.ir.op import Reduce
+from flashgen.roofline import bytes_moved, roofline_us, tensor_bytes
 from flashgen.schedules.space import domain
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -86,14 +86,7 @@ def _compute_info(wl: Workload, target: Target) -> _WorkloadInfo:
     rows, cols = domain(wl)
     op = wl.op
     n_reduce = sum(isinstance(st, Reduce) for st in op.body(wl.attr))
-    in_bytes = 0
-    for t in op.inputs:
-        n = 1
-        for e in t.shape:
-            n *= eval_int(e, wl.dim)
-        if t.touched is not None:
-            n = min(n, eval_int(t.touched, wl.dim))
-        in_bytes += n * dtypes.BYTES[wl.tensor_dtype(t.name)]
+    in_bytes = sum(tensor_bytes(wl, t) for t in wl.inputs)
     return _WorkloadInfo(
         rows=rows, cols=cols, rowwise=op.kclass == "rowwise", n_reduce=n_reduce,
         dtype_bytes=dtypes.BYTES[wl.attr.get("dtype", "fp32")], bytes_moved=float(bytes_moved(wl)),
