@@ -31,6 +31,7 @@ class TritonLauncher:
         self.ks, self.wl, self.target, self.compiled = ks, wl, target, compiled
         self.hints = stride_hints(ks, wl)
         self._interpreted = None
+        self._devices_ok: set[int] = set()  # GPUs whose architecture was checked against the target
 
     def args(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
              dims: Mapping[str, int]) -> list[Any]:
@@ -71,8 +72,11 @@ class TritonLauncher:
             return
         if self.compiled is None:
             raise FlashgenError("this kernel was not compiled; build it in a process without TRITON_INTERPRET=1")
-        arch = device_arch(device)
-        if arch != self.target.arch:
-            raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
-                                f"compile it for the running device's target")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._devices_ok:
+            arch = device_arch(device)
+            if arch != self.target.arch:
+                raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
+                                    f"compile it for the running device's target")
+            self._devices_ok.add(index)
         self.compiled[g](*args)
