@@ -45,7 +45,7 @@ def workloads(ops: list[str], ms: list[int]) -> list[flashgen.Workload]:
 
 
 def verified(wl, kernel, dev):
-    bad = [c for c in check(wl, lambda i, o: kernel.run(i, o), 0, dev) if not c.ok]
+    bad = [c for c in check(wl, lambda i, o, p: kernel.run(i, o, p), 0, dev) if not c.ok]
     if bad:
         raise SystemExit(f"{wl} {kernel.schedule}: wrong result {bad}")
     return kernel

@@ -65,14 +65,17 @@ def compare(wl: Workload, outs: Mapping[str, torch.Tensor], ref: Mapping[str, to
     return checks
 
 
-Run = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], None]
+Run = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Mapping[str, float]], None]
 
 
-def check(wl: Workload, run: Run, seed: int, device: torch.device | str = "cpu") -> list[OutputCheck]:
-    """Draw fresh inputs from `seed`, run into poisoned outputs, compare with the float64 reference."""
+def check(wl: Workload, run: Run, seed: int, device: torch.device | str = "cpu",
+          params: Mapping[str, float] | None = None) -> list[OutputCheck]:
+    """Draw fresh inputs from `seed`, run into poisoned outputs with the op's params (defaults, or
+    those given), compare with the float64 reference."""
     gen = torch.Generator().manual_seed(seed)
     inputs = wl.op.make_inputs(wl.dim, wl.attr, gen)
     outs = poisoned(wl, wl.dim, device)
-    run({k: v.to(device) for k, v in inputs.items()}, outs)
-    ref = wl.op.reference(inputs, wl.op.params, wl.dim, wl.attr)
+    full = {**wl.op.params, **(params or {})}
+    run({k: v.to(device) for k, v in inputs.items()}, outs, full)
+    ref = wl.op.reference(inputs, full, wl.dim, wl.attr)
     return compare(wl, outs, ref)

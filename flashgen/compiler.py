@@ -32,7 +32,8 @@ def check_supported(wl: Workload, target: Target) -> None:
         if dt not in target.dtypes:
             raise FlashgenError(f"target {target.id} does not support {dt} ({wl.op_name} tensor '{t.name}'); "
                                 f"it supports {', '.join(target.dtypes)}")
-    supported = ("rowwise", "pointwise", "contraction") if target.backend == "triton" else ("rowwise", "pointwise")
+    supported = (("rowwise", "pointwise", "contraction", "attention") if target.backend == "triton"
+                 else ("rowwise", "pointwise"))
     if wl.op.kclass not in supported:
         raise FlashgenError(f"{wl.op.kclass} kernels are not generated for {target.id} yet "
                             f"(its {target.backend} backend generates {', '.join(supported)})")

@@ -188,19 +188,27 @@ def _columns(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Targe
     }
 
 
-def feature_names(kclass: str) -> tuple[str, ...]:
-    """The features of a kernel class: GEMM tiles have other knobs than row tiles."""
+def _class_module(kclass: str):
+    """The feature module of a kernel class with knobs of its own (GEMM tiles, attention pages)."""
     if kclass == "contraction":
         from flashgen.schedules import contraction_features
-        return contraction_features.FEATURE_NAMES
-    return FEATURE_NAMES
+        return contraction_features
+    if kclass == "attention":
+        from flashgen.schedules import attention_features
+        return attention_features
+    return None
+
+
+def feature_names(kclass: str) -> tuple[str, ...]:
+    mod = _class_module(kclass)
+    return mod.FEATURE_NAMES if mod else FEATURE_NAMES
 
 
 def feature_matrix(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
     """float32 array of shape (len(schedules), len(feature_names(class)))."""
-    if wl.op.kclass == "contraction":
-        from flashgen.schedules import contraction_features
-        return contraction_features.feature_matrix(wl, schedules, target)
+    mod = _class_module(wl.op.kclass)
+    if mod:
+        return mod.feature_matrix(wl, schedules, target)
     cols = _columns(wl, list(schedules), target)
     return np.stack([cols[name] for name in FEATURE_NAMES], axis=1).astype(np.float32)
 
@@ -212,7 +220,7 @@ def features(wl: Workload, schedule: Mapping[str, Any], target: Target) -> np.nd
 
 def analytic_latency_us(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
     """The analytic latency estimate (us) of each schedule: what the prior ranks by."""
-    if wl.op.kclass == "contraction":
-        from flashgen.schedules import contraction_features
-        return contraction_features.analytic_latency_us(wl, schedules, target)
+    mod = _class_module(wl.op.kclass)
+    if mod:
+        return mod.analytic_latency_us(wl, schedules, target)
     return _columns(wl, list(schedules), target)["_latency_us"]

@@ -39,6 +39,8 @@ MIN_ELEMS_PER_THREAD = 4     # fewer leaves 16-byte loads unused and most of eac
 MAX_TILE = 1 << 14           # elements of one tile
 MIN_LOOPED_TILE = 256        # a row walked in tiles narrower than this only adds loop overhead
 WARPS = (1, 2, 4, 8, 16, 32)
+# Paged decode attention: cache blocks per loop step (more keys in flight per program), warps, stages.
+ATTENTION_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
 CPU_MAX_BLOCK_C = 128        # cpu: widest column tile (elements) worth a vector operation
 CPU_TASK_ELEMENTS = 2048     # cpu default: elements of work per parallel task, at least
 
@@ -65,6 +67,8 @@ class ScheduleSpace:
     def knobs(self) -> dict[str, tuple[int, ...]]:
         if self.kclass == "contraction":
             return contraction_space.knobs(self.workload, self.target)
+        if self.kclass == "attention":
+            return ATTENTION_KNOBS
         rows, cols = domain(self.workload)
         pc, pr = next_pow2(cols), next_pow2(rows)
         block_c = tuple(b for b in (2 ** i for i in range(17)) if b <= pc and (b >= 16 or b == pc))
@@ -83,6 +87,8 @@ class ScheduleSpace:
                 return f"{k}={v} is not one of {knobs[k]}"
         if self.kclass == "contraction":
             return contraction_space.why_invalid(self.workload, self.target, s)
+        if self.kclass == "attention":
+            return None
         threads = s["num_warps"] * self.target.warp_size
         tile = s["block_r"] * s["block_c"]
         if self.target.backend == "triton":
@@ -115,6 +121,8 @@ class ScheduleSpace:
             s = contraction_space.default(self.workload, self.target)
             assert self.is_valid(s), (s, self.why_invalid(s))
             return s
+        if self.kclass == "attention":
+            return {"pages": 2, "num_warps": 4, "num_stages": 2}
         rows, cols = domain(self.workload)
         pc = next_pow2(cols)
         if self.target.backend != "triton":

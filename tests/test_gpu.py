@@ -23,7 +23,7 @@ CASES = [wl for wl in numerics_cases(Ms=(1, 3, 17, 1000)) if all(
 
 
 def _run(kernel):
-    return lambda inputs, outputs: kernel.run(inputs, outputs)
+    return lambda inputs, outputs, params: kernel.run(inputs, outputs, params)
 
 
 @pytest.mark.parametrize("wl", CASES, ids=case_id)

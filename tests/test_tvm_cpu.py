@@ -35,7 +35,7 @@ def kernel(wl: Workload, schedule: dict | None = None):
 def run_check(wl: Workload, schedule: dict | None = None, seed: int = 0, built_for: Workload | None = None):
     """check() through the launcher of the kernel built for `built_for` (default: `wl` itself)."""
     k = kernel(built_for or wl, schedule)
-    checks = check(wl, lambda ins, outs: k.launcher({**ins, **outs}, dict(wl.op.params), wl.dim), seed)
+    checks = check(wl, lambda ins, outs, p: k.launcher({**ins, **outs}, p, wl.dim), seed)
     assert {c.tensor for c in checks} == {t.name for t in wl.op.outputs}
     return checks
 
@@ -193,7 +193,7 @@ def test_saved_kernel_reloads_and_runs(tmp_path):
     assert meta["backend"] == "tvm" and meta["sha256"]["rope_kernel.so"]
     assert (tmp_path / "rope_kernel.tvm.py").read_text() == k.source
     launcher = tvm_backend.launcher_from_binary(wl, meta, (tmp_path / "rope_kernel.so").read_bytes())
-    for c in check(wl, lambda i, o: launcher({**i, **o}, {}, wl.dim), seed=9):
+    for c in check(wl, lambda i, o, p: launcher({**i, **o}, p, wl.dim), seed=9):
         assert c.ok, c
 
 
@@ -269,7 +269,7 @@ def test_every_expression_node_lowers(monkeypatch, with_erf):
     assert ("T.erf(" in k.source) == with_erf
     assert ("for ci in T.serial(32)" in k.source) == with_erf
     assert ("for ci in T.vectorized(32)" in k.source) == (not with_erf)
-    checks = check(wl, lambda i, o: k.launcher({**i, **o}, {}, wl.dim), seed=2)
+    checks = check(wl, lambda i, o, p: k.launcher({**i, **o}, p, wl.dim), seed=2)
     assert len(checks) == len(funcs)
     for ch in checks:
         assert ch.ok, ch

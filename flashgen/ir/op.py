@@ -69,7 +69,17 @@ class Contract:
     acc: str = "fp32"
 
 
-Stmt = Union[Let, Reduce, Store, Contract]
+@dataclass(frozen=True)
+class Attend:
+    """Online-softmax attention, the attention class's one statement, FlexAttention-style: `score` is
+    the logit of a query and a key as an expression of Ref("s") (the scaled dot product) and the axes
+    Index("h") (query head), Index("qpos"), Index("kpos") (positions); `mask` says which keys a query
+    sees. Causal, sliding-window, soft-cap and ALiBi variants are expressions, not kernels."""
+    score: E.Expr
+    mask: E.Expr
+
+
+Stmt = Union[Let, Reduce, Store, Contract, Attend]
 Attrs = Mapping[str, str]
 Reference = Callable[[Mapping[str, torch.Tensor], Mapping[str, float], Mapping[str, int], Attrs], dict]
 InputMaker = Callable[[Mapping[str, int], Attrs, torch.Generator], dict]

@@ -121,6 +121,9 @@ def generate(wl: Workload, schedule: Schedule) -> KernelSource:
     if wl.op.kclass == "contraction":
         from flashgen.targets.triton.contraction import generate_contraction
         return generate_contraction(wl, schedule)
+    if wl.op.kclass == "attention":
+        from flashgen.targets.triton.attention import generate_attention
+        return generate_attention(wl, schedule)
     raise NotImplementedError(f"the triton backend does not generate {wl.op.kclass} kernels yet")
 
 

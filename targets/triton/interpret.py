@@ -16,7 +16,8 @@ from flashgen.schedules.space import Schedule
 from flashgen.workload import Workload
 
 
-def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seed: int) -> list[dict[str, Any]]:
+def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seed: int,
+                    params: dict[str, float] | None) -> list[dict[str, Any]]:
     from flashgen.targets.descriptor import get_target
     from flashgen.targets.kernel import bind_dims
     from flashgen.targets.triton.codegen import generate
@@ -25,10 +26,10 @@ def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seed: i
     wl = Workload.from_json(wl_json)
     launcher = TritonLauncher(generate(wl, schedule), wl, get_target(target_name))
 
-    def run(inputs, outputs):
-        launcher({**inputs, **outputs}, wl.op.params, bind_dims(wl, inputs))
+    def run(inputs, outputs, full_params):
+        launcher({**inputs, **outputs}, full_params, bind_dims(wl, inputs))
 
-    return [asdict(c) for c in check(wl, run, seed)]
+    return [asdict(c) for c in check(wl, run, seed, params=params)]
 
 
 class InterpreterPool:
@@ -46,8 +47,9 @@ class InterpreterPool:
             else:
                 os.environ["TRITON_INTERPRET"] = old
 
-    def check(self, wl: Workload, schedule: Schedule, target: str, seed: int) -> list[OutputCheck]:
-        rows = self.pool.apply(_check_in_child, (wl.to_json(), schedule, target, seed))
+    def check(self, wl: Workload, schedule: Schedule, target: str, seed: int,
+              params: dict[str, float] | None = None) -> list[OutputCheck]:
+        rows = self.pool.apply(_check_in_child, (wl.to_json(), schedule, target, seed, params))
         return [OutputCheck(**r) for r in rows]
 
     def close(self) -> None:

@@ -1,0 +1,70 @@
+"""Triton code generation for paged decode attention (the attention class).
+
+One program per (sequence, KV head) serves every query head of that KV head's GQA group at once: the
+group's queries form a [G, D] tile (G padded to the 16 rows a matrix instruction takes), so each key
+and value is read from the cache once for the whole group. The program walks the sequence's context
+`pages` cache blocks at a time through its block table, computes the logits with tl.dot, applies the
+op's score and mask expressions (emitted from the IR), and keeps an online softmax (running max and
+sum) so that the context is read exactly once. Masked-out keys, and the padded rows, never reach a max:
+a fully masked tile leaves the running state unchanged.
+"""
+from __future__ import annotations
+
+from flashgen.ir import dtypes
+from flashgen.ir.op import Attend
+from flashgen.schedules.space import Schedule
+from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, kernel_args, module_header
+from flashgen.workload import Workload
+
+
+def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
+    op, attrs, dim = wl.op, wl.attr, wl.dim
+    [att] = [st for st in op.body(attrs) if isinstance(st, Attend)]
+    group = dim["Hq"] // dim["Hkv"]
+    g_pad = max(16, 1 << (group - 1).bit_length())
+    em = Emitter(op, attrs, {})
+    name = f"{op.name}_kernel"
+    args = kernel_args(wl, {"G_PAD": g_pad, "PAGES": s["pages"]})
+    lines = module_header(wl, s, name, args)
+    top = Scope(lines, "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None)})
+    dt = dtypes.TL[attrs["dtype"]]
+    top.line("b = tl.program_id(0)")
+    top.line("kvh = tl.program_id(1)")
+    top.line("g = tl.arange(0, G_PAD)[:, None]")
+    top.line(f"gmask = g < {group}")
+    top.line(f"h = kvh * {group} + g")
+    top.line("dd = tl.arange(0, D)")
+    top.line("q = tl.load(q_ptr + b.to(tl.int64) * q_s0 + h * q_s1 + dd[None, :], mask=gmask, other=0)")
+    top.line("ctx = tl.load(context_lens_ptr + b)")
+    top.line("qpos = ctx - 1")
+    top.line("m_i = tl.full([G_PAD, 1], float(\"-inf\"), tl.float32)")
+    top.line("l_i = tl.zeros([G_PAD, 1], tl.float32)")
+    top.line("acc = tl.zeros([G_PAD, D], tl.float32)")
+    top.line("scale = 1.0 / tl.sqrt(D * 1.0)")
+    top.line("for start in range(0, ctx, BS * PAGES):")
+    body = top.child(top.indent + "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None), "kpos": ("kpos", "kmask")},
+                     fresh=True)
+    body.line("kpos = start + tl.arange(0, BS * PAGES)[None, :]")
+    body.line("kmask = kpos < ctx")
+    body.line("kcol = start + tl.arange(0, BS * PAGES)[:, None]")
+    body.line("page_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=kmask, other=0)")
+    body.line("page_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kcol // BS, mask=kcol < ctx, other=0)")
+    body.line("kt = tl.load(k_cache_ptr + page_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
+              "kvh * k_cache_s2 + dd[:, None], mask=kmask, other=0)")
+    body.line("v = tl.load(v_cache_ptr + page_c.to(tl.int64) * v_cache_s0 + (kcol % BS) * v_cache_s1 + "
+              "kvh * v_cache_s2 + dd[None, :], mask=kcol < ctx, other=0)")
+    body.line("s = tl.dot(q, kt) * scale")
+    em.named["s"] = "s"
+    score = em.emit(att.score, body)
+    seen = em.emit(att.mask, body)
+    body.line(f"logit = tl.where(kmask & gmask & ({seen}), {score}, float(\"-inf\"))")
+    body.line("m_new = tl.maximum(m_i, tl.max(logit, axis=1)[:, None])")
+    body.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
+    body.line("alpha = tl.exp(m_i - m_safe)")
+    body.line("p = tl.exp(logit - m_safe)")
+    body.line("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]")
+    body.line(f"acc = acc * alpha + tl.dot(p.to({dt}), v)")
+    body.line("m_i = m_new")
+    top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
+    top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
+    return KernelSource(name, "\n".join(lines) + "\n", args, (1, 1), tile_cols=True)
