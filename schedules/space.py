@@ -40,7 +40,9 @@ MAX_TILE = 1 << 14           # elements of one tile
 MIN_LOOPED_TILE = 256        # a row walked in tiles narrower than this only adds loop overhead
 WARPS = (1, 2, 4, 8, 16, 32)
 # Paged decode attention: cache blocks per loop step (more keys in flight per program), warps, stages.
-ATTENTION_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
+DECODE_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
+# Prefill: query rows and key columns per tile, warps, stages.
+PREFILL_KNOBS = {"block_m": (32, 64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 CPU_MAX_BLOCK_C = 128        # cpu: widest column tile (elements) worth a vector operation
 CPU_TASK_ELEMENTS = 2048     # cpu default: elements of work per parallel task, at least
 
@@ -68,7 +70,7 @@ class ScheduleSpace:
         if self.kclass == "contraction":
             return contraction_space.knobs(self.workload, self.target)
         if self.kclass == "attention":
-            return ATTENTION_KNOBS
+            return PREFILL_KNOBS if self._attention_kind() == "prefill" else DECODE_KNOBS
         rows, cols = domain(self.workload)
         pc, pr = next_pow2(cols), next_pow2(rows)
         block_c = tuple(b for b in (2 ** i for i in range(17)) if b <= pc and (b >= 16 or b == pc))
@@ -87,8 +89,16 @@ class ScheduleSpace:
                 return f"{k}={v} is not one of {knobs[k]}"
         if self.kclass == "contraction":
             return contraction_space.why_invalid(self.workload, self.target, s)
-        if self.kclass == "attention":
-            return None
+        if self.kclass == "attention" and self._attention_kind() == "prefill":
+            d = self.workload.dim["D"]
+            smem = s["num_stages"] * 2 * s["block_n"] * d * 2 + s["block_m"] * d * 2
+            if smem > int(self.target.get("smem_per_block", 0)):
+                return f"{smem} bytes of key/value tiles exceed the shared memory"
+            if s["block_m"] * d > s["num_warps"] * self.target.warp_size * MAX_ELEMS_PER_THREAD:
+                return "the output accumulator does not fit the warps' registers"
+        return None if self.kclass == "attention" else self._row_rules(s)
+
+    def _row_rules(self, s: Schedule) -> str | None:
         threads = s["num_warps"] * self.target.warp_size
         tile = s["block_r"] * s["block_c"]
         if self.target.backend == "triton":
@@ -107,6 +117,10 @@ class ScheduleSpace:
             return f"block_c={s['block_c']} is wider than the cpu's vector tiles (at most {CPU_MAX_BLOCK_C})"
         return None
 
+    def _attention_kind(self) -> str:
+        from flashgen.ir.op import Attend
+        return next(st.kind for st in self.workload.op.body(self.workload.attr) if isinstance(st, Attend))
+
     def __iter__(self) -> Iterator[Schedule]:
         knobs = self.knobs()
         for values in itertools.product(*knobs.values()):
@@ -122,7 +136,14 @@ class ScheduleSpace:
             assert self.is_valid(s), (s, self.why_invalid(s))
             return s
         if self.kclass == "attention":
-            return {"pages": 2, "num_warps": 4, "num_stages": 2}
+            if self._attention_kind() == "decode":
+                return {"pages": 2, "num_warps": 4, "num_stages": 2}
+            # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB).
+            for stages, block_n in ((2, 64), (1, 64), (1, 32)):
+                s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages}
+                if self.is_valid(s):
+                    return s
+            return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1}
         rows, cols = domain(self.workload)
         pc = next_pow2(cols)
         if self.target.backend != "triton":

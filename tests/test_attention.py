@@ -86,3 +86,38 @@ def test_prior_ranks_attention_schedules():
     scores = AnalyticPrior().score(wl, scheds, get_target("h200"))
     best = scheds[int(scores.argmax())]
     assert len(scheds) == 36 and best["pages"] >= 4  # long contexts want more keys per step
+
+
+PREFILL = {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
+def prefill(**kw):
+    base = dict(T=100, B=4, Hq=8, Hkv=2, D=64, dtype="fp16")
+    return flashgen.workload("flash_prefill_attention", **{**base, **kw})
+
+
+@pytest.mark.parametrize("mod, params", [("none", None), ("window", {"window": 20.0}), ("softcap", {"softcap": 1.5}),
+                                         ("alibi", None)])
+@pytest.mark.parametrize("hq, hkv, d, t, b", [(4, 4, 32, 70, 1), (8, 2, 64, 100, 4), (8, 1, 128, 77, 6)])
+def test_prefill_numerics(interpreter, mod, params, hq, hkv, d, t, b):
+    """Packed ragged sequences (lengths from random cuts of T, ones included when B is large), causal."""
+    wl = prefill(T=t, B=b, Hq=hq, Hkv=hkv, D=d, mod=mod)
+    for c in interpreter.check(wl, PREFILL, "h200", seed=t + b, params=params):
+        assert c.ok, (mod, c)
+
+
+def test_prefill_tiles_other_than_default(interpreter):
+    wl = prefill(T=150, B=3)
+    for s in ({"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 1},
+              {"block_m": 32, "block_n": 128, "num_warps": 4, "num_stages": 3}):
+        assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+        for c in interpreter.check(wl, s, "h200", seed=1):
+            assert c.ok, (s, c)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942"])
+def test_prefill_aot(target):
+    wl = prefill(T=65536, B=8, Hq=32, Hkv=8, D=128, dtype="bf16")
+    space = ScheduleSpace(wl, get_target(target))
+    k = flashgen.compile(wl, target)
+    assert space.is_valid(k.schedule) and k.binary[:4] == b"\x7fELF"

@@ -50,3 +50,44 @@ def test_row_count_differs_from_compiled():
     for m in (1, 63, 1000):
         for c in check(wl.with_dims(M=m), _run(kernel), m, DEVICE):
             assert c.ok, (m, c)
+
+
+GEMM_CASES = [flashgen.workload(op, M=m, N=320, K=512, dtype=dt, **kw)
+              for m in (1, 17, 256) for dt in ("bf16", "fp16")
+              for op, kw in (("gemm", {}), ("gemm_w8a16", {}), ("gemm_w4a16", {"G": 128}),
+                             ("gemm_w4a16", {"G": 512, "group": "channel", "zp": "asym"}), ("gemm_w8a8", {}),
+                             ("gemm_fp8", {}), ("gemm", {"bias": "bias", "act": "silu", "residual": "add"}))
+              if op != "gemm_fp8" or "fp8e4m3" in TARGET.dtypes]
+
+
+@pytest.mark.parametrize("wl", GEMM_CASES, ids=case_id)
+def test_gemm_on_gpu(wl):
+    """bf16 GEMMs are checked here only: Triton's interpreter multiplies bf16 dot operands wrongly."""
+    kernel = flashgen.compile(wl, TARGET)
+    for c in check(wl, _run(kernel), 1, DEVICE):
+        assert c.ok, (c, kernel.schedule)
+
+
+ATTN_CASES = [flashgen.workload("paged_decode_attention", B=b, Hq=hq, Hkv=hkv, D=d, BS=16, NB=512, MAXB=64,
+                                L=length, dtype=dt, mod=mod)
+              for b, length in ((1, 1000), (7, 333)) for hq, hkv, d in ((32, 8, 128), (8, 8, 64), (16, 2, 256))
+              for dt in ("bf16", "fp16") for mod in ("none", "alibi")]
+
+
+@pytest.mark.parametrize("wl", ATTN_CASES, ids=case_id)
+def test_paged_decode_on_gpu(wl):
+    kernel = flashgen.compile(wl, TARGET)
+    for c in check(wl, _run(kernel), 2, DEVICE, params={"window": 100.0}):
+        assert c.ok, (c, kernel.schedule)
+
+
+PREFILL_CASES = [flashgen.workload("flash_prefill_attention", T=t, B=b, Hq=32, Hkv=8, D=d, dtype=dt, mod=mod)
+                 for t, b in ((1000, 1), (3001, 7)) for d in (64, 128) for dt in ("bf16", "fp16")
+                 for mod in ("none", "window")]
+
+
+@pytest.mark.parametrize("wl", PREFILL_CASES, ids=case_id)
+def test_prefill_on_gpu(wl):
+    kernel = flashgen.compile(wl, TARGET)
+    for c in check(wl, _run(kernel), 3, DEVICE, params={"window": 256.0}):
+        assert c.ok, (c, kernel.schedule)

@@ -77,6 +77,7 @@ class Attend:
     sees. Causal, sliding-window, soft-cap and ALiBi variants are expressions, not kernels."""
     score: E.Expr
     mask: E.Expr
+    kind: str = "decode"  # "decode": one query per sequence, paged cache; "prefill": packed sequences
 
 
 Stmt = Union[Let, Reduce, Store, Contract, Attend]

@@ -1,4 +1,6 @@
-"""Attention ops. paged_decode_attention: one new query token per sequence against a paged KV cache.
+"""Attention ops.
+
+paged_decode_attention: one new query token per sequence against a paged KV cache.
 
 Cache layout: k_cache and v_cache are [NB, BS, Hkv, D] — NB physical blocks of BS tokens; the tokens
 of sequence b live in blocks block_tables[b, 0], block_tables[b, 1], ..., in order, and the first
@@ -23,15 +25,20 @@ S, H, QPOS, KPOS = Ref("s"), Index("h"), Index("qpos"), Index("kpos")
 MODS = ("none", "window", "softcap", "alibi")
 
 
-def _build(a) -> tuple:
+def _mods(a) -> tuple:
+    """(score, mask) of the `mod` attr, on top of causal masking."""
     score, mask = S, KPOS <= QPOS
     if a["mod"] == "window":
-        mask = KPOS > QPOS - Param("window")
+        mask = mask & (KPOS > QPOS - Param("window"))
     elif a["mod"] == "softcap":
         score = Param("softcap") * tanh(S / Param("softcap"))
     elif a["mod"] == "alibi":
         score = S + Load("alibi_slopes", (H,)) * (KPOS - QPOS)
-    return (Attend(score, mask),)
+    return score, mask
+
+
+def _build(a) -> tuple:
+    return (Attend(*_mods(a), kind="decode"),)
 
 
 def _reference(t, p, d, a) -> dict:
@@ -97,4 +104,70 @@ PAGED_DECODE = Op(
     build=_build, reference=_reference, make_inputs=_inputs, check_dims=_check,
 )
 
-OPS = (PAGED_DECODE,)
+
+# ---- flash_prefill_attention -------------------------------------------------------------------
+T = Dim("T")
+
+
+def _prefill_reference(t, p, d, a) -> dict:
+    q, k, v = f64(t["q"]), f64(t["k"]), f64(t["v"])
+    group = d["Hq"] // d["Hkv"]
+    out = torch.empty_like(q)
+    cu = t["cu_seqlens"].tolist()
+    for b in range(len(cu) - 1):
+        s0, s1 = cu[b], cu[b + 1]
+        n = s1 - s0
+        if n == 0:
+            continue
+        kk, vv = k[s0:s1].repeat_interleave(group, 1), v[s0:s1].repeat_interleave(group, 1)
+        s = torch.einsum("ihd,jhd->hij", q[s0:s1], kk) / d["D"] ** 0.5
+        pos = torch.arange(n, dtype=torch.float64)
+        if a["mod"] == "softcap":
+            s = p["softcap"] * torch.tanh(s / p["softcap"])
+        elif a["mod"] == "alibi":
+            s = s + f64(t["alibi_slopes"])[:, None, None] * (pos[None, :] - pos[:, None])[None]
+        mask = pos[None, :] <= pos[:, None]
+        if a["mod"] == "window":
+            mask &= pos[None, :] > pos[:, None] - p["window"]
+        s = s.masked_fill(~mask[None], float("-inf"))
+        out[s0:s1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), vv)
+    return {"out": out}
+
+
+def _prefill_inputs(d, a, g) -> dict:
+    """B sequences of random lengths summing to T (some may be 1 token long)."""
+    b, total = d["B"], d["T"]
+    cuts = torch.sort(torch.randperm(total - 1, generator=g)[: b - 1] + 1).values if b > 1 else torch.zeros(0, dtype=torch.long)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([total])]).to(torch.int32)
+    t = {"q": randn((total, d["Hq"], d["D"]), a["dtype"], g), "k": randn((total, d["Hkv"], d["D"]), a["dtype"], g),
+         "v": randn((total, d["Hkv"], d["D"]), a["dtype"], g), "cu_seqlens": cu}
+    if a["mod"] == "alibi":
+        t["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, d["Hq"] + 1, dtype=torch.float32) / d["Hq"])
+    return t
+
+
+def _prefill_check(d, a) -> str | None:
+    if d["Hq"] % d["Hkv"]:
+        return f"Hq={d['Hq']} must be a multiple of Hkv={d['Hkv']}"
+    if d["D"] & (d["D"] - 1) or d["D"] < 16:
+        return f"head dim D={d['D']} must be a power of two, at least 16"
+    if d["B"] > d["T"]:
+        return f"B={d['B']} sequences cannot share T={d['T']} tokens"
+    return None
+
+
+FLASH_PREFILL = Op(
+    name="flash_prefill_attention", kclass="attention",
+    doc="causal attention over packed variable-length sequences (cu_seqlens); GQA; mods window|softcap|alibi",
+    dims=("T", "B", "Hq", "Hkv", "D"), row_dims=("T", "B"),
+    inputs=(TensorSpec("q", (T, Hq, D), DTYPE), TensorSpec("k", (T, Hkv, D), DTYPE),
+            TensorSpec("v", (T, Hkv, D), DTYPE), TensorSpec("cu_seqlens", (B + 1,), "int32"),
+            TensorSpec("alibi_slopes", (Hq,), "fp32", when=(("mod", ("alibi",)),))),
+    outputs=(TensorSpec("out", (T, Hq, D), DTYPE),),
+    domain=(T, B * Hq), attrs={"dtype": ("bf16", "fp16"), "mod": MODS},
+    params={"window": 1024.0, "softcap": 30.0},
+    build=lambda a: (Attend(*_mods(a), kind="prefill"),),
+    reference=_prefill_reference, make_inputs=_prefill_inputs, check_dims=_prefill_check,
+)
+
+OPS = (PAGED_DECODE, FLASH_PREFILL)

@@ -1,12 +1,16 @@
-"""Triton code generation for paged decode attention (the attention class).
+"""Triton code generation for the attention class: paged decode and packed-sequence prefill.
 
-One program per (sequence, KV head) serves every query head of that KV head's GQA group at once: the
+Decode: one program per (sequence, KV head) serves every query head of that KV head's GQA group at once: the
 group's queries form a [G, D] tile (G padded to the 16 rows a matrix instruction takes), so each key
 and value is read from the cache once for the whole group. The program walks the sequence's context
 `pages` cache blocks at a time through its block table, computes the logits with tl.dot, applies the
 op's score and mask expressions (emitted from the IR), and keeps an online softmax (running max and
 sum) so that the context is read exactly once. Masked-out keys, and the padded rows, never reach a max:
 a fully masked tile leaves the running state unchanged.
+
+Prefill: one program per (block_m queries of one sequence, query head); the grid covers T / block_m
+query tiles per sequence so that no host-side maximum length is needed, and tiles past a sequence's
+end do nothing. Key tiles stop at the diagonal (causal), and the same score and mask expressions apply.
 """
 from __future__ import annotations
 
@@ -17,9 +21,69 @@ from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, kernel_ar
 from flashgen.workload import Workload
 
 
+def _online_softmax(body: Scope, dt: str) -> None:
+    """One key tile's update of the running max, sum and weighted values (`logit`, `v` in scope)."""
+    body.line("m_new = tl.maximum(m_i, tl.max(logit, axis=1)[:, None])")
+    body.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
+    body.line("alpha = tl.exp(m_i - m_safe)")
+    body.line("p = tl.exp(logit - m_safe)")
+    body.line("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]")
+    body.line(f"acc = acc * alpha + tl.dot(p.to({dt}), v)")
+    body.line("m_i = m_new")
+
+
 def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
+    [att] = [st for st in wl.op.body(wl.attr) if isinstance(st, Attend)]
+    return (_prefill if att.kind == "prefill" else _decode)(wl, s, att)
+
+
+def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     op, attrs, dim = wl.op, wl.attr, wl.dim
-    [att] = [st for st in op.body(attrs) if isinstance(st, Attend)]
+    group = dim["Hq"] // dim["Hkv"]
+    em = Emitter(op, attrs, {})
+    name = f"{op.name}_kernel"
+    args = kernel_args(wl, {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"]})
+    lines = module_header(wl, s, name, args)
+    dt = dtypes.TL[attrs["dtype"]]
+    top = Scope(lines, "    ", {})
+    top.line("pid_m = tl.program_id(0)")
+    top.line("bh = tl.program_id(1)")
+    top.line("b = bh // Hq")
+    top.line("h = bh % Hq")
+    top.line(f"kvh = h // {group}")
+    top.line("s0 = tl.load(cu_seqlens_ptr + b)")
+    top.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
+    top.line("if pid_m * BLOCK_M < n:")
+    blk = top.child(top.indent + "    ")
+    blk.line("i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
+    blk.line("imask = i < n")
+    blk.line("dd = tl.arange(0, D)")
+    blk.line("q = tl.load(q_ptr + (s0 + i).to(tl.int64) * q_s0 + h * q_s1 + dd[None, :], mask=imask, other=0)")
+    blk.line("m_i = tl.full([BLOCK_M, 1], float(\"-inf\"), tl.float32)")
+    blk.line("l_i = tl.zeros([BLOCK_M, 1], tl.float32)")
+    blk.line("acc = tl.zeros([BLOCK_M, D], tl.float32)")
+    blk.line("scale = 1.0 / tl.sqrt(D * 1.0)")
+    blk.line("for n0 in range(0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):")
+    body = blk.child(blk.indent + "    ", {"h": ("h", None), "qpos": ("i", "imask"), "kpos": ("j", "jmask")},
+                     fresh=True)
+    body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
+    body.line("jmask = j < n")
+    body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
+    body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None], mask=jmask, other=0)")
+    body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :], mask=jc < n, other=0)")
+    body.line("s = tl.dot(q, kt) * scale")
+    em.named["s"] = "s"
+    score = em.emit(att.score, body)
+    seen = em.emit(att.mask, body)
+    body.line(f"logit = tl.where(jmask & imask & ({seen}), {score}, float(\"-inf\"))")
+    _online_softmax(body, dt)
+    blk.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
+    blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=imask)")
+    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True)
+
+
+def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
+    op, attrs, dim = wl.op, wl.attr, wl.dim
     group = dim["Hq"] // dim["Hkv"]
     g_pad = max(16, 1 << (group - 1).bit_length())
     em = Emitter(op, attrs, {})
@@ -58,13 +122,7 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     score = em.emit(att.score, body)
     seen = em.emit(att.mask, body)
     body.line(f"logit = tl.where(kmask & gmask & ({seen}), {score}, float(\"-inf\"))")
-    body.line("m_new = tl.maximum(m_i, tl.max(logit, axis=1)[:, None])")
-    body.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
-    body.line("alpha = tl.exp(m_i - m_safe)")
-    body.line("p = tl.exp(logit - m_safe)")
-    body.line("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]")
-    body.line(f"acc = acc * alpha + tl.dot(p.to({dt}), v)")
-    body.line("m_i = m_new")
+    _online_softmax(body, dt)
     top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
     top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
     return KernelSource(name, "\n".join(lines) + "\n", args, (1, 1), tile_cols=True)
