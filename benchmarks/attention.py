@@ -1,0 +1,124 @@
+"""Generated attention against torch SDPA (flash / cuDNN / efficient backends, contiguous KV,
+enable_gqa) and the bandwidth / compute rooflines, side by side in one run on the current GPU.
+Each workload is tuned briefly first (analytic default, then the prior's best few).
+
+    python benchmarks/attention.py --db DB [--trials 6] [--part decode,prefill]
+
+Decode: Hq=32 Hkv=8 D=128, cache blocks of 16 tokens scattered at random, full contexts:
+B=32 L=4096, B=8 L=32768, B=1 L=131072 (the peer reads the same keys from a contiguous cache).
+Prefill, causal, H=32 D=128: B=4 S=4096, B=1 S=16384, and 8 sequences of 1k-16k tokens packed
+(the peer runs SDPA once per sequence).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, bench_side_by_side, copy_gbs, environment, print_table, write_results  # noqa: E402
+
+import flashgen  # noqa: E402
+from flashgen.db import Database  # noqa: E402
+from flashgen.roofline import bytes_moved  # noqa: E402
+from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.targets import target_for_device  # noqa: E402
+from flashgen.targets.triton.launch import device_arch  # noqa: E402
+
+BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def decode_case(b: int, length: int, dev):
+    nb = b * length // BS
+    wl = flashgen.workload("paged_decode_attention", B=b, Hq=HQ, Hkv=HKV, D=D, BS=BS, NB=nb, MAXB=length // BS,
+                           L=length, dtype="bf16")
+    g = torch.Generator(device=dev).manual_seed(0)
+    kc = torch.randn(nb, BS, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(nb, device=dev, generator=g).to(torch.int32)
+    ins = {"q": torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16, generator=g), "k_cache": kc, "v_cache": vc,
+           "block_tables": perm.reshape(b, length // BS), "context_lens": torch.full((b,), length, device=dev,
+                                                                                    dtype=torch.int32)}
+    k = kc[perm.long()].reshape(b, length, HKV, D).transpose(1, 2).contiguous()
+    v = vc[perm.long()].reshape(b, length, HKV, D).transpose(1, 2).contiguous()
+    q4 = ins["q"][:, :, None, :]
+    return wl, ins, lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+
+def prefill_case(lengths: list[int], dev):
+    total = sum(lengths)
+    wl = flashgen.workload("flash_prefill_attention", T=total, B=len(lengths), Hq=HQ, Hkv=HKV, D=D, dtype="bf16")
+    g = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device=dev, dtype=torch.int32)
+    ins = {"q": q, "k": k, "v": v, "cu_seqlens": cu}
+    seqs = [(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None])
+            for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+
+    def peer():
+        for qq, kk, vv in seqs:
+            F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+    return wl, ins, peer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--db", required=True)
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--part", default="decode,prefill")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    bw = copy_gbs()
+    cases = []
+    if "decode" in args.part:
+        cases += [("decode", f"B={b} L={n}", *decode_case(b, n, dev)) for b, n in ((32, 4096), (8, 32768), (1, 131072))]
+    if "prefill" in args.part:
+        ragged = [1024, 16384, 2048, 5000, 12000, 1500, 8192, 3000]
+        cases += [("prefill", name, *prefill_case(lens, dev)) for name, lens in
+                  (("B=4 S=4096", [4096] * 4), ("B=1 S=16384", [16384]), ("ragged 8x 1k-16k", ragged))]
+    rows = []
+    with Database(args.db) as db:
+        for kind, name, wl, ins, peer in cases:
+            tune(wl, target, db, args.trials, strategy="evolutionary", progress=None)
+            kern = flashgen.compile(wl, target, db=db)
+            out = kern.run(ins)
+            fns = {"flashgen": lambda: kern.run(ins, out)}
+            for be in BACKENDS:
+                def run_peer(be=be):
+                    with sdpa_kernel([be]):
+                        peer()
+                try:
+                    run_peer()
+                    fns[be.name.lower()] = run_peer
+                except RuntimeError as e:
+                    print(f"  {be.name} refused: {str(e).splitlines()[0][:80]}")
+            t = bench_side_by_side(fns, bytes_moved(wl), target.get("l2_bytes"), rounds=2)
+            best_peer = min((v, k) for k, v in t.items() if k != "flashgen")
+            if kind == "decode":
+                roof = bytes_moved(wl) / (bw * 1e3)
+            else:
+                flops = sum(4.0 * HQ * D * n * n / 2 for n in torch.diff(ins["cu_seqlens"]).tolist())
+                roof = flops / (target.peak_tflops["bf16"] * 1e6)
+            rows.append([kind, name, t["flashgen"], best_peer[1], best_peer[0], best_peer[0] / t["flashgen"], roof,
+                         roof / t["flashgen"], str(kern.schedule)])
+            print(f"{kind:8s} {name:18s} flashgen {t['flashgen']:9.1f} us  {best_peer[1]} {best_peer[0]:9.1f}  "
+                  f"roof {roof:8.1f}", flush=True)
+            write_results("attention", ("kind", "shape", "flashgen_us", "best_sdpa", "sdpa_us", "vs_sdpa",
+                                        "roofline_us", "of_roofline", "schedule"), rows,
+                          {**environment(), "target": target.id, "copy_gbs": bw}, args.out_dir,
+                          "vs_sdpa = fastest SDPA backend's time / flashgen time. Decode roofline: KV bytes / "
+                          f"measured copy bandwidth ({bw:.0f} GB/s); prefill: causal FLOPs / datasheet bf16 peak.")
+    print_table(("kind", "shape", "us", "vs_sdpa", "of_roof"), [(r[0], r[1], r[2], r[5], r[7]) for r in rows])
+
+
+if __name__ == "__main__":
+    main()
