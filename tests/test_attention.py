@@ -121,3 +121,16 @@ def test_prefill_aot(target):
     space = ScheduleSpace(wl, get_target(target))
     k = flashgen.compile(wl, target)
     assert space.is_valid(k.schedule) and k.binary[:4] == b"\x7fELF"
+
+
+def test_fp8_kv_cache(interpreter):
+    """e4m3 cache with per-tensor scales, fp16 queries (bf16 dots are wrong in the interpreter; reading
+    e4m3 is exact there, only writing it is not)."""
+    wl = decode(kv="fp8e4m3", dtype="fp16", mod="softcap")
+    assert wl.tensor_dtype("k_cache") == "fp8e4m3" and wl.tensor_dtype("q") == "fp16"
+    for c in interpreter.check(wl, DEFAULT, "h200", seed=5, params={"k_scale": 0.5, "v_scale": 2.0, "softcap": 3.0}):
+        assert c.ok, c
+    k = flashgen.compile(wl, "sm_90")
+    assert "cvt" in k.asm["ptx"] and k.binary[:4] == b"\x7fELF"
+    with pytest.raises(FlashgenError, match="does not support fp8e4m3"):
+        flashgen.compile(wl, "sm_80")

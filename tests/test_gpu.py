@@ -91,3 +91,14 @@ def test_prefill_on_gpu(wl):
     kernel = flashgen.compile(wl, TARGET)
     for c in check(wl, _run(kernel), 3, DEVICE, params={"window": 256.0}):
         assert c.ok, (c, kernel.schedule)
+
+
+FP8_KV = [flashgen.workload("paged_decode_attention", B=4, Hq=32, Hkv=8, D=128, BS=16, NB=512, MAXB=64, L=700,
+                            dtype=dt, kv="fp8e4m3") for dt in ("bf16", "fp16") if "fp8e4m3" in TARGET.dtypes]
+
+
+@pytest.mark.parametrize("wl", FP8_KV, ids=case_id)
+def test_fp8_kv_cache_on_gpu(wl):
+    kernel = flashgen.compile(wl, TARGET)
+    for c in check(wl, _run(kernel), 4, DEVICE, params={"k_scale": 0.5, "v_scale": 2.0}):
+        assert c.ok, (c, kernel.schedule)

@@ -122,9 +122,12 @@ class Op:
         return {t.name: t for t in self.inputs + self.outputs}
 
     def dtype_of(self, tensor: str, attrs: Attrs) -> str:
-        """Concrete dtype of a tensor once the workload binds the placeholders."""
+        """Concrete dtype of a tensor once the workload binds the placeholders ("same" = the dtype's)."""
         dt = self.tensors[tensor].dtype
-        return attrs[dt[1:]] if dt.startswith("$") else dt
+        if not dt.startswith("$"):
+            return dt
+        value = attrs[dt[1:]]
+        return attrs["dtype"] if value == "same" else value
 
 
 def eval_int(e: E.Expr, dims: Mapping[str, int]) -> int:

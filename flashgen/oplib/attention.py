@@ -5,7 +5,8 @@ paged_decode_attention: one new query token per sequence against a paged KV cach
 Cache layout: k_cache and v_cache are [NB, BS, Hkv, D] — NB physical blocks of BS tokens; the tokens
 of sequence b live in blocks block_tables[b, 0], block_tables[b, 1], ..., in order, and the first
 context_lens[b] positions are valid. q is [B, Hq, D]; query head h reads KV head h // (Hq / Hkv) (GQA).
-The query sits at position context_lens[b] - 1. Logits are q·k / sqrt(D), then the `mod`:
+The query sits at position context_lens[b] - 1. With kv=fp8e4m3 the cache holds e4m3 values with
+per-tensor scales (k_scale, v_scale: the cached value times its scale is the key or value). Logits are q·k / sqrt(D), then the `mod`:
 - window: keys more than `window` positions back are masked;
 - softcap: logits become softcap · tanh(logit / softcap);
 - alibi: logits get alibi_slopes[h] · (kpos - qpos).
@@ -42,7 +43,7 @@ def _build(a) -> tuple:
 
 
 def _reference(t, p, d, a) -> dict:
-    q, kc, vc = f64(t["q"]), f64(t["k_cache"]), f64(t["v_cache"])
+    q, kc, vc = f64(t["q"]), f64(t["k_cache"]) * p["k_scale"], f64(t["v_cache"]) * p["v_scale"]
     group = d["Hq"] // d["Hkv"]
     out = torch.empty_like(q)
     for b in range(d["B"]):
@@ -68,9 +69,10 @@ def _inputs(d, a, g) -> dict:
     lens[0] = d["L"]  # the longest context is always present
     nb = d["NB"]
     tables = torch.stack([torch.randperm(nb, generator=g)[:maxb] for _ in range(b)]).to(torch.int32)
+    kv = a["dtype"] if a["kv"] == "same" else a["kv"]
     t = {"q": randn((b, d["Hq"], d["D"]), a["dtype"], g),
-         "k_cache": randn((nb, bs, d["Hkv"], d["D"]), a["dtype"], g),
-         "v_cache": randn((nb, bs, d["Hkv"], d["D"]), a["dtype"], g),
+         "k_cache": randn((nb, bs, d["Hkv"], d["D"]), kv, g),
+         "v_cache": randn((nb, bs, d["Hkv"], d["D"]), kv, g),
          "block_tables": tables, "context_lens": lens}
     if a["mod"] == "alibi":
         t["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, d["Hq"] + 1, dtype=torch.float32) / d["Hq"])
@@ -91,16 +93,17 @@ def _check(d, a) -> str | None:
 
 PAGED_DECODE = Op(
     name="paged_decode_attention", kclass="attention",
-    doc="one query token per sequence against a paged KV cache; GQA; mods window|softcap|alibi",
+    doc="one query token per sequence against a paged KV cache (bf16/fp16, or fp8 e4m3 with scales); GQA; "
+        "mods window|softcap|alibi",
     dims=("B", "Hq", "Hkv", "D", "BS", "NB", "MAXB", "L"), row_dims=("B", "NB", "MAXB", "L"),
     inputs=(TensorSpec("q", (B, Hq, D), DTYPE),
-            TensorSpec("k_cache", (NB, BS, Hkv, D), DTYPE, touched=B * L * Hkv * D),
-            TensorSpec("v_cache", (NB, BS, Hkv, D), DTYPE, touched=B * L * Hkv * D),
+            TensorSpec("k_cache", (NB, BS, Hkv, D), "$kv", touched=B * L * Hkv * D),
+            TensorSpec("v_cache", (NB, BS, Hkv, D), "$kv", touched=B * L * Hkv * D),
             TensorSpec("block_tables", (B, MAXB), "int32"), TensorSpec("context_lens", (B,), "int32"),
             TensorSpec("alibi_slopes", (Hq,), "fp32", when=(("mod", ("alibi",)),))),
     outputs=(TensorSpec("out", (B, Hq, D), DTYPE),),
-    domain=(B, Hkv), attrs={"dtype": ("bf16", "fp16"), "mod": MODS},
-    params={"window": 1024.0, "softcap": 30.0},
+    domain=(B, Hkv), attrs={"dtype": ("bf16", "fp16"), "mod": MODS, "kv": ("same", "fp8e4m3")},
+    params={"window": 1024.0, "softcap": 30.0, "k_scale": 1.0, "v_scale": 1.0},
     build=_build, reference=_reference, make_inputs=_inputs, check_dims=_check,
 )
 

@@ -113,16 +113,21 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     body.line("kcol = start + tl.arange(0, BS * PAGES)[:, None]")
     body.line("page_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=kmask, other=0)")
     body.line("page_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kcol // BS, mask=kcol < ctx, other=0)")
+    fp8 = op.dtype_of("k_cache", attrs) in dtypes.FP8
+    other = "" if fp8 else ", other=0"  # Triton has no fp8 literal: fp8 lanes are zeroed after conversion
     body.line("kt = tl.load(k_cache_ptr + page_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
-              "kvh * k_cache_s2 + dd[:, None], mask=kmask, other=0)")
+              f"kvh * k_cache_s2 + dd[:, None], mask=kmask{other})")
     body.line("v = tl.load(v_cache_ptr + page_c.to(tl.int64) * v_cache_s0 + (kcol % BS) * v_cache_s1 + "
-              "kvh * v_cache_s2 + dd[None, :], mask=kcol < ctx, other=0)")
-    body.line("s = tl.dot(q, kt) * scale")
+              f"kvh * v_cache_s2 + dd[None, :], mask=kcol < ctx{other})")
+    if fp8:
+        body.line(f"kt = tl.where(kmask, kt.to({dt}), 0.0).to({dt})")
+        body.line(f"v = tl.where(kcol < ctx, v.to({dt}), 0.0).to({dt})")
+    body.line("s = tl.dot(q, kt) * scale" + (" * k_scale" if fp8 else ""))
     em.named["s"] = "s"
     score = em.emit(att.score, body)
     seen = em.emit(att.mask, body)
     body.line(f"logit = tl.where(kmask & gmask & ({seen}), {score}, float(\"-inf\"))")
     _online_softmax(body, dt)
-    top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
+    top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)" + (" * v_scale" if fp8 else ""))
     top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
     return KernelSource(name, "\n".join(lines) + "\n", args, (1, 1), tile_cols=True)
