@@ -18,7 +18,7 @@ from flashgen.roofline import bytes_moved
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
-KNOBS = ("pages", "block_m", "block_n", "num_warps", "num_stages")
+KNOBS = ("pages", "splits", "block_m", "block_n", "num_warps", "num_stages")
 FEATURE_NAMES: tuple[str, ...] = (*KNOBS, *(f"log2_{k}" for k in KNOBS), "is_prefill", "log2_b", "log2_len",
                                   "group", "log2_d", "log2_bytes_moved", "log2_flops", "log2_programs",
                                   "log2_waves", "last_wave_fill", "log2_steps", "log2_estimate_us", "sm_count",
@@ -44,8 +44,8 @@ def _columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -
         est = flops / (peak * eff) * np.maximum(1.0, np.ceil(waves) / waves) + steps * STEP_US / kv["num_stages"] + 3.0
     else:
         length, flops = float(d["L"]), 4.0 * d["B"] * d["Hq"] * d["D"] * d["L"]
-        programs = ones * d["B"] * d["Hkv"]
-        steps = np.ceil(d["L"] / (d["BS"] * kv["pages"]))
+        programs = d["B"] * d["Hkv"] * kv["splits"]
+        steps = np.ceil(d["L"] / (d["BS"] * kv["pages"] * kv["splits"]))
         waves = programs / sms
         est = nbytes / (target.copy_gbs * 1e3) * np.maximum(1.0, np.ceil(waves) / waves) \
             + steps * STEP_US / kv["num_stages"] + 2.0

@@ -40,7 +40,9 @@ MAX_TILE = 1 << 14           # elements of one tile
 MIN_LOOPED_TILE = 256        # a row walked in tiles narrower than this only adds loop overhead
 WARPS = (1, 2, 4, 8, 16, 32)
 # Paged decode attention: cache blocks per loop step (more keys in flight per program), warps, stages.
-DECODE_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
+# `splits` shares one sequence's context among programs (flash-decoding) when B x Hkv < the SMs.
+DECODE_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
+                "splits": (1, 2, 4, 8, 16, 32)}
 # Prefill: query rows and key columns per tile, warps, stages.
 PREFILL_KNOBS = {"block_m": (32, 64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 CPU_MAX_BLOCK_C = 128        # cpu: widest column tile (elements) worth a vector operation
@@ -137,7 +139,12 @@ class ScheduleSpace:
             return s
         if self.kclass == "attention":
             if self._attention_kind() == "decode":
-                return {"pages": 2, "num_warps": 4, "num_stages": 2}
+                d = self.workload.dim
+                programs = d["B"] * d["Hkv"]
+                splits = 1
+                while splits < 32 and programs * splits < self.target.sm_count and d["L"] // (splits * 2) >= 512:
+                    splits *= 2
+                return {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits}
             # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB).
             for stages, block_n in ((2, 64), (1, 64), (1, 32)):
                 s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages}

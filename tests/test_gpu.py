@@ -102,3 +102,14 @@ def test_fp8_kv_cache_on_gpu(wl):
     kernel = flashgen.compile(wl, TARGET)
     for c in check(wl, _run(kernel), 4, DEVICE, params={"k_scale": 0.5, "v_scale": 2.0}):
         assert c.ok, (c, kernel.schedule)
+
+
+@pytest.mark.parametrize("splits", [4, 32])
+def test_split_kv_decode_on_gpu(splits):
+    """Flash-decoding: programs of one sequence race to merge; repeated launches reuse the counters."""
+    wl = flashgen.workload("paged_decode_attention", B=2, Hq=32, Hkv=8, D=128, BS=16, NB=2048, MAXB=1300, L=20000,
+                           dtype="bf16")
+    kernel = flashgen.compile(wl, TARGET, schedule={"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits})
+    for seed in range(3):
+        for c in check(wl, _run(kernel), 10 + seed, DEVICE):
+            assert c.ok, (c, kernel.schedule)

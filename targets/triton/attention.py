@@ -6,7 +6,9 @@ and value is read from the cache once for the whole group. The program walks the
 `pages` cache blocks at a time through its block table, computes the logits with tl.dot, applies the
 op's score and mask expressions (emitted from the IR), and keeps an online softmax (running max and
 sum) so that the context is read exactly once. Masked-out keys, and the padded rows, never reach a max:
-a fully masked tile leaves the running state unchanged.
+a fully masked tile leaves the running state unchanged. With `splits` > 1 (flash-decoding, for
+batches too small to fill the GPU) each sequence's context is shared among that many programs, and
+the last to finish merges their partial results in the same launch.
 
 Prefill: one program per (block_m queries of one sequence, query head); the grid covers T / block_m
 query tiles per sequence so that no host-side maximum length is needed, and tiles past a sequence's
@@ -17,7 +19,7 @@ from __future__ import annotations
 from flashgen.ir import dtypes
 from flashgen.ir.op import Attend
 from flashgen.schedules.space import Schedule
-from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, kernel_args, module_header
+from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, Scratch, kernel_args, module_header
 from flashgen.workload import Workload
 
 
@@ -82,13 +84,53 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True)
 
 
+def _split_scratch(g_pad: int, splits: int, d: int) -> tuple[Scratch, ...]:
+    """Per (sequence, KV head, split): the unnormalised output rows and their running max and sum;
+    and per (sequence, KV head) a counter of finished splits."""
+    rows = lambda dims: dims["B"] * dims["Hkv"] * splits * g_pad  # noqa: E731
+    return (Scratch("part_acc", "fp32", lambda dims: rows(dims) * d),
+            Scratch("part_ml", "fp32", lambda dims: rows(dims) * 2),
+            Scratch("done", "int32", lambda dims: dims["B"] * dims["Hkv"], zeroed=True))
+
+
+def _combine(top: Scope, dt: str, fp8: bool) -> None:
+    """Split-KV epilogue: the split that finishes last for its (sequence, KV head) merges every split's
+    partial result and resets the counter, so one launch does flash-decoding with no combine kernel."""
+    top.line("tile = ((b * Hkv + kvh) * SPLITS + split) * G_PAD + g")
+    top.line("tl.store(part_acc_ptr + tile.to(tl.int64) * D + dd[None, :], acc)")
+    top.line("tl.store(part_ml_ptr + tile * 2, m_i)")
+    top.line("tl.store(part_ml_ptr + tile * 2 + 1, l_i)")
+    top.line("tl.debug_barrier()")
+    top.line("finished = tl.atomic_add(done_ptr + b * Hkv + kvh, 1)  # acq_rel at gpu scope")
+    top.line("if finished == SPLITS - 1:")
+    last = top.child(top.indent + "    ")
+    last.line("tl.debug_barrier()")
+    last.line("first = (b * Hkv + kvh) * SPLITS * G_PAD + g")
+    last.line("sp = tl.arange(0, SPLITS)[None, :] * G_PAD")
+    last.line("m_all = tl.load(part_ml_ptr + (first + sp) * 2, volatile=True)")
+    last.line("l_all = tl.load(part_ml_ptr + (first + sp) * 2 + 1, volatile=True)")
+    last.line("m_top = tl.max(m_all, axis=1)[:, None]")
+    last.line("m_top = tl.where(m_top == float(\"-inf\"), 0.0, m_top)")
+    last.line("l_sum = tl.sum(l_all * tl.exp(m_all - m_top), axis=1)[:, None]")
+    last.line("merged = tl.zeros([G_PAD, D], tl.float32)")
+    last.line("for i in tl.static_range(SPLITS):")
+    last.line("    row = first + i * G_PAD")
+    last.line("    w_i = tl.exp(tl.load(part_ml_ptr + row * 2, volatile=True) - m_top)")
+    last.line("    merged += tl.load(part_acc_ptr + row.to(tl.int64) * D + dd[None, :], volatile=True) * w_i")
+    last.line("out = merged / tl.where(l_sum == 0.0, 1.0, l_sum)" + (" * v_scale" if fp8 else ""))
+    last.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
+    last.line("tl.atomic_xchg(done_ptr + b * Hkv + kvh, 0)")
+
+
 def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     op, attrs, dim = wl.op, wl.attr, wl.dim
     group = dim["Hq"] // dim["Hkv"]
     g_pad = max(16, 1 << (group - 1).bit_length())
+    splits = s["splits"]
+    scratch = _split_scratch(g_pad, splits, dim["D"]) if splits > 1 else ()
     em = Emitter(op, attrs, {})
     name = f"{op.name}_kernel"
-    args = kernel_args(wl, {"G_PAD": g_pad, "PAGES": s["pages"]})
+    args = kernel_args(wl, {"G_PAD": g_pad, "PAGES": s["pages"], "SPLITS": splits}, scratch)
     lines = module_header(wl, s, name, args)
     top = Scope(lines, "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None)})
     dt = dtypes.TL[attrs["dtype"]]
@@ -105,29 +147,41 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     top.line("l_i = tl.zeros([G_PAD, 1], tl.float32)")
     top.line("acc = tl.zeros([G_PAD, D], tl.float32)")
     top.line("scale = 1.0 / tl.sqrt(D * 1.0)")
-    top.line("for start in range(0, ctx, BS * PAGES):")
+    if splits > 1:  # this program's share of the context: whole loop steps, the last share shorter
+        top.line("split = tl.program_id(2)")
+        top.line("span = tl.cdiv(tl.cdiv(ctx, SPLITS), BS * PAGES) * BS * PAGES")
+        top.line("lo = split * span")
+        top.line("hi = tl.minimum(ctx, lo + span)")
+    else:
+        top.line("lo = 0")
+        top.line("hi = ctx")
+    top.line("for start in range(lo, hi, BS * PAGES):")
     body = top.child(top.indent + "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None), "kpos": ("kpos", "kmask")},
                      fresh=True)
     body.line("kpos = start + tl.arange(0, BS * PAGES)[None, :]")
-    body.line("kmask = kpos < ctx")
+    body.line("kmask = kpos < hi")
     body.line("kcol = start + tl.arange(0, BS * PAGES)[:, None]")
     body.line("page_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=kmask, other=0)")
-    body.line("page_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kcol // BS, mask=kcol < ctx, other=0)")
+    body.line("page_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kcol // BS, mask=kcol < hi, other=0)")
     fp8 = op.dtype_of("k_cache", attrs) in dtypes.FP8
     other = "" if fp8 else ", other=0"  # Triton has no fp8 literal: fp8 lanes are zeroed after conversion
     body.line("kt = tl.load(k_cache_ptr + page_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
               f"kvh * k_cache_s2 + dd[:, None], mask=kmask{other})")
     body.line("v = tl.load(v_cache_ptr + page_c.to(tl.int64) * v_cache_s0 + (kcol % BS) * v_cache_s1 + "
-              f"kvh * v_cache_s2 + dd[None, :], mask=kcol < ctx{other})")
+              f"kvh * v_cache_s2 + dd[None, :], mask=kcol < hi{other})")
     if fp8:
         body.line(f"kt = tl.where(kmask, kt.to({dt}), 0.0).to({dt})")
-        body.line(f"v = tl.where(kcol < ctx, v.to({dt}), 0.0).to({dt})")
+        body.line(f"v = tl.where(kcol < hi, v.to({dt}), 0.0).to({dt})")
     body.line("s = tl.dot(q, kt) * scale" + (" * k_scale" if fp8 else ""))
     em.named["s"] = "s"
     score = em.emit(att.score, body)
     seen = em.emit(att.mask, body)
     body.line(f"logit = tl.where(kmask & gmask & ({seen}), {score}, float(\"-inf\"))")
     _online_softmax(body, dt)
-    top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)" + (" * v_scale" if fp8 else ""))
-    top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
-    return KernelSource(name, "\n".join(lines) + "\n", args, (1, 1), tile_cols=True)
+    if splits > 1:
+        _combine(top, dt, fp8)
+    else:
+        top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)" + (" * v_scale" if fp8 else ""))
+        top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
+    return KernelSource(name, "\n".join(lines) + "\n", args, (1, 1), tile_cols=True, grid_z=splits,
+                        scratch=scratch)

@@ -69,8 +69,9 @@ def ast_source(ks: KernelSource, wl: Workload):
     hints = stride_hints(ks, wl)
     signature, constexprs, attrs = {}, {}, {}
     for i, a in enumerate(ks.args):
-        if a.kind == "ptr":
-            signature[a.name] = "*" + dtypes.TRITON[wl.tensor_dtype(a.tensor)]
+        if a.kind in ("ptr", "scratch"):
+            dt = wl.tensor_dtype(a.tensor) if a.kind == "ptr" else next(sc.dtype for sc in ks.scratch if sc.name == a.tensor)
+            signature[a.name] = "*" + dtypes.TRITON[dt]
             attrs[(i,)] = [["tt.divisibility", DIVISIBILITY]]
         elif a.kind in ("stride", "dim"):
             signature[a.name] = "i32"

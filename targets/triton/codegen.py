@@ -133,4 +133,4 @@ def grid(ks: KernelSource, wl: Workload, rows: int | None = None) -> tuple[int, 
     rows = r if rows is None else rows
     tr, tc = ks.tiles
     nr, nc = -(-rows // tr), (-(-c // tc) if ks.tile_cols else 1)
-    return (nr * nc, 1, 1) if ks.flat else (nr, nc, 1)
+    return (nr * nc, 1, ks.grid_z) if ks.flat else (nr, nc, ks.grid_z)

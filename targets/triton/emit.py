@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
@@ -31,23 +31,37 @@ BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({
 class Arg:
     """One kernel parameter: a tensor pointer, a tensor stride, a runtime dim, a param or a constexpr."""
     name: str
-    kind: str  # "ptr" | "stride" | "dim" | "param" | "constexpr"
+    kind: str  # "ptr" | "scratch" | "stride" | "dim" | "param" | "constexpr"
     tensor: str = ""
     axis: int = 0
     value: int = 0
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Device memory a kernel needs besides the op's tensors (split partial results, counters): the
+    launcher keeps one per device, grown on demand; `zeroed` buffers start at zero and the kernel
+    leaves them at zero."""
+    name: str
+    dtype: str
+    elements: Callable[[Mapping[str, int]], int]
+    zeroed: bool = False
 
 
 @dataclass
 class KernelSource:
     """Generated module text, its parameters, and how its programs tile the (rows, cols) domain:
     `tiles` rows x cols per program; cols tiled only when `tile_cols`; `flat` numbers every tile
-    along one grid axis (the kernel maps program ids to tiles itself)."""
+    along one grid axis (the kernel maps program ids to tiles itself); `grid_z` programs more along
+    the third grid axis (splits of one tile's work)."""
     name: str
     source: str
     args: list[Arg]
     tiles: tuple[int, int]
     tile_cols: bool
     flat: bool = False
+    grid_z: int = 1
+    scratch: tuple[Scratch, ...] = ()
 
 
 @dataclass
@@ -147,12 +161,13 @@ class Emitter:
         scope.line(f"tl.store({addr}, {v}.to({dt}){mask})")
 
 
-def kernel_args(wl: Workload, constexprs: Mapping[str, int]) -> list[Arg]:
-    """Pointers, strides (all but the last, contiguous, axis), run-time dims, params, then constants:
-    every dim but the row dims, and the schedule's tile sizes."""
+def kernel_args(wl: Workload, constexprs: Mapping[str, int], scratch: tuple[Scratch, ...] = ()) -> list[Arg]:
+    """Pointers (the op's tensors, then scratch), strides (all but the last, contiguous, axis), run-time
+    dims, params, then constants: every dim but the row dims, and the schedule's tile sizes."""
     op = wl.op
     tensors = wl.inputs + wl.outputs
     out = [Arg(f"{t.name}_ptr", "ptr", t.name) for t in tensors]
+    out += [Arg(f"{sc.name}_ptr", "scratch", sc.name) for sc in scratch]
     out += [Arg(f"{t.name}_s{k}", "stride", t.name, k) for t in tensors for k in range(len(t.shape) - 1)]
     out += [Arg(d, "dim") for d in op.row_dims]
     out += [Arg(p, "param") for p in op.params]

@@ -32,13 +32,30 @@ class TritonLauncher:
         self.hints = stride_hints(ks, wl)
         self._interpreted = None
         self._devices_ok: set[int] = set()  # GPUs whose architecture was checked against the target
+        self._scratch: dict[tuple[str, str], torch.Tensor] = {}  # (scratch name, device) -> buffer
+
+    def scratch(self, name: str, dims: Mapping[str, int], device: torch.device) -> torch.Tensor:
+        """The kernel's scratch buffer on `device`, at least as large as these dims need."""
+        from flashgen.ir import dtypes
+
+        sc = next(x for x in self.ks.scratch if x.name == name)
+        n = max(1, sc.elements(dims))
+        key = (name, str(device))
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < n:
+            make = torch.zeros if sc.zeroed else torch.empty
+            buf = self._scratch[key] = make(n, dtype=dtypes.TORCH[sc.dtype], device=device)
+        return buf
 
     def args(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
              dims: Mapping[str, int]) -> list[Any]:
         out: list[Any] = []
+        device = next(iter(tensors.values())).device
         for a in self.ks.args:
             if a.kind == "ptr":
                 out.append(tensors[a.tensor])
+            elif a.kind == "scratch":
+                out.append(self.scratch(a.tensor, dims, device))
             elif a.kind == "stride":
                 s = tensors[a.tensor].stride(a.axis)
                 if self.hints.get(a.name) and s % DIVISIBILITY:
