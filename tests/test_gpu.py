@@ -113,3 +113,12 @@ def test_split_kv_decode_on_gpu(splits):
     for seed in range(3):
         for c in check(wl, _run(kernel), 10 + seed, DEVICE):
             assert c.ok, (c, kernel.schedule)
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_chunked_prefill_on_gpu(dt):
+    wl = flashgen.workload("chunked_prefill_attention", T=2000, B=5, Hq=32, Hkv=8, D=128, BS=16, NB=1024, MAXB=128,
+                           dtype=dt)
+    kernel = flashgen.compile(wl, TARGET)
+    for c in check(wl, _run(kernel), 5, DEVICE):
+        assert c.ok, (c, kernel.schedule)

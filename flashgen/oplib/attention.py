@@ -173,4 +173,78 @@ FLASH_PREFILL = Op(
     reference=_prefill_reference, make_inputs=_prefill_inputs, check_dims=_prefill_check,
 )
 
-OPS = (PAGED_DECODE, FLASH_PREFILL)
+
+# ---- chunked_prefill_attention: new tokens after a prefix already in the paged cache ---------------
+def _chunked_reference(t, p, d, a) -> dict:
+    """Each sequence's queries sit after its cached prefix: they see the whole prefix and the new
+    tokens causally."""
+    q, k, v = f64(t["q"]), f64(t["k"]), f64(t["v"])
+    kc, vc = f64(t["k_cache"]), f64(t["v_cache"])
+    group = d["Hq"] // d["Hkv"]
+    out = torch.empty_like(q)
+    cu = t["cu_seqlens"].tolist()
+    for b in range(len(cu) - 1):
+        s0, s1, pre = cu[b], cu[b + 1], int(t["prefix_lens"][b])
+        n = s1 - s0
+        if n == 0:
+            continue
+        blocks = t["block_tables"][b, : -(-pre // d["BS"])].long()
+        kp = kc[blocks].reshape(-1, d["Hkv"], d["D"])[:pre]
+        vp = vc[blocks].reshape(-1, d["Hkv"], d["D"])[:pre]
+        kk = torch.cat([kp, k[s0:s1]]).repeat_interleave(group, 1)
+        vv = torch.cat([vp, v[s0:s1]]).repeat_interleave(group, 1)
+        s = torch.einsum("ihd,jhd->hij", q[s0:s1], kk) / d["D"] ** 0.5
+        qpos = pre + torch.arange(n, dtype=torch.float64)
+        kpos = torch.arange(pre + n, dtype=torch.float64)
+        if a["mod"] == "softcap":
+            s = p["softcap"] * torch.tanh(s / p["softcap"])
+        elif a["mod"] == "alibi":
+            s = s + f64(t["alibi_slopes"])[:, None, None] * (kpos[None, :] - qpos[:, None])[None]
+        mask = kpos[None, :] <= qpos[:, None]
+        if a["mod"] == "window":
+            mask &= kpos[None, :] > qpos[:, None] - p["window"]
+        s = s.masked_fill(~mask[None], float("-inf"))
+        out[s0:s1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), vv)
+    return {"out": out}
+
+
+def _chunked_inputs(d, a, g) -> dict:
+    t = _prefill_inputs(d, a, g)
+    nb, bs, maxb = d["NB"], d["BS"], d["MAXB"]
+    t["k_cache"] = randn((nb, bs, d["Hkv"], d["D"]), a["dtype"], g)
+    t["v_cache"] = randn((nb, bs, d["Hkv"], d["D"]), a["dtype"], g)
+    t["block_tables"] = torch.stack([torch.randperm(nb, generator=g)[:maxb] for _ in range(d["B"])]).to(torch.int32)
+    pre = torch.randint(0, maxb * bs + 1, (d["B"],), generator=g, dtype=torch.int32)
+    pre[0] = 0  # a sequence with no prefix: plain prefill
+    t["prefix_lens"] = pre
+    return t
+
+
+def _chunked_check(d, a) -> str | None:
+    problem = _prefill_check(d, a)
+    if problem is None and (d["BS"] & (d["BS"] - 1) or d["BS"] < 16):
+        return f"block size BS={d['BS']} must be a power of two, at least 16"
+    if problem is None and d["NB"] < d["MAXB"]:
+        return f"the cache has NB={d['NB']} blocks, fewer than one table's MAXB={d['MAXB']}"
+    return problem
+
+
+CHUNKED_PREFILL = Op(
+    name="chunked_prefill_attention", kclass="attention",
+    doc="prefill of packed new tokens after per-sequence prefixes already in a paged KV cache "
+        "(chunked prefill, prompt-cache reuse); GQA; mods",
+    dims=("T", "B", "Hq", "Hkv", "D", "BS", "NB", "MAXB"), row_dims=("T", "B", "NB", "MAXB"),
+    inputs=(TensorSpec("q", (T, Hq, D), DTYPE), TensorSpec("k", (T, Hkv, D), DTYPE),
+            TensorSpec("v", (T, Hkv, D), DTYPE), TensorSpec("cu_seqlens", (B + 1,), "int32"),
+            TensorSpec("k_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
+            TensorSpec("v_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
+            TensorSpec("block_tables", (B, MAXB), "int32"), TensorSpec("prefix_lens", (B,), "int32"),
+            TensorSpec("alibi_slopes", (Hq,), "fp32", when=(("mod", ("alibi",)),))),
+    outputs=(TensorSpec("out", (T, Hq, D), DTYPE),),
+    domain=(T, B * Hq), attrs={"dtype": ("bf16", "fp16"), "mod": MODS},
+    params={"window": 1024.0, "softcap": 30.0},
+    build=lambda a: (Attend(*_mods(a), kind="prefill"),),
+    reference=_chunked_reference, make_inputs=_chunked_inputs, check_dims=_chunked_check,
+)
+
+OPS = (PAGED_DECODE, FLASH_PREFILL, CHUNKED_PREFILL)

@@ -34,6 +34,17 @@ def _online_softmax(body: Scope, dt: str) -> None:
     body.line("m_i = m_new")
 
 
+def _scores(em: Emitter, att: Attend, body: Scope, dt: str) -> None:
+    """Logits of the key tile `kt` (masked by jmask, imask and the op's mask expression), then the
+    online-softmax update with the value tile `v`."""
+    body.line("s = tl.dot(q, kt) * scale")
+    em.named["s"] = "s"
+    score = em.emit(att.score, body)
+    seen = em.emit(att.mask, body)
+    body.line(f"logit = tl.where(jmask & imask & ({seen}), {score}, float(\"-inf\"))")
+    _online_softmax(body, dt)
+
+
 def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     [att] = [st for st in wl.op.body(wl.attr) if isinstance(st, Attend)]
     return (_prefill if att.kind == "prefill" else _decode)(wl, s, att)
@@ -55,30 +66,42 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     top.line(f"kvh = h // {group}")
     top.line("s0 = tl.load(cu_seqlens_ptr + b)")
     top.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
+    paged = "prefix_lens" in op.tensors
+    top.line("pre = tl.load(prefix_lens_ptr + b)" if paged else "pre = 0")
     top.line("if pid_m * BLOCK_M < n:")
     blk = top.child(top.indent + "    ")
     blk.line("i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
     blk.line("imask = i < n")
+    blk.line("qpos = pre + i")
     blk.line("dd = tl.arange(0, D)")
     blk.line("q = tl.load(q_ptr + (s0 + i).to(tl.int64) * q_s0 + h * q_s1 + dd[None, :], mask=imask, other=0)")
     blk.line("m_i = tl.full([BLOCK_M, 1], float(\"-inf\"), tl.float32)")
     blk.line("l_i = tl.zeros([BLOCK_M, 1], tl.float32)")
     blk.line("acc = tl.zeros([BLOCK_M, D], tl.float32)")
     blk.line("scale = 1.0 / tl.sqrt(D * 1.0)")
+    axes = {"h": ("h", None), "qpos": ("qpos", "imask"), "kpos": ("kpos", "jmask")}
+    if paged:  # the cached prefix: every query sees all of it (masks permitting), read through the block table
+        blk.line("for p0 in range(0, pre, BLOCK_N):")
+        body = blk.child(blk.indent + "    ", axes, fresh=True)
+        body.line("kpos = p0 + tl.arange(0, BLOCK_N)[None, :]")
+        body.line("jmask = kpos < pre")
+        body.line("kc = p0 + tl.arange(0, BLOCK_N)[:, None]")
+        body.line("pg_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=jmask, other=0)")
+        body.line("pg_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kc // BS, mask=kc < pre, other=0)")
+        body.line("kt = tl.load(k_cache_ptr + pg_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
+                  "kvh * k_cache_s2 + dd[:, None], mask=jmask, other=0)")
+        body.line("v = tl.load(v_cache_ptr + pg_c.to(tl.int64) * v_cache_s0 + (kc % BS) * v_cache_s1 + "
+                  "kvh * v_cache_s2 + dd[None, :], mask=kc < pre, other=0)")
+        _scores(em, att, body, dt)
     blk.line("for n0 in range(0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):")
-    body = blk.child(blk.indent + "    ", {"h": ("h", None), "qpos": ("i", "imask"), "kpos": ("j", "jmask")},
-                     fresh=True)
+    body = blk.child(blk.indent + "    ", axes, fresh=True)
     body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
     body.line("jmask = j < n")
+    body.line("kpos = pre + j")
     body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
     body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None], mask=jmask, other=0)")
     body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :], mask=jc < n, other=0)")
-    body.line("s = tl.dot(q, kt) * scale")
-    em.named["s"] = "s"
-    score = em.emit(att.score, body)
-    seen = em.emit(att.mask, body)
-    body.line(f"logit = tl.where(jmask & imask & ({seen}), {score}, float(\"-inf\"))")
-    _online_softmax(body, dt)
+    _scores(em, att, body, dt)
     blk.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
     blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=imask)")
     return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True)
