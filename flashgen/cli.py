@@ -130,6 +130,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Which schedule the runtime would dispatch for this workload, and why."""
+    from flashgen.compiler import check_supported, resolve_target
+    from flashgen.runtime.dispatch import Dispatcher
+
+    [wl] = _workloads(argparse.Namespace(**{**vars(args), "workloads": None}))
+    target = resolve_target(args.target, args.targets_dir)
+    check_supported(wl, target)
+    d = Dispatcher(target, args.db).choose(wl, target)
+    print(f"{wl}  on {target.id}")
+    print(f"workload key: {wl.key}")
+    print(f"schedule: {json.dumps(d.schedule, sort_keys=True)}  [{d.source}]")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flashgen import __version__
     from flashgen.db import cli as db_cli
@@ -172,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plot", help="write best-so-far against trials to this PNG")
     t.add_argument("--targets-dir", help="a folder of extra descriptor files")
     t.set_defaults(func=cmd_tune)
+
+    e = sub.add_parser("explain", help="say which schedule the runtime dispatches for a workload, and why")
+    e.add_argument("op")
+    e.add_argument("--dim", type=_pair, action="append", default=[], metavar="NAME=VALUE")
+    e.add_argument("--dtype")
+    e.add_argument("--attr", type=_pair, action="append", default=[], metavar="NAME=VALUE")
+    e.add_argument("--target", required=True)
+    e.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
+    e.add_argument("--targets-dir", help="a folder of extra descriptor files")
+    e.set_defaults(func=cmd_explain)
 
     db_cli.register(sub)
     return p

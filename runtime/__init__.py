@@ -1,1 +1,6 @@
-"""Generated-kernel runtime: kernel cache, dispatch, torch ops and the decoder (not built yet)."""
+"""Generated-kernel runtime: dispatch by shape and the torch ops (`flashgen.runtime.register_all()`
+makes `torch.ops.flashgen.<op>` available). The decoder is to come."""
+from flashgen.runtime.dispatch import Decision, Dispatcher
+from flashgen.runtime.torch_ops import dispatcher, register_all
+
+__all__ = ["Decision", "Dispatcher", "dispatcher", "register_all"]

@@ -75,7 +75,7 @@ def test_one_kernel_serves_any_batch_and_cache_size():
     """B, NB and MAXB are run-time dims: the schedule space and kernel do not depend on them."""
     a, b = decode(B=3, NB=40), decode(B=64, NB=4096, MAXB=64, L=1000)
     from flashgen.targets.triton.codegen import generate
-    assert generate(a, DEFAULT).source.split("\n", 3)[3] == generate(b, DEFAULT).source.split("\n", 3)[3]
+    assert generate(a, DEFAULT).source == generate(b, DEFAULT).source
     assert ScheduleSpace(a, get_target("h200")).default() == DEFAULT
 
 

@@ -106,8 +106,8 @@ def test_int4_prologue_becomes_tile_loads():
     assert "(k0 // G)" in src and "kb // 8" not in src
 
 
-EPILOGUES = [("gemm", dict(bias="bias", act="silu", residual="add")), ("gemm_w8a16", dict(act="gelu")),
-             ("gemm_w8a8", dict(bias="bias", out="int8")), ("gemm_w4a16", dict(G=64, residual="add", zp="asym")),
+EPILOGUES = [("gemm", dict(with_bias="yes", act="silu", with_residual="yes")), ("gemm_w8a16", dict(act="gelu")),
+             ("gemm_w8a8", dict(with_bias="yes", out="int8")), ("gemm_w4a16", dict(G=64, with_residual="yes", zp="asym")),
              ("gemm", dict(act="gelu", out="int8"))]
 
 
@@ -116,7 +116,7 @@ def test_fused_epilogues(interpreter, op, kw):
     """Bias, activation, residual and int8 output quantization, written as IR expressions, fused."""
     wl = flashgen.workload(op, M=5, N=48, K=128, dtype="fp16", **kw)
     names = {t.name for t in wl.inputs + wl.outputs}
-    assert ("bias" in names) == (kw.get("bias") == "bias") and ("y_q" in names) == (kw.get("out") == "int8")
+    assert ("bias" in names) == (kw.get("with_bias") == "yes") and ("y_q" in names) == (kw.get("out") == "int8")
     s = {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 1}
     checks = interpreter.check(wl, s, "h200", seed=4)
     assert {c.tensor for c in checks} == {t.name for t in wl.outputs}

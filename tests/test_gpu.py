@@ -56,7 +56,7 @@ GEMM_CASES = [flashgen.workload(op, M=m, N=320, K=512, dtype=dt, **kw)
               for m in (1, 17, 256) for dt in ("bf16", "fp16")
               for op, kw in (("gemm", {}), ("gemm_w8a16", {}), ("gemm_w4a16", {"G": 128}),
                              ("gemm_w4a16", {"G": 512, "group": "channel", "zp": "asym"}), ("gemm_w8a8", {}),
-                             ("gemm_fp8", {}), ("gemm", {"bias": "bias", "act": "silu", "residual": "add"}))
+                             ("gemm_fp8", {}), ("gemm", {"with_bias": "yes", "act": "silu", "with_residual": "yes"}))
               if op != "gemm_fp8" or "fp8e4m3" in TARGET.dtypes]
 
 

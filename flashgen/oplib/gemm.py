@@ -20,10 +20,10 @@ k = Index("k")
 HALF = ("bf16", "fp16")
 # Epilogue attrs every GEMM op takes: y = act(acc * scales + bias) + residual, optionally quantized to
 # int8 with a static per-tensor scale. Each is an IR expression, fused into the kernel's store.
-EPILOGUE = {"bias": ("none", "bias"), "act": ("none", "silu", "gelu"), "residual": ("none", "add"),
+EPILOGUE = {"with_bias": ("no", "yes"), "act": ("none", "silu", "gelu"), "with_residual": ("no", "yes"),
             "out": ("none", "int8")}
-EPILOGUE_INPUTS = (TensorSpec("bias", (N,), DTYPE, when=(("bias", ("bias",)),)),
-                   TensorSpec("residual", (M, N), DTYPE, when=(("residual", ("add",)),)),
+EPILOGUE_INPUTS = (TensorSpec("bias", (N,), DTYPE, when=(("with_bias", ("yes",)),)),
+                   TensorSpec("residual", (M, N), DTYPE, when=(("with_residual", ("yes",)),)),
                    TensorSpec("out_scale", (Const(1),), "fp32", when=(("out", ("int8",)),)))
 OUTPUTS = (TensorSpec("y", (M, N), DTYPE, when=(("out", ("none",)),)),
            TensorSpec("y_q", (M, N), "int8", when=(("out", ("int8",)),)))
@@ -31,13 +31,13 @@ OUTPUTS = (TensorSpec("y", (M, N), DTYPE, when=(("out", ("none",)),)),
 
 def _out(y: E.Expr, a) -> tuple:
     """The epilogue's statements for the accumulator value `y` (already scaled)."""
-    if a["bias"] == "bias":
+    if a["with_bias"] == "yes":
         y = y + Load("bias", (c,))
     if a["act"] == "silu":
         y = y * sigmoid(y)
     elif a["act"] == "gelu":
         y = 0.5 * y * (1.0 + erf(y * 0.7071067811865476))
-    if a["residual"] == "add":
+    if a["with_residual"] == "yes":
         y = y + Load("residual", (r, c))
     if a["out"] == "int8":
         return (Store("y_q", (r, c), rint(clamp(y / Load("out_scale", (0,)), -127.0, 127.0))),)
@@ -45,13 +45,13 @@ def _out(y: E.Expr, a) -> tuple:
 
 
 def _epilogue_ref(y: torch.Tensor, t, a) -> dict:
-    if a["bias"] == "bias":
+    if a["with_bias"] == "yes":
         y = y + f64(t["bias"])
     if a["act"] == "silu":
         y = y * torch.sigmoid(y)
     elif a["act"] == "gelu":
         y = 0.5 * y * (1.0 + torch.erf(y / 2 ** 0.5))
-    if a["residual"] == "add":
+    if a["with_residual"] == "yes":
         y = y + f64(t["residual"])
     if a["out"] == "int8":
         return {"y_q": torch.round(y / f64(t["out_scale"])[0]).clamp(-127, 127)}
@@ -62,9 +62,9 @@ def _with_epilogue(make, base_ref):
     """Input maker adding the epilogue's tensors; the output scale fits the data it will quantize."""
     def inputs(d, a, g):
         t = make(d, a, g)
-        if a["bias"] == "bias":
+        if a["with_bias"] == "yes":
             t["bias"] = randn((d["N"],), a["dtype"], g)
-        if a["residual"] == "add":
+        if a["with_residual"] == "yes":
             t["residual"] = randn((d["M"], d["N"]), a["dtype"], g)
         if a["out"] == "int8":
             plain = _epilogue_ref(base_ref(t, {}, d, a), t, {**a, "out": "none"})["y"]

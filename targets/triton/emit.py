@@ -178,8 +178,10 @@ def kernel_args(wl: Workload, constexprs: Mapping[str, int], scratch: tuple[Scra
 
 def module_header(wl: Workload, schedule: Mapping[str, int], name: str, args: list[Arg]) -> list[str]:
     sig = ", ".join(a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args)
+    fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
+    runtime = ", ".join(wl.op.row_dims)
     return [f"# flashgen: {wl.op.name} ({wl.op.kclass}) - {wl.op.doc}",
-            f"# workload: {wl.canonical()}",
+            f"# dims: {json.dumps(fixed, sort_keys=True)} (run time: {runtime}); attrs: {json.dumps(wl.attr, sort_keys=True)}",
             f"# schedule: {json.dumps(dict(schedule), sort_keys=True)}",
             "import triton", "import triton.language as tl", "", "",
             "@triton.jit", f"def {name}({sig}):"]

@@ -1,0 +1,133 @@
+"""Dispatch: which kernel serves a call, by shape.
+
+For each call the dispatcher binds the op's dims from the tensors (row dims such as M vary per call),
+then picks a schedule: the database's best for exactly this workload; else the best of the nearest
+tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
+largest below); else the analytic default. Kernels are compiled once per (workload, schedule) and come
+from the on-disk artifact cache after that, so a warm start compiles nothing. Every decision is kept
+(and logged at DEBUG) for `flashgen explain`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from flashgen.compiler import compile as compile_kernel
+from flashgen.db import Database, default_db_path
+from flashgen.errors import FlashgenError
+from flashgen.ir import dtypes
+from flashgen.ir import expr as E
+from flashgen.oplib import get_op
+from flashgen.schedules.space import Schedule, ScheduleSpace
+from flashgen.targets.descriptor import Target, get_target, target_for_device
+from flashgen.targets.kernel import Kernel
+from flashgen.workload import Workload, workload
+
+log = logging.getLogger("flashgen.dispatch")
+
+
+@dataclass(frozen=True)
+class Decision:
+    workload: Workload
+    target: str
+    schedule: Schedule
+    source: str  # "exact", "bucket M=...", "default"
+
+
+def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mapping[str, int]) -> dict[str, int]:
+    """Dims read off tensor shapes: an axis that is a dim, a constant times a dim, or a dim plus a
+    constant binds that dim; dims no shape determines must be given."""
+    op = get_op(op_name)
+    dims = dict(given)
+    for t in op.inputs:
+        if t.name not in tensors:
+            continue
+        shape = tensors[t.name].shape
+        for axis, e in enumerate(t.shape):
+            if axis >= len(shape):
+                continue
+            n = int(shape[axis])
+            if isinstance(e, E.Dim):
+                dims.setdefault(e.name, n)
+            elif isinstance(e, E.Binary) and e.op == "mul" and isinstance(e.a, E.Const) and isinstance(e.b, E.Dim):
+                dims.setdefault(e.b.name, n // int(e.a.value))
+            elif isinstance(e, E.Binary) and e.op == "add" and isinstance(e.a, E.Dim) and isinstance(e.b, E.Const):
+                dims.setdefault(e.a.name, n - int(e.b.value))
+    missing = [d for d in op.dims if d not in dims]
+    if missing:
+        raise FlashgenError(f"{op_name}: dims {', '.join(missing)} cannot be read off the tensors; pass them")
+    return dims
+
+
+class Dispatcher:
+    def __init__(self, target: Target | str | None = None, db: str | os.PathLike | None = None):
+        self._target = get_target(target) if isinstance(target, str) else target
+        self.db_path = Path(db) if db is not None else default_db_path()
+        self.kernels: dict[tuple[str, str], Kernel] = {}
+        self.decisions: dict[str, Decision] = {}
+
+    def target_for(self, device: torch.device) -> Target:
+        if self._target is not None:
+            return self._target
+        if device.type == "cuda":
+            from flashgen.targets.triton.launch import device_arch
+            return target_for_device(torch.cuda.get_device_name(device), device_arch(device))
+        return get_target("cpu")
+
+    def workload_for(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str],
+                     dims: Mapping[str, int] | None = None) -> Workload:
+        first = next(iter(tensors.values()))
+        attrs = {"dtype": dtypes.of_torch(first.dtype), **attrs} if "dtype" in get_op(op_name).attrs else dict(attrs)
+        return workload(op_name, **bind_shapes(op_name, tensors, dims or {}), **attrs)
+
+    def choose(self, wl: Workload, target: Target) -> Decision:
+        space = ScheduleSpace(wl, target)
+        if self.db_path.exists():
+            with Database(self.db_path) as db:
+                best = db.best(wl.key, target.id)
+                if best is not None and space.is_valid(best.schedule):
+                    return Decision(wl, target.id, best.schedule, "exact")
+                bucket = self._bucket(db, wl, target, space)
+                if bucket is not None:
+                    return bucket
+        return Decision(wl, target.id, space.default(), "default")
+
+    def _bucket(self, db: Database, wl: Workload, target: Target, space: ScheduleSpace) -> Decision | None:
+        """The nearest tuned workload differing only in row dims: M rounded up, else the largest below."""
+        row = wl.op.row_dims[0]
+        fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
+        tuned = []
+        for rec in db.best_all(target.id):
+            w = rec.workload
+            if w.get("op") == wl.op_name and w.get("attrs") == wl.attr and \
+                    all(w["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule):
+                tuned.append((w["dims"][row], rec))
+        if not tuned:
+            return None
+        m = wl.dim[row]
+        above = [t for t in tuned if t[0] >= m]
+        size, rec = min(above, key=lambda t: t[0]) if above else max(tuned, key=lambda t: t[0])
+        return Decision(wl, target.id, rec.schedule, f"bucket {row}={size}")
+
+    def kernel(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str] | None = None,
+               dims: Mapping[str, int] | None = None) -> Kernel:
+        device = next(iter(tensors.values())).device
+        target = self.target_for(device)
+        wl = self.workload_for(op_name, tensors, attrs or {}, dims)
+        decision = self.decisions.get(wl.key + target.id)
+        if decision is None:
+            decision = self.choose(wl, target)
+            self.decisions[wl.key + target.id] = decision
+            log.debug("%s on %s: schedule %s (%s)", wl, target.id, decision.schedule, decision.source)
+        fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
+        key = (json.dumps([target.id, wl.op_name, fixed, wl.attr], sort_keys=True),
+               json.dumps(decision.schedule, sort_keys=True))  # row dims vary per call: one kernel serves all
+        if key not in self.kernels:
+            self.kernels[key] = compile_kernel(wl, target, schedule=decision.schedule)
+        return self.kernels[key]

@@ -1,0 +1,91 @@
+"""Every op as a torch.library custom op, `torch.ops.flashgen.<op>`, with a fake (meta) implementation
+so that it works inside torch.compile and CUDA-graph capture.
+
+The schema comes from the op's description: its inputs in order, then its params (floats with their
+defaults) and its string attrs other than dtype (taken from the first input); it returns the op's
+outputs. Dims no tensor shape determines are passed as a trailing `int[] dims` in the op's dim order
+(empty when the shapes say everything). CPU tensors run the `cpu` target's kernels, CUDA tensors the
+running GPU's; the dispatcher picks the schedule.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashgen.ir import dtypes
+from flashgen.ir.op import Op, eval_int
+from flashgen.oplib import OPS
+from flashgen.runtime.dispatch import Dispatcher, bind_shapes
+
+_LIB = torch.library.Library("flashgen", "DEF")
+_DISPATCHER = Dispatcher()
+_REGISTERED: set[str] = set()
+
+
+def dispatcher() -> Dispatcher:
+    return _DISPATCHER
+
+
+def _attr_names(op: Op) -> list[str]:
+    return [a for a in op.attrs if a != "dtype"]
+
+
+def schema(op: Op) -> str:
+    """The op's schema: tensors (optional ones as Tensor?), params, attrs, dims; returns its outputs."""
+    args = [f"Tensor{'?' if t.when else ''} {t.name}" for t in op.inputs]
+    args += [f"float {p}={v!r}" for p, v in op.params.items()]
+    args += [f"str {a}='{op.attrs[a][0]}'" for a in _attr_names(op)]
+    args.append("int[] dims=[]")
+    n_out = len(op.outputs_for({a: v[0] for a, v in op.attrs.items()}))  # the same for every attr value
+    outs = ", ".join("Tensor" for _ in range(n_out))
+    return f"{op.name}({', '.join(args)}) -> " + (f"({outs})" if n_out > 1 else outs)
+
+
+def _defaults(op: Op) -> list[Any]:
+    return [None] * len(op.inputs) + list(op.params.values()) + [op.attrs[a][0] for a in _attr_names(op)] + [[]]
+
+
+def _split(op: Op, args: tuple) -> tuple[dict, dict, dict, dict]:
+    """Tensors, params, attrs and given dims of a call (arguments left out take their defaults)."""
+    args = tuple(args) + tuple(_defaults(op)[len(args):])
+    n_in, n_par, n_att = len(op.inputs), len(op.params), len(_attr_names(op))
+    tensors = {t.name: x for t, x in zip(op.inputs, args[:n_in]) if x is not None}
+    params = dict(zip(op.params, args[n_in:n_in + n_par]))
+    attrs = dict(zip(_attr_names(op), args[n_in + n_par:n_in + n_par + n_att]))
+    dims = dict(zip(op.dims, args[n_in + n_par + n_att])) if args[n_in + n_par + n_att] else {}
+    return tensors, params, attrs, dims
+
+
+def register(op: Op) -> None:
+    """Define flashgen::<op> with its real and fake implementations (idempotent)."""
+    if op.name in _REGISTERED:
+        return
+    _LIB.define(schema(op))
+
+    def real(*args: Any):
+        tensors, params, attrs, dims = _split(op, args)
+        kernel = _DISPATCHER.kernel(op.name, tensors, attrs, dims)
+        outs = kernel.run(tensors, params=params)
+        vals = tuple(outs[t.name] for t in kernel.workload.outputs)
+        return vals[0] if len(vals) == 1 else vals
+
+    def fake(*args: Any):
+        tensors, _, attrs, dims = _split(op, args)
+        bound = bind_shapes(op.name, tensors, dims)
+        first = next(iter(tensors.values()))
+        full = {**{a: v[0] for a, v in op.attrs.items()}, "dtype": dtypes.of_torch(first.dtype), **attrs}
+        vals = tuple(first.new_empty(tuple(eval_int(e, bound) for e in t.shape),
+                                     dtype=dtypes.TORCH[op.dtype_of(t.name, full)])
+                     for t in op.outputs if t.present(full))
+        return vals[0] if len(vals) == 1 else vals
+
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(op.name, real, key)
+    torch.library.register_fake(f"flashgen::{op.name}", lib=_LIB)(fake)
+    _REGISTERED.add(op.name)
+
+
+def register_all() -> None:
+    for op in OPS.values():
+        register(op)

@@ -1,0 +1,93 @@
+"""Runtime: torch custom ops on CPU tensors, torch.compile through their fake implementations,
+dispatch by shape (exact record, nearest tuned bucket, default) and warm starts that compile nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.cli import main
+from flashgen.db import Database, Record
+from flashgen.runtime import Dispatcher, register_all
+from flashgen.targets import get_target
+
+register_all()
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_custom_ops_on_cpu_tensors():
+    g = torch.Generator().manual_seed(0)
+    x, r, w = torch.randn(7, 257, generator=g), torch.randn(7, 257, generator=g), torch.randn(257, generator=g)
+    wl = flashgen.workload("add_rmsnorm", M=7, N=257, dtype="fp32")
+    ref = wl.op.reference({"x": x, "residual": r, "w": w}, {"eps": 1e-5}, wl.dim, wl.attr)
+    y, h = torch.ops.flashgen.add_rmsnorm(x, r, w, 1e-5)
+    assert rel(y, ref["y"]) < 1e-5 and rel(h, ref["residual_out"]) < 1e-6
+    q, k = torch.randn(3, 4, 64, generator=g), torch.randn(3, 2, 64, generator=g)
+    pos = torch.tensor([0, 5, 9])
+    from flashgen.oplib.rope import cos_sin_cache
+    cs = cos_sin_cache(16, 64)
+    qo, ko = torch.ops.flashgen.rope(q, k, pos, cs, style="gptj")
+    rwl = flashgen.workload("rope", M=3, Hq=4, Hkv=2, D=64, L=16, dtype="fp32", style="gptj")
+    ref = rwl.op.reference({"q": q, "k": k, "positions": pos, "cos_sin": cs}, {}, rwl.dim, rwl.attr)
+    assert rel(qo, ref["q_out"]) < 1e-5 and rel(ko, ref["k_out"]) < 1e-5
+
+
+def test_torch_compile_sees_through_fake_impls():
+    x, w = torch.randn(4, 96), torch.randn(96)
+
+    def block(x, w):
+        y = torch.ops.flashgen.rmsnorm(x * 2, w)
+        q, s = torch.ops.flashgen.dynamic_quant(y, out_dtype="int8")
+        return q.float() * s[:, None]
+
+    eager = block(x, w)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)(x, w)
+    assert torch.equal(eager, compiled) and eager.dtype == torch.float32
+
+
+def _record(db, wl, schedule, lat):
+    db.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200", schedule=schedule,
+                  status="ok", latency_us=lat, device="NVIDIA H200"))
+
+
+def test_dispatch_exact_bucket_default(tmp_path, capsys):
+    h200 = get_target("h200")
+    db_path = tmp_path / "t.db"
+    s64 = {"block_r": 4, "block_c": 1024, "num_warps": 4}
+    s4096 = {"block_r": 1, "block_c": 1024, "num_warps": 8}
+    with Database(db_path) as db:
+        _record(db, flashgen.workload("rmsnorm", M=64, N=1000, dtype="bf16"), s64, 3.0)
+        _record(db, flashgen.workload("rmsnorm", M=4096, N=1000, dtype="bf16"), s4096, 20.0)
+    d = Dispatcher(h200, db_path)
+    choose = lambda m: d.choose(flashgen.workload("rmsnorm", M=m, N=1000, dtype="bf16"), h200)  # noqa: E731
+    assert (choose(64).source, choose(64).schedule) == ("exact", s64)
+    assert (choose(40).source, choose(40).schedule) == ("bucket M=64", s64)          # M rounded up
+    assert (choose(1000).source, choose(1000).schedule) == ("bucket M=4096", s4096)
+    assert (choose(9000).source, choose(9000).schedule) == ("bucket M=4096", s4096)  # above every bucket
+    other = d.choose(flashgen.workload("rmsnorm", M=64, N=1024, dtype="bf16"), h200)
+    assert other.source == "default"
+    assert main(["explain", "rmsnorm", "--dim", "M=40", "--dim", "N=1000", "--target", "h200", "--db", str(db_path)]) == 0
+    assert "bucket M=64" in capsys.readouterr().out
+
+
+def test_warm_start_compiles_nothing(monkeypatch):
+    """A second process-like dispatcher finds the kernel in the artifact cache: no Triton compile."""
+    x, w = torch.randn(8, 3072, dtype=torch.bfloat16), torch.randn(3072, dtype=torch.bfloat16)
+    Dispatcher("h100").kernel("rmsnorm", {"x": x, "w": w})
+    import flashgen.targets.triton as backend
+
+    def refuse(*a, **k):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(backend, "compile_aot", refuse)
+    k = Dispatcher("h100").kernel("rmsnorm", {"x": x[:3], "w": w})
+    assert k.binary[:4] == b"\x7fELF"
+
+
+def test_dims_not_in_shapes_must_be_given():
+    x = torch.randn(2, 64, dtype=torch.float16)
+    with pytest.raises(flashgen.FlashgenError, match="cannot be read off"):
+        Dispatcher("h100").kernel("gemm_w4a16", {"x": x, "w_packed": torch.zeros(16, 8, dtype=torch.int32),
+                                                "scales": torch.ones(16, 2, dtype=torch.float16)})
