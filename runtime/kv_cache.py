@@ -1,0 +1,51 @@
+"""Paged KV cache and its block manager.
+
+Per layer, k and v live in [num_blocks, block_size, Hkv, D] tensors (the layout of the paged attention
+ops); a sequence owns a list of blocks, its block table, and grows one block at a time. Blocks of
+finished sequences return to the free list at once, so requests can join between steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashgen.errors import FlashgenError
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[int, list[int]] = {}
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_hold(self, seq: int, tokens: int) -> bool:
+        have = len(self.tables.get(seq, []))
+        return self.blocks_for(tokens) - have <= len(self.free)
+
+    def reserve(self, seq: int, tokens: int) -> list[int]:
+        """Grow `seq`'s table to hold `tokens` tokens; returns the table."""
+        table = self.tables.setdefault(seq, [])
+        need = self.blocks_for(tokens) - len(table)
+        if need > len(self.free):
+            raise FlashgenError(f"the KV cache has {len(self.free)} free blocks, sequence {seq} needs {need}")
+        table.extend(self.free.pop() for _ in range(max(0, need)))
+        return table
+
+    def release(self, seq: int) -> None:
+        self.free.extend(reversed(self.tables.pop(seq, [])))
+
+
+class PagedKVCache:
+    def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.manager = BlockManager(num_blocks, block_size)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' keys and values at their slots (block * block_size + offset)."""
+        self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k
+        self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v

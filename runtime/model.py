@@ -1,0 +1,114 @@
+"""A Llama-family decoder (Llama 2/3, Mistral with sliding window, Qwen2 with qkv bias) over a paged
+KV cache, computing with flashgen's generated kernels.
+
+One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
+decode token), packed along one token axis. Norms, the residual add, SiLU·mul and RoPE run as
+`torch.ops.flashgen` ops on every device; linears and attention run as generated GEMM and attention
+kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one used).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashgen.oplib.rope import cos_sin_cache
+from flashgen.runtime.kv_cache import PagedKVCache
+from flashgen.runtime.torch_ops import register_all
+from flashgen.runtime.weights import ModelConfig
+
+
+@dataclass
+class Batch:
+    """The new tokens of several sequences, packed: `lens[i]` tokens of sequence `seqs[i]`, whose
+    context (cached prefix + these tokens) is `ctx[i]` long."""
+    tokens: torch.Tensor     # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor      # [T] int64: cache slot of each token
+    seqs: list[int]
+    lens: list[int]
+    ctx: list[int]
+
+
+class Decoder:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        register_all()
+        self.c, self.device, self.dtype = config, torch.device(device), dtype
+        self.fallbacks: set[str] = set()
+        w = {k: v.to(self.device, dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            att = p + "self_attn."
+            layer = {"in_norm": w[p + "input_layernorm.weight"], "post_norm": w[p + "post_attention_layernorm.weight"],
+                     "qkv": torch.cat([w[att + n + "_proj.weight"] for n in "qkv"]), "o": w[att + "o_proj.weight"],
+                     "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                     "down": w[p + "mlp.down_proj.weight"]}
+            if config.qkv_bias:
+                layer["qkv_bias"] = torch.cat([w[att + n + "_proj.bias"] for n in "qkv"])
+            self.layers.append(layer)
+        self.cos_sin = cos_sin_cache(config.max_position_embeddings, config.head_dim, config.rope_theta).to(self.device)
+
+    # ---- building blocks ------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.device.type == "cuda":
+            if bias is None:
+                return torch.ops.flashgen.gemm(x, w)
+            return torch.ops.flashgen.gemm(x, w, bias, with_bias="yes")
+        self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
+        return F.linear(x, w, bias)
+
+    def attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int, batch: Batch) -> torch.Tensor:
+        """Each sequence's new queries against its whole cached context, causal, sliding window if any."""
+        c = self.c
+        self.fallbacks.add("attention (torch over the paged cache)")
+        out = torch.empty_like(q)
+        group = c.num_heads // c.num_kv_heads
+        start = 0
+        for seq, n, ctx in zip(batch.seqs, batch.lens, batch.ctx):
+            blocks = torch.tensor(cache.manager.tables[seq][: cache.manager.blocks_for(ctx)], device=self.device)
+            k = cache.k[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx].repeat_interleave(group, 1)
+            v = cache.v[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx].repeat_interleave(group, 1)
+            qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
+            kpos = torch.arange(ctx, device=self.device)[None, :]
+            mask = kpos <= qpos
+            if c.sliding_window:
+                mask &= kpos > qpos - c.sliding_window
+            o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k.transpose(0, 1),
+                                               v.transpose(0, 1), attn_mask=mask)
+            out[start:start + n] = o.transpose(0, 1)
+            start += n
+        return out
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward(self, batch: Batch, cache: PagedKVCache, last_only: bool = True) -> torch.Tensor:
+        """Logits of each sequence's last new token (or of every new token)."""
+        c = self.c
+        x = self.embed[batch.tokens]
+        residual = None
+        for i, L in enumerate(self.layers):
+            if residual is None:
+                h, residual = torch.ops.flashgen.rmsnorm(x, L["in_norm"], c.rms_norm_eps), x
+            else:
+                h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["in_norm"], c.rms_norm_eps)
+            qkv = self.linear(h, L["qkv"], L.get("qkv_bias"))
+            nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q = qkv[:, :nq].reshape(-1, c.num_heads, c.head_dim)
+            k = qkv[:, nq:nq + nk].reshape(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)
+            q, k = torch.ops.flashgen.rope(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin)
+            cache.write(i, batch.slots, k, v)
+            a = self.attention(q, cache, i, batch).reshape(-1, nq)
+            x = self.linear(a, L["o"])
+            h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["post_norm"], c.rms_norm_eps)
+            x = self.linear(torch.ops.flashgen.silu_mul(self.linear(h, L["gate_up"])), L["down"])
+        h, _ = torch.ops.flashgen.add_rmsnorm(x, residual, self.final_norm, c.rms_norm_eps)
+        if last_only:
+            ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
+            h = h[ends]
+        return F.linear(h, self.lm_head) if self.device.type != "cuda" else self.linear(h, self.lm_head)
