@@ -145,6 +145,45 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate from a Hugging Face model folder, printing text as tokens arrive."""
+    from pathlib import Path
+
+    import torch
+
+    from flashgen.runtime.engine import Engine, SamplingParams
+    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.weights import ModelConfig, load_weights
+
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise FlashgenError("generate needs the tokenizers package: pip install -e '.[model]'") from None
+    folder = Path(args.model)
+    config = ModelConfig.from_folder(folder)
+    if not (folder / "tokenizer.json").exists():
+        raise FlashgenError(f"{folder} has no tokenizer.json")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Decoder(config, load_weights(folder), device, torch.bfloat16 if device == "cuda" else torch.float32)
+    engine = Engine(model, num_blocks=args.cache_blocks)
+    prompt = tok.encode(args.prompt).ids
+    rid = engine.add(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                            top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+    if rid in engine.finished:
+        raise FlashgenError(engine.finished[rid].error)
+    shown = ""
+    while engine.waiting or engine.running:
+        engine.step()
+        req = engine.finished.get(rid) or next(r for r in engine.running if r.id == rid)
+        text = tok.decode(req.output)
+        sys.stdout.write(text[len(shown):])
+        sys.stdout.flush()
+        shown = text
+    sys.stdout.write("\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flashgen import __version__
     from flashgen.db import cli as db_cli
@@ -197,6 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
     e.add_argument("--targets-dir", help="a folder of extra descriptor files")
     e.set_defaults(func=cmd_explain)
+
+    g = sub.add_parser("generate", help="generate text from a Hugging Face Llama/Mistral/Qwen2 folder")
+    g.add_argument("--model", required=True, help="folder with config.json, safetensors and tokenizer.json")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cache-blocks", type=int, default=1024, help="KV cache size in blocks of 16 tokens")
+    g.set_defaults(func=cmd_generate)
 
     db_cli.register(sub)
     return p

@@ -82,7 +82,7 @@ class Engine:
             req.error = (f"prompt of {len(prompt)} tokens + {params.max_new_tokens} new exceeds the model's context "
                          f"of {c.max_position_embeddings}")
         elif m.blocks_for(len(prompt) + params.max_new_tokens) > len(m.free) + sum(map(len, m.tables.values())):
-            req.error = f"prompt + max_new_tokens needs more KV cache blocks than the cache has"
+            req.error = "prompt + max_new_tokens needs more KV cache blocks than the cache has"
         (self.finished.__setitem__(rid, req) if req.error else self.waiting.append(req))
         return rid
 

@@ -122,3 +122,21 @@ def test_loading_errors(tmp_path, checkpoint):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard-2.safetensors"}}))
     with pytest.raises(FlashgenError, match="shard-2.safetensors named by the index is missing"):
         load_weights(tmp_path)
+
+
+def test_cli_generate_streams_text(checkpoint, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    from flashgen.cli import main
+    kind, hf, folder = checkpoint
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    tok.save(str(folder / "tokenizer.json"))
+    assert main(["generate", "--model", str(folder), "--prompt", "w1 w5 w9 w20 w33", "--max-new-tokens", "8"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words == [f"w{i}" for i in hf_greedy(hf, [1, 5, 9, 20, 33], 8)]
+    assert main(["generate", "--model", str(folder), "--prompt", " ".join(["w3"] * 300)]) == 2
+    assert "exceeds the model's context" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w1"]) == 2
+    assert "no config.json" in capsys.readouterr().err
