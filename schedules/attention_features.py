@@ -9,7 +9,7 @@ One feature set covers both (knobs a kind lacks read 1), so one model serves the
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -26,7 +26,7 @@ FEATURE_NAMES: tuple[str, ...] = (*KNOBS, *(f"log2_{k}" for k in KNOBS), "is_pre
 STEP_US = 0.4
 
 
-def _columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
+def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
     d = wl.dim
     prefill = next(st.kind for st in wl.op.body(wl.attr) if isinstance(st, Attend)) == "prefill"
     kv = {k: np.asarray([float(s.get(k, 1)) for s in schedules]) for k in KNOBS}
@@ -59,11 +59,3 @@ def _columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -
                  "sm_count": ones * sms, "log2_copy_gbs": ones * np.log2(target.copy_gbs), "_latency_us": est})
     return cols
 
-
-def feature_matrix(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
-    cols = _columns(wl, list(schedules), target)
-    return np.stack([cols[name] for name in FEATURE_NAMES], axis=1).astype(np.float32)
-
-
-def analytic_latency_us(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
-    return _columns(wl, list(schedules), target)["_latency_us"]

@@ -9,7 +9,7 @@ moved, stretched by wave quantization, plus a per-k-step latency that deeper pip
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -36,7 +36,7 @@ def _peak_tflops(wl: Workload, target: Target) -> float:
     return float(peaks.get(op, peaks.get("bf16", peaks.get("fp32", 1.0))))
 
 
-def _columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
+def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
     m, n, k, _ = _extents(wl)
     kv = {name: np.asarray([float(s[name]) for s in schedules]) for name in KNOBS}
     bm, bn, bk = kv["block_m"], kv["block_n"], kv["block_k"]
@@ -81,11 +81,3 @@ def _columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -
     })
     return cols
 
-
-def feature_matrix(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
-    cols = _columns(wl, list(schedules), target)
-    return np.stack([cols[name] for name in FEATURE_NAMES], axis=1).astype(np.float32)
-
-
-def analytic_latency_us(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
-    return _columns(wl, list(schedules), target)["_latency_us"]

@@ -208,7 +208,8 @@ def feature_matrix(wl: Workload, schedules: Iterable[Mapping[str, Any]], target:
     """float32 array of shape (len(schedules), len(feature_names(class)))."""
     mod = _class_module(wl.op.kclass)
     if mod:
-        return mod.feature_matrix(wl, schedules, target)
+        cols = mod.columns(wl, list(schedules), target)
+        return np.stack([cols[name] for name in mod.FEATURE_NAMES], axis=1).astype(np.float32)
     cols = _columns(wl, list(schedules), target)
     return np.stack([cols[name] for name in FEATURE_NAMES], axis=1).astype(np.float32)
 
@@ -221,6 +222,4 @@ def features(wl: Workload, schedule: Mapping[str, Any], target: Target) -> np.nd
 def analytic_latency_us(wl: Workload, schedules: Iterable[Mapping[str, Any]], target: Target) -> np.ndarray:
     """The analytic latency estimate (us) of each schedule: what the prior ranks by."""
     mod = _class_module(wl.op.kclass)
-    if mod:
-        return mod.analytic_latency_us(wl, schedules, target)
-    return _columns(wl, list(schedules), target)["_latency_us"]
+    return (mod.columns if mod else _columns)(wl, list(schedules), target)["_latency_us"]

@@ -42,6 +42,20 @@ def _build(a) -> tuple:
     return (Attend(*_mods(a), kind="decode"),)
 
 
+def _attend(q, k, v, qpos, kpos, t, p, a) -> torch.Tensor:
+    """float64 attention of queries q [n, Hq, D] at positions qpos [n] over keys and values [m, Hq, D] at
+    kpos [m], causal, with the `mod`: the reference every attention op is checked against."""
+    s = torch.einsum("ihd,jhd->hij", q, k) / q.shape[-1] ** 0.5
+    if a["mod"] == "softcap":
+        s = p["softcap"] * torch.tanh(s / p["softcap"])
+    elif a["mod"] == "alibi":
+        s = s + f64(t["alibi_slopes"])[:, None, None] * (kpos[None, :] - qpos[:, None])[None]
+    mask = kpos[None, :] <= qpos[:, None]
+    if a["mod"] == "window":
+        mask &= kpos[None, :] > qpos[:, None] - p["window"]
+    return torch.einsum("hij,jhd->ihd", torch.softmax(s.masked_fill(~mask[None], float("-inf")), dim=-1), v)
+
+
 def _reference(t, p, d, a) -> dict:
     q, kc, vc = f64(t["q"]), f64(t["k_cache"]) * p["k_scale"], f64(t["v_cache"]) * p["v_scale"]
     group = d["Hq"] // d["Hkv"]
@@ -51,15 +65,8 @@ def _reference(t, p, d, a) -> dict:
         blocks = t["block_tables"][b, : -(-n // d["BS"])].long()
         k = kc[blocks].reshape(-1, d["Hkv"], d["D"])[:n].repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = vc[blocks].reshape(-1, d["Hkv"], d["D"])[:n].repeat_interleave(group, dim=1)
-        s = torch.einsum("hd,nhd->hn", q[b], k) / d["D"] ** 0.5
-        kpos, qpos = torch.arange(n, dtype=torch.float64), n - 1
-        if a["mod"] == "softcap":
-            s = p["softcap"] * torch.tanh(s / p["softcap"])
-        elif a["mod"] == "alibi":
-            s = s + f64(t["alibi_slopes"])[:, None] * (kpos - qpos)[None, :]
-        elif a["mod"] == "window":
-            s = s.masked_fill(~(kpos > qpos - p["window"])[None, :], float("-inf"))
-        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
+        pos = torch.arange(n, dtype=torch.float64)
+        out[b] = _attend(q[b][None], k, v, pos[-1:], pos, t, p, a)[0]
     return {"out": out}
 
 
@@ -123,17 +130,8 @@ def _prefill_reference(t, p, d, a) -> dict:
         if n == 0:
             continue
         kk, vv = k[s0:s1].repeat_interleave(group, 1), v[s0:s1].repeat_interleave(group, 1)
-        s = torch.einsum("ihd,jhd->hij", q[s0:s1], kk) / d["D"] ** 0.5
         pos = torch.arange(n, dtype=torch.float64)
-        if a["mod"] == "softcap":
-            s = p["softcap"] * torch.tanh(s / p["softcap"])
-        elif a["mod"] == "alibi":
-            s = s + f64(t["alibi_slopes"])[:, None, None] * (pos[None, :] - pos[:, None])[None]
-        mask = pos[None, :] <= pos[:, None]
-        if a["mod"] == "window":
-            mask &= pos[None, :] > pos[:, None] - p["window"]
-        s = s.masked_fill(~mask[None], float("-inf"))
-        out[s0:s1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), vv)
+        out[s0:s1] = _attend(q[s0:s1], kk, vv, pos, pos, t, p, a)
     return {"out": out}
 
 
@@ -193,18 +191,8 @@ def _chunked_reference(t, p, d, a) -> dict:
         vp = vc[blocks].reshape(-1, d["Hkv"], d["D"])[:pre]
         kk = torch.cat([kp, k[s0:s1]]).repeat_interleave(group, 1)
         vv = torch.cat([vp, v[s0:s1]]).repeat_interleave(group, 1)
-        s = torch.einsum("ihd,jhd->hij", q[s0:s1], kk) / d["D"] ** 0.5
-        qpos = pre + torch.arange(n, dtype=torch.float64)
         kpos = torch.arange(pre + n, dtype=torch.float64)
-        if a["mod"] == "softcap":
-            s = p["softcap"] * torch.tanh(s / p["softcap"])
-        elif a["mod"] == "alibi":
-            s = s + f64(t["alibi_slopes"])[:, None, None] * (kpos[None, :] - qpos[:, None])[None]
-        mask = kpos[None, :] <= qpos[:, None]
-        if a["mod"] == "window":
-            mask &= kpos[None, :] > qpos[:, None] - p["window"]
-        s = s.masked_fill(~mask[None], float("-inf"))
-        out[s0:s1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), vv)
+        out[s0:s1] = _attend(q[s0:s1], kk, vv, kpos[pre:], kpos, t, p, a)
     return {"out": out}
 
 
