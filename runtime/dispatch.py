@@ -84,6 +84,7 @@ class Dispatcher:
                      dims: Mapping[str, int] | None = None) -> Workload:
         first = next(iter(tensors.values()))
         attrs = {"dtype": dtypes.of_torch(first.dtype), **attrs} if "dtype" in get_op(op_name).attrs else dict(attrs)
+        # (an explicit dtype attr wins: int8 and fp8 GEMMs name their output dtype)
         return workload(op_name, **bind_shapes(op_name, tensors, dims or {}), **attrs)
 
     def choose(self, wl: Workload, target: Target) -> Decision:

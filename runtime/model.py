@@ -4,7 +4,8 @@ KV cache, computing with flashgen's generated kernels.
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
 decode token), packed along one token axis. Norms, the residual add, SiLU·mul and RoPE run as
 `torch.ops.flashgen` ops on every device; linears and attention run as generated GEMM and attention
-kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one used).
+kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one used). Linears may
+be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from flashgen.oplib.rope import cos_sin_cache
 from flashgen.runtime.kv_cache import PagedKVCache
-from flashgen.runtime.torch_ops import register_all
+from flashgen.runtime.linear import QuantLinear, apply, choose, prepare
+from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.weights import ModelConfig
 
 
@@ -33,9 +35,9 @@ class Batch:
 
 class Decoder:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, quant: str = "bf16"):
         register_all()
-        self.c, self.device, self.dtype = config, torch.device(device), dtype
+        self.c, self.device, self.dtype, self.quant = config, torch.device(device), dtype, quant
         self.fallbacks: set[str] = set()
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
@@ -49,19 +51,23 @@ class Decoder:
                      "qkv": torch.cat([w[att + n + "_proj.weight"] for n in "qkv"]), "o": w[att + "o_proj.weight"],
                      "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
                      "down": w[p + "mlp.down_proj.weight"]}
+            for name in ("qkv", "o", "gate_up", "down"):
+                layer[name] = prepare(layer[name], quant)
             if config.qkv_bias:
                 layer["qkv_bias"] = torch.cat([w[att + n + "_proj.bias"] for n in "qkv"])
             self.layers.append(layer)
         self.cos_sin = cos_sin_cache(config.max_position_embeddings, config.head_dim, config.rope_theta).to(self.device)
 
     # ---- building blocks ------------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.device.type == "cuda":
-            if bias is None:
-                return torch.ops.flashgen.gemm(x, w)
-            return torch.ops.flashgen.gemm(x, w, bias, with_bias="yes")
-        self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
-        return F.linear(x, w, bias)
+    def linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's linear in the decoder's quantization mode (see runtime/linear.py)."""
+        if self.device.type != "cuda":
+            self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
+        return apply(x, w, self.quant, bias, self.fallbacks, self._choose)
+
+    def _choose(self, n: int, k: int, m: int) -> str:
+        target = dispatcher().target_for(self.device)
+        return choose(dispatcher().db_path if dispatcher().db_path.exists() else None, n, k, m, target.id)
 
     def attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int, batch: Batch) -> torch.Tensor:
         """Each sequence's new queries against its whole cached context, causal, sliding window if any."""
@@ -111,4 +117,4 @@ class Decoder:
         if last_only:
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
             h = h[ends]
-        return F.linear(h, self.lm_head) if self.device.type != "cuda" else self.linear(h, self.lm_head)
+        return F.linear(h, self.lm_head)

@@ -2,8 +2,8 @@
 so that it works inside torch.compile and CUDA-graph capture.
 
 The schema comes from the op's description: its inputs in order, then its params (floats with their
-defaults) and its string attrs other than dtype (taken from the first input); it returns the op's
-outputs. Dims no tensor shape determines are passed as a trailing `int[] dims` in the op's dim order
+defaults) and its string attrs (dtype defaults to the first input's, which an int8 or fp8 GEMM must
+override with its output dtype); it returns the op's outputs. Dims no tensor shape determines are passed as a trailing `int[] dims` in the op's dim order
 (empty when the shapes say everything). CPU tensors run the `cpu` target's kernels, CUDA tensors the
 running GPU's; the dispatcher picks the schedule.
 """
@@ -28,14 +28,18 @@ def dispatcher() -> Dispatcher:
 
 
 def _attr_names(op: Op) -> list[str]:
-    return [a for a in op.attrs if a != "dtype"]
+    return list(op.attrs)
+
+
+def _attr_default(op: Op, a: str) -> str:
+    return "" if a == "dtype" else op.attrs[a][0]  # "": the first input's dtype
 
 
 def schema(op: Op) -> str:
     """The op's schema: tensors (optional ones as Tensor?), params, attrs, dims; returns its outputs."""
     args = [f"Tensor{'?' if t.when else ''} {t.name}" for t in op.inputs]
     args += [f"float {p}={v!r}" for p, v in op.params.items()]
-    args += [f"str {a}='{op.attrs[a][0]}'" for a in _attr_names(op)]
+    args += [f"str {a}='{_attr_default(op, a)}'" for a in _attr_names(op)]
     args.append("int[] dims=[]")
     n_out = len(op.outputs_for({a: v[0] for a, v in op.attrs.items()}))  # the same for every attr value
     outs = ", ".join("Tensor" for _ in range(n_out))
@@ -43,7 +47,7 @@ def schema(op: Op) -> str:
 
 
 def _defaults(op: Op) -> list[Any]:
-    return [None] * len(op.inputs) + list(op.params.values()) + [op.attrs[a][0] for a in _attr_names(op)] + [[]]
+    return [None] * len(op.inputs) + list(op.params.values()) + [_attr_default(op, a) for a in _attr_names(op)] + [[]]
 
 
 def _split(op: Op, args: tuple) -> tuple[dict, dict, dict, dict]:
@@ -52,7 +56,7 @@ def _split(op: Op, args: tuple) -> tuple[dict, dict, dict, dict]:
     n_in, n_par, n_att = len(op.inputs), len(op.params), len(_attr_names(op))
     tensors = {t.name: x for t, x in zip(op.inputs, args[:n_in]) if x is not None}
     params = dict(zip(op.params, args[n_in:n_in + n_par]))
-    attrs = dict(zip(_attr_names(op), args[n_in + n_par:n_in + n_par + n_att]))
+    attrs = {a: v for a, v in zip(_attr_names(op), args[n_in + n_par:n_in + n_par + n_att]) if v != ""}
     dims = dict(zip(op.dims, args[n_in + n_par + n_att])) if args[n_in + n_par + n_att] else {}
     return tensors, params, attrs, dims
 
@@ -75,6 +79,8 @@ def register(op: Op) -> None:
         bound = bind_shapes(op.name, tensors, dims)
         first = next(iter(tensors.values()))
         full = {**{a: v[0] for a, v in op.attrs.items()}, "dtype": dtypes.of_torch(first.dtype), **attrs}
+        if "dtype" not in op.attrs:
+            full.pop("dtype")
         vals = tuple(first.new_empty(tuple(eval_int(e, bound) for e in t.shape),
                                      dtype=dtypes.TORCH[op.dtype_of(t.name, full)])
                      for t in op.outputs if t.present(full))

@@ -140,3 +140,45 @@ def test_cli_generate_streams_text(checkpoint, tmp_path, capsys):
     assert "exceeds the model's context" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w1"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quant, tol", [("w8a16", 0.05), ("w4a16", 0.35), ("w8a8", 0.05), ("mixed", 0.05)])
+def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
+    """RTN-quantized linears change the logits by about the quantization error, not more."""
+    _, _, folder = checkpoint
+    cfg, w = ModelConfig.from_folder(folder), load_weights(folder)
+    prompt = PROMPTS[1]
+
+    def logits(model):
+        eng = Engine(model, num_blocks=8)
+        eng.cache.manager.reserve(0, len(prompt))
+        t = eng.cache.manager.tables[0]
+        b = Batch(torch.tensor(prompt), torch.arange(len(prompt)),
+                  torch.tensor([t[p // 16] * 16 + p % 16 for p in range(len(prompt))]), [0], [len(prompt)], [len(prompt)])
+        return model.forward(b, eng.cache, last_only=False)
+
+    ref, q = logits(Decoder(cfg, w)), logits(Decoder(cfg, w, quant=quant))
+    err = ((q - ref).norm() / ref.norm()).item()
+    assert 0 < err < tol, err
+    out = Engine(Decoder(cfg, w, quant=quant), num_blocks=32).generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    assert all(len(r.output) == 4 for r in out)
+
+
+def test_mixed_mode_picks_by_measured_latency(tmp_path):
+    from flashgen.db import Record
+    from flashgen.runtime.linear import choose
+    import flashgen
+    db = tmp_path / "t.db"
+    from flashgen.db import Database
+    with Database(db) as d:
+        for op, m, lat in (("gemm_w4a16", 16, 10.0), ("gemm_w8a8", 16, 14.0), ("gemm_w4a16", 256, 40.0),
+                           ("gemm_w8a8", 256, 25.0)):
+            kw = {"G": 128} if op == "gemm_w4a16" else {}
+            wl = flashgen.workload(op, M=m, N=4096, K=4096, dtype="fp16", **kw)
+            d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200",
+                         schedule={"s": 1}, status="ok", latency_us=lat, device="NVIDIA H200"))
+    assert choose(db, 4096, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # bandwidth-bound: 4-bit weights
+    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200") == "w8a8"     # compute-bound: int8 tensor cores
+    assert choose(db, 4096, 4096, 9999, "cuda:sm_90/h200") == "w8a8"
+    assert choose(db, 1024, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # unmeasured shape: the M crossover
+    assert choose(None, 1024, 4096, 512, "cuda:sm_90/h200") == "w8a8"

@@ -1,0 +1,96 @@
+"""Linear layers of the decoder in each compute mode, and the per-call choice between them.
+
+Modes: bf16 (the weight as is), w8a16 and w4a16 (weight-only int8 / int4, RTN-quantized at load, int4
+in groups of 128 along K where K allows, else per channel), w8a8 (int8 weights and per-token dynamically
+quantized int8 activations), and mixed: each call picks w4a16 or w8a8 for its row count M from the
+tuning database's measurements of both on this layer's shape (small M is bandwidth-bound and favours
+4-bit weights, large M compute-bound and favours int8 tensor cores), falling back to a crossover of
+M = 64 where nothing is measured. On a GPU each mode runs its generated GEMM; on the CPU the weight is
+dequantized and torch multiplies (reported as a fallback).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashgen.db import Database
+from flashgen.errors import FlashgenError
+from flashgen.ir import dtypes
+from flashgen.quant import pack_int4, quantize_rtn
+
+MODES = ("bf16", "w8a16", "w4a16", "w8a8", "mixed")
+DEFAULT_CROSSOVER_M = 64
+
+
+@dataclass
+class QuantLinear:
+    weight: torch.Tensor                  # the float weight (bf16 mode) or its dequantized copy (cpu path)
+    w8: torch.Tensor | None = None        # int8 [N, K]
+    w8_scale: torch.Tensor | None = None  # fp32 [N]
+    w4: torch.Tensor | None = None        # int32 [N, K // 8]
+    w4_scales: torch.Tensor | None = None
+    group: int = 0
+
+
+def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
+    if mode not in MODES:
+        raise FlashgenError(f"unknown quantization mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode == "bf16":
+        return QuantLinear(w)
+    q = QuantLinear(w)
+    deq = None
+    if mode in ("w8a16", "w8a8", "mixed"):
+        q8 = quantize_rtn(w.float().cpu(), bits=8)
+        q.w8, q.w8_scale = q8.codes.to(w.device), q8.scales[:, 0].contiguous().to(w.device)
+        deq = q8.dequantize()
+    if mode in ("w4a16", "mixed"):
+        k = w.shape[1]
+        q.group = 128 if k % 128 == 0 else k
+        q4 = quantize_rtn(w.float().cpu(), bits=4, group=q.group)
+        q.w4, q.w4_scales = pack_int4(q4.codes).to(w.device), q4.scales.to(w.device, w.dtype)
+        deq = q4.dequantize() if mode == "w4a16" else deq
+    q.weight = deq.to(w.device, w.dtype)
+    return q
+
+
+def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
+    """w4a16 or w8a8 for an M x N x K call, by the fastest measured workload of each at the nearest
+    measured M at or above m (else the largest below); the M=64 crossover where one is unmeasured."""
+    best: dict[str, float] = {}
+    if db_path is not None:
+        with Database(db_path) as db:
+            for mode, op in (("w4a16", "gemm_w4a16"), ("w8a8", "gemm_w8a8")):
+                recs = [r for r in db.best_all(target_id) if r.workload.get("op") == op
+                        and r.workload["dims"].get("N") == n and r.workload["dims"].get("K") == k]
+                if recs:
+                    above = [r for r in recs if r.workload["dims"]["M"] >= m]
+                    pick = (min(above, key=lambda r: r.workload["dims"]["M"]) if above
+                            else max(recs, key=lambda r: r.workload["dims"]["M"]))
+                    best[mode] = pick.latency_us
+    if len(best) == 2:
+        return min(best, key=best.get)
+    return "w4a16" if m <= DEFAULT_CROSSOVER_M else "w8a8"
+
+
+def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None, fallbacks: set[str],
+          chooser=None) -> torch.Tensor:
+    if x.device.type != "cuda":
+        if mode != "bf16":
+            fallbacks.add(f"{mode} linear (torch on the dequantized weight on cpu)")
+        return F.linear(x, q.weight, bias)
+    if mode == "mixed":
+        mode = chooser(q.weight.shape[0], q.weight.shape[1], x.shape[0]) if chooser else "w4a16"
+    epi = {"with_bias": "yes"} if bias is not None else {}
+    b = (bias,) if bias is not None else (None,)
+    if mode == "bf16":
+        return torch.ops.flashgen.gemm(x, q.weight, *b, **epi)
+    if mode == "w8a16":
+        return torch.ops.flashgen.gemm_w8a16(x, q.w8, q.w8_scale, *b, **epi)
+    if mode == "w4a16":
+        dims = [x.shape[0], q.weight.shape[0], q.weight.shape[1], q.group]
+        return torch.ops.flashgen.gemm_w4a16(x, q.w4, q.w4_scales, None, *b, group="group" if q.group != q.weight.shape[1]
+                                             else "channel", dims=dims, **epi)
+    xq, xs = torch.ops.flashgen.dynamic_quant(x, out_dtype="int8")
+    return torch.ops.flashgen.gemm_w8a8(xq, xs, q.w8, q.w8_scale, *b, dtype=dtypes.of_torch(x.dtype), **epi)
