@@ -184,6 +184,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_model(args: argparse.Namespace) -> int:
+    """Decode throughput on random weights of a known architecture, against the bandwidth limit."""
+    import torch
+
+    from flashgen.runtime.bench import run
+    from flashgen.table import print_table
+
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise FlashgenError(f"--batch takes integers separated by commas, got {args.batch!r}") from None
+    if any(b < 1 for b in batches):
+        raise FlashgenError("--batch sizes must be at least 1")
+    if torch.cuda.is_available():
+        from flashgen.targets import target_for_device
+        from flashgen.targets.triton.launch import device_arch
+        target = target_for_device(torch.cuda.get_device_name(), device_arch(torch.device("cuda")))
+    else:
+        from flashgen.targets import get_target
+        target = get_target("cpu")
+    rows = run(args.config, batches, args.prompt_len, args.new_tokens, args.quant, target.copy_gbs)
+    print(f"{args.config} quant={args.quant} prompt={args.prompt_len} new={args.new_tokens} on {target.id} "
+          f"({target.copy_gbs:g} GB/s)")
+    print_table(("batch", "TTFT s", "decode tok/s", "limit tok/s", "of limit"),
+                [(str(r["batch"]), f"{r['ttft_s']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
+                  f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{r['of_limit']:.1%}") for r in rows])
+    if rows and rows[0]["fallbacks"]:
+        print("torch fallbacks: " + "; ".join(rows[0]["fallbacks"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flashgen import __version__
     from flashgen.db import cli as db_cli
@@ -247,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cache-blocks", type=int, default=1024, help="KV cache size in blocks of 16 tokens")
     g.set_defaults(func=cmd_generate)
+
+    bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)")
+    bm.add_argument("--config", default="llama3-8b", help="llama3-8b, or tiny")
+    bm.add_argument("--batch", default="1,16,64")
+    bm.add_argument("--quant", default="bf16", choices=("bf16", "w8a16", "w4a16", "w8a8", "mixed"))
+    bm.add_argument("--prompt-len", type=int, default=2000)
+    bm.add_argument("--new-tokens", type=int, default=300)
+    bm.set_defaults(func=cmd_bench_model)
 
     db_cli.register(sub)
     return p

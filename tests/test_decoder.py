@@ -182,3 +182,13 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
     assert choose(db, 4096, 4096, 9999, "cuda:sm_90/h200") == "w8a8"
     assert choose(db, 1024, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # unmeasured shape: the M crossover
     assert choose(None, 1024, 4096, 512, "cuda:sm_90/h200") == "w8a8"
+
+
+def test_bench_model_cli_runs_tiny(capsys):
+    from flashgen.cli import main
+    assert main(["bench-model", "--config", "tiny", "--batch", "1,3", "--prompt-len", "20", "--new-tokens", "6",
+                 "--quant", "w4a16"]) == 0
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and "of limit" in out and "torch fallbacks" in out
+    assert main(["bench-model", "--config", "gpt5", "--batch", "1"]) == 2
+    assert main(["bench-model", "--config", "tiny", "--batch", "0"]) == 2

@@ -1,0 +1,74 @@
+"""Whole-model decode on Llama-3-8B-shaped random weights: flashgen's decoder in each quant mode
+against transformers' generate (eager, and static cache with torch.compile), and the bandwidth limit.
+
+    python benchmarks/model.py [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, copy_gbs, environment, print_table, write_results  # noqa: E402
+
+from flashgen.runtime import bench  # noqa: E402
+
+
+def transformers_tps(batch: int, prompt_len: int, new_tokens: int, static: bool) -> float:
+    import transformers
+
+    c = bench.CONFIGS["llama3-8b"]
+    cfg = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                   intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                                   num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                                   max_position_embeddings=8192, rope_theta=c.rope_theta)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, c.vocab_size, (batch, prompt_len), device="cuda")
+    kw = {"cache_implementation": "static"} if static else {}
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **kw)  # warm-up / compile
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kw)
+        torch.cuda.synchronize()
+    del model
+    torch.cuda.empty_cache()
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--new-tokens", type=int, default=300)
+    ap.add_argument("--quant", default="bf16,w4a16")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    bw = copy_gbs()
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    for quant in args.quant.split(","):
+        for r in bench.run("llama3-8b", batches, args.prompt_len, args.new_tokens, quant, bw):
+            rows.append(["flashgen " + quant, r["batch"], r["ttft_s"], r["decode_tokens_per_s"],
+                         r["bandwidth_limit_tokens_per_s"], r["of_limit"]])
+            print(rows[-1], flush=True)
+    for static in (False, True):
+        for b in batches:
+            tps = transformers_tps(b, args.prompt_len, args.new_tokens, static)
+            rows.append(["transformers " + ("static+compile" if static else "eager"), b, float("nan"), tps,
+                         float("nan"), float("nan")])
+            print(rows[-1], flush=True)
+    write_results("model", ("system", "batch", "ttft_s", "tokens_per_s", "limit_tokens_per_s", "of_limit"), rows,
+                  {**environment(), "copy_gbs": bw}, args.out_dir,
+                  f"Llama-3-8B-shaped random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
+                  "The transformers rows time whole generate calls (prefill included).")
+    print_table(("system", "batch", "tok/s", "of_limit"), [(r[0], r[1], r[3], r[5]) for r in rows])
+
+
+if __name__ == "__main__":
+    main()

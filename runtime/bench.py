@@ -1,0 +1,85 @@
+"""`flashgen bench-model`: decode throughput of the decoder on random weights of a known architecture
+(nothing to download), against the bandwidth limit: the weight and KV-cache bytes one decode step must
+read, over the device's copy bandwidth."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from flashgen.errors import FlashgenError
+from flashgen.runtime.engine import Engine, SamplingParams
+from flashgen.runtime.model import Decoder
+from flashgen.runtime.weights import ModelConfig
+
+CONFIGS = {
+    "llama3-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, None, False, False),
+    "tiny": ModelConfig("llama", 256, 128, 352, 2, 4, 2, 32, 1e-5, 10000.0, 1024, None, False, False),
+}
+
+
+def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def t(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * shape[-1] ** -0.5).to(dtype)
+
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    w = {"model.embed_tokens.weight": t(c.vocab_size, c.hidden_size), "lm_head.weight": t(c.vocab_size, c.hidden_size),
+         "model.norm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        w.update({p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device),
+                  p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device),
+                  p + "self_attn.q_proj.weight": t(qd, c.hidden_size), p + "self_attn.k_proj.weight": t(kd, c.hidden_size),
+                  p + "self_attn.v_proj.weight": t(kd, c.hidden_size), p + "self_attn.o_proj.weight": t(c.hidden_size, qd),
+                  p + "mlp.gate_proj.weight": t(c.intermediate_size, c.hidden_size),
+                  p + "mlp.up_proj.weight": t(c.intermediate_size, c.hidden_size),
+                  p + "mlp.down_proj.weight": t(c.hidden_size, c.intermediate_size)})
+    return w
+
+
+def weight_bytes(c: ModelConfig, quant: str, dtype_bytes: int) -> float:
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    linear = c.num_layers * (c.hidden_size * (qd + 2 * kd) + qd * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    per = {"bf16": dtype_bytes, "w8a16": 1, "w8a8": 1, "w4a16": 0.5 + dtype_bytes / 128, "mixed": 0.5 + dtype_bytes / 128}
+    return linear * per[quant] + c.vocab_size * c.hidden_size * dtype_bytes  # the lm_head stays in dtype
+
+
+def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
+        device: str | None = None) -> list[dict]:
+    if config not in CONFIGS:
+        raise FlashgenError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    c = replace(CONFIGS[config], max_position_embeddings=max(CONFIGS[config].max_position_embeddings,
+                                                            prompt_len + new_tokens + 16))
+    model = Decoder(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
+    rows = []
+    for b in batches:
+        per_seq = -(-(prompt_len + new_tokens) // 16)
+        engine = Engine(model, num_blocks=b * per_seq + 4)
+        g = torch.Generator().manual_seed(b)
+        prompts = torch.randint(0, c.vocab_size, (b, prompt_len), generator=g).tolist()
+        for p in prompts:
+            engine.add(p, SamplingParams(max_new_tokens=new_tokens))
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
+        engine.step()  # every prefill, and the first token of each request
+        sync()
+        ttft = time.perf_counter() - t0
+        steps = 0
+        t1 = time.perf_counter()
+        while engine.running:
+            engine.step()
+            steps += 1
+        sync()
+        decode_s = time.perf_counter() - t1
+        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8 * b * (prompt_len + new_tokens / 2)
+        step_bytes = weight_bytes(c, quant, torch.finfo(dtype).bits // 8) + kv_bytes
+        limit = copy_gbs * 1e9 / step_bytes * b  # tokens/s if each step only read its bytes once
+        tps = b * steps / decode_s if steps else 0.0
+        rows.append({"batch": b, "ttft_s": ttft, "decode_tokens_per_s": tps, "bandwidth_limit_tokens_per_s": limit,
+                     "of_limit": tps / limit, "steps": steps, "fallbacks": sorted(model.fallbacks)})
+    return rows
