@@ -38,6 +38,7 @@ class Decoder:
                  dtype: torch.dtype = torch.float32, quant: str = "bf16"):
         register_all()
         self.c, self.device, self.dtype, self.quant = config, torch.device(device), dtype, quant
+        self.generated_attention = True  # on a GPU; False keeps the torch path (a reference for tests)
         self.fallbacks: set[str] = set()
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
@@ -69,8 +70,32 @@ class Decoder:
         target = dispatcher().target_for(self.device)
         return choose(dispatcher().db_path if dispatcher().db_path.exists() else None, n, k, m, target.id)
 
-    def attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int, batch: Batch) -> torch.Tensor:
-        """Each sequence's new queries against its whole cached context, causal, sliding window if any."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
+                  batch: Batch) -> torch.Tensor:
+        """Each sequence's new queries against its whole cached context (the new keys already written),
+        causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU."""
+        if self.device.type == "cuda" and self.generated_attention:
+            return self._generated_attention(q, k, v, cache, layer, batch)
+        return self._torch_attention(q, cache, layer, batch)
+
+    def _generated_attention(self, q, k, v, cache, layer, batch) -> torch.Tensor:
+        c, m = self.c, cache.manager
+        tables = [m.tables[s] for s in batch.seqs]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
+        ctx = torch.tensor(batch.ctx, dtype=torch.int32, device=self.device)
+        kc, vc = cache.k[layer], cache.v[layer]
+        mod = {"mod": "window"} if c.sliding_window else {}
+        window = float(c.sliding_window or 1024)
+        if all(n == 1 for n in batch.lens):
+            dims = [len(batch.seqs), c.num_heads, c.num_kv_heads, c.head_dim, m.block_size, kc.shape[0], width,
+                    max(batch.ctx)]
+            return torch.ops.flashgen.paged_decode_attention(q, kc, vc, table, ctx, None, window, dims=dims, **mod)
+        cu = torch.tensor([0] + list(torch.tensor(batch.lens).cumsum(0)), dtype=torch.int32, device=self.device)
+        prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)
+        return torch.ops.flashgen.chunked_prefill_attention(q, k, v, cu, kc, vc, table, prefix, None, window, **mod)
+
+    def _torch_attention(self, q, cache, layer, batch) -> torch.Tensor:
         c = self.c
         self.fallbacks.add("attention (torch over the paged cache)")
         out = torch.empty_like(q)
@@ -109,7 +134,7 @@ class Decoder:
             v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)
             q, k = torch.ops.flashgen.rope(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin)
             cache.write(i, batch.slots, k, v)
-            a = self.attention(q, cache, i, batch).reshape(-1, nq)
+            a = self.attention(q, k, v.contiguous(), cache, i, batch).reshape(-1, nq)
             x = self.linear(a, L["o"])
             h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["post_norm"], c.rms_norm_eps)
             x = self.linear(torch.ops.flashgen.silu_mul(self.linear(h, L["gate_up"])), L["down"])
