@@ -81,6 +81,11 @@ def _inputs(d, a, g) -> dict:
          "k_cache": randn((nb, bs, d["Hkv"], d["D"]), kv, g),
          "v_cache": randn((nb, bs, d["Hkv"], d["D"]), kv, g),
          "block_tables": tables, "context_lens": lens}
+    return _with_alibi(t, d, a)
+
+
+def _with_alibi(t: dict, d, a) -> dict:
+    """The ALiBi slopes of the usual geometric series, when the mod asks for them."""
     if a["mod"] == "alibi":
         t["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, d["Hq"] + 1, dtype=torch.float32) / d["Hq"])
     return t
@@ -142,9 +147,7 @@ def _prefill_inputs(d, a, g) -> dict:
     cu = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([total])]).to(torch.int32)
     t = {"q": randn((total, d["Hq"], d["D"]), a["dtype"], g), "k": randn((total, d["Hkv"], d["D"]), a["dtype"], g),
          "v": randn((total, d["Hkv"], d["D"]), a["dtype"], g), "cu_seqlens": cu}
-    if a["mod"] == "alibi":
-        t["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, d["Hq"] + 1, dtype=torch.float32) / d["Hq"])
-    return t
+    return _with_alibi(t, d, a)
 
 
 def _prefill_check(d, a) -> str | None:
