@@ -71,6 +71,7 @@ class Dispatcher:
         self.db_path = Path(db) if db is not None else default_db_path()
         self.kernels: dict[tuple[str, str], Kernel] = {}
         self.decisions: dict[str, Decision] = {}
+        self._calls: dict[tuple, Kernel] = {}  # call signature -> kernel: a repeated call skips all the rest
 
     def target_for(self, device: torch.device) -> Target:
         if self._target is not None:
@@ -118,6 +119,17 @@ class Dispatcher:
 
     def kernel(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str] | None = None,
                dims: Mapping[str, int] | None = None) -> Kernel:
+        signature = (op_name, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors.items()),
+                     tuple(sorted((attrs or {}).items())), tuple(sorted((dims or {}).items())))
+        hit = self._calls.get(signature)
+        if hit is not None:
+            return hit
+        kernel = self._kernel(op_name, tensors, attrs, dims)
+        self._calls[signature] = kernel
+        return kernel
+
+    def _kernel(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str] | None,
+                dims: Mapping[str, int] | None) -> Kernel:
         device = next(iter(tensors.values())).device
         target = self.target_for(device)
         wl = self.workload_for(op_name, tensors, attrs or {}, dims)

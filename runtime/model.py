@@ -81,7 +81,8 @@ class Decoder:
     def _generated_attention(self, q, k, v, cache, layer, batch) -> torch.Tensor:
         c, m = self.c, cache.manager
         tables = [m.tables[s] for s in batch.seqs]
-        width = max(len(t) for t in tables)
+        # One table width (and so one workload, and no new dispatch) for every step of a run.
+        width = max(m.blocks_for(c.max_position_embeddings), max(len(t) for t in tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
         ctx = torch.tensor(batch.ctx, dtype=torch.int32, device=self.device)
         kc, vc = cache.k[layer], cache.v[layer]
@@ -89,7 +90,7 @@ class Decoder:
         window = float(c.sliding_window or 1024)
         if all(n == 1 for n in batch.lens):
             dims = [len(batch.seqs), c.num_heads, c.num_kv_heads, c.head_dim, m.block_size, kc.shape[0], width,
-                    max(batch.ctx)]
+                    width * m.block_size]
             return torch.ops.flashgen.paged_decode_attention(q, kc, vc, table, ctx, None, window, dims=dims, **mod)
         cu = torch.tensor([0] + list(torch.tensor(batch.lens).cumsum(0)), dtype=torch.int32, device=self.device)
         prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)
