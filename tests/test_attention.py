@@ -67,7 +67,7 @@ def test_bad_shapes_are_clear():
         decode(Hq=6, Hkv=4)
     with pytest.raises(FlashgenError, match="cannot hold"):
         decode(MAXB=2, L=100)
-    with pytest.raises(FlashgenError, match="powers of two"):
+    with pytest.raises(FlashgenError, match="power of two"):
         decode(D=96)
 
 

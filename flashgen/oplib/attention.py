@@ -91,16 +91,23 @@ def _with_alibi(t: dict, d, a) -> dict:
     return t
 
 
+def _cache_check(d) -> str | None:
+    """Rules of the paged cache's dims, shared by the ops that read it."""
+    if d["BS"] & (d["BS"] - 1) or d["BS"] < 16:
+        return f"block size BS={d['BS']} must be a power of two, at least 16"
+    if d["NB"] < d["MAXB"]:
+        return f"the cache has NB={d['NB']} blocks, fewer than one table's MAXB={d['MAXB']}"
+    return None
+
+
 def _check(d, a) -> str | None:
     if d["Hq"] % d["Hkv"]:
         return f"Hq={d['Hq']} must be a multiple of Hkv={d['Hkv']}"
     if d["MAXB"] * d["BS"] < d["L"]:
         return f"a block table of MAXB={d['MAXB']} blocks of BS={d['BS']} cannot hold L={d['L']} tokens"
-    if d["NB"] < d["MAXB"]:
-        return f"the cache has NB={d['NB']} blocks, fewer than one table's MAXB={d['MAXB']}"
-    if d["D"] & (d["D"] - 1) or d["D"] < 16 or d["BS"] & (d["BS"] - 1) or d["BS"] < 16:
-        return f"head dim D={d['D']} and block size BS={d['BS']} must be powers of two, at least 16"
-    return None
+    if d["D"] & (d["D"] - 1) or d["D"] < 16:
+        return f"head dim D={d['D']} must be a power of two, at least 16"
+    return _cache_check(d)
 
 
 PAGED_DECODE = Op(
@@ -212,12 +219,7 @@ def _chunked_inputs(d, a, g) -> dict:
 
 
 def _chunked_check(d, a) -> str | None:
-    problem = _prefill_check(d, a)
-    if problem is None and (d["BS"] & (d["BS"] - 1) or d["BS"] < 16):
-        return f"block size BS={d['BS']} must be a power of two, at least 16"
-    if problem is None and d["NB"] < d["MAXB"]:
-        return f"the cache has NB={d['NB']} blocks, fewer than one table's MAXB={d['MAXB']}"
-    return problem
+    return _prefill_check(d, a) or _cache_check(d)
 
 
 CHUNKED_PREFILL = Op(
