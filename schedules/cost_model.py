@@ -162,10 +162,6 @@ class XGBCostModel:
         self.booster: xgb.Booster | None = None
         self._base: xgb.Booster | None = None   # the booster before any online refit
 
-    @property
-    def trained(self) -> bool:
-        return self.booster is not None
-
     def fit(self, samples: Iterable[Sample], n_records: int | None = None) -> XGBCostModel:
         """Train from scratch on ok measurements; `n_records` (default: the sample count) is stored."""
         samples = list(samples)

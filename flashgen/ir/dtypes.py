@@ -9,7 +9,6 @@ import torch
 FLOAT = ("fp32", "fp16", "bf16")
 FP8 = ("fp8e4m3",)
 INT = ("int8", "int32", "int64")
-ALL = FLOAT + FP8 + INT
 
 TORCH = {
     "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,

@@ -43,6 +43,9 @@ class Reduce:
     kind: str  # one of expr.REDUCE
     value: E.Expr
 
+    def __post_init__(self) -> None:
+        assert self.kind in E.REDUCE, self.kind
+
 
 @dataclass(frozen=True)
 class Store:

@@ -24,6 +24,7 @@ from flashgen.oplib._common import f64, randn
 B, Hq, Hkv, D, BS, NB, MAXB, L = (Dim(n) for n in ("B", "Hq", "Hkv", "D", "BS", "NB", "MAXB", "L"))
 S, H, QPOS, KPOS = Ref("s"), Index("h"), Index("qpos"), Index("kpos")
 MODS = ("none", "window", "softcap", "alibi")
+ALIBI = TensorSpec("alibi_slopes", (Hq,), "fp32", when=(("mod", ("alibi",)),))
 
 
 def _mods(a) -> tuple:
@@ -118,8 +119,7 @@ PAGED_DECODE = Op(
     inputs=(TensorSpec("q", (B, Hq, D), DTYPE),
             TensorSpec("k_cache", (NB, BS, Hkv, D), "$kv", touched=B * L * Hkv * D),
             TensorSpec("v_cache", (NB, BS, Hkv, D), "$kv", touched=B * L * Hkv * D),
-            TensorSpec("block_tables", (B, MAXB), "int32"), TensorSpec("context_lens", (B,), "int32"),
-            TensorSpec("alibi_slopes", (Hq,), "fp32", when=(("mod", ("alibi",)),))),
+            TensorSpec("block_tables", (B, MAXB), "int32"), TensorSpec("context_lens", (B,), "int32"), ALIBI),
     outputs=(TensorSpec("out", (B, Hq, D), DTYPE),),
     domain=(B, Hkv), attrs={"dtype": ("bf16", "fp16"), "mod": MODS, "kv": ("same", "fp8e4m3")},
     params={"window": 1024.0, "softcap": 30.0, "k_scale": 1.0, "v_scale": 1.0},
@@ -167,13 +167,14 @@ def _prefill_check(d, a) -> str | None:
     return None
 
 
+# Packed new tokens of B sequences (cu_seqlens [B + 1] marks where each starts) and the optional slopes.
+PACKED = (TensorSpec("q", (T, Hq, D), DTYPE), TensorSpec("k", (T, Hkv, D), DTYPE),
+          TensorSpec("v", (T, Hkv, D), DTYPE), TensorSpec("cu_seqlens", (B + 1,), "int32"))
 FLASH_PREFILL = Op(
     name="flash_prefill_attention", kclass="attention",
     doc="causal attention over packed variable-length sequences (cu_seqlens); GQA; mods window|softcap|alibi",
     dims=("T", "B", "Hq", "Hkv", "D"), row_dims=("T", "B"),
-    inputs=(TensorSpec("q", (T, Hq, D), DTYPE), TensorSpec("k", (T, Hkv, D), DTYPE),
-            TensorSpec("v", (T, Hkv, D), DTYPE), TensorSpec("cu_seqlens", (B + 1,), "int32"),
-            TensorSpec("alibi_slopes", (Hq,), "fp32", when=(("mod", ("alibi",)),))),
+    inputs=(*PACKED, ALIBI),
     outputs=(TensorSpec("out", (T, Hq, D), DTYPE),),
     domain=(T, B * Hq), attrs={"dtype": ("bf16", "fp16"), "mod": MODS},
     params={"window": 1024.0, "softcap": 30.0},
@@ -227,12 +228,9 @@ CHUNKED_PREFILL = Op(
     doc="prefill of packed new tokens after per-sequence prefixes already in a paged KV cache "
         "(chunked prefill, prompt-cache reuse); GQA; mods",
     dims=("T", "B", "Hq", "Hkv", "D", "BS", "NB", "MAXB"), row_dims=("T", "B", "NB", "MAXB"),
-    inputs=(TensorSpec("q", (T, Hq, D), DTYPE), TensorSpec("k", (T, Hkv, D), DTYPE),
-            TensorSpec("v", (T, Hkv, D), DTYPE), TensorSpec("cu_seqlens", (B + 1,), "int32"),
-            TensorSpec("k_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
+    inputs=(*PACKED, TensorSpec("k_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
             TensorSpec("v_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
-            TensorSpec("block_tables", (B, MAXB), "int32"), TensorSpec("prefix_lens", (B,), "int32"),
-            TensorSpec("alibi_slopes", (Hq,), "fp32", when=(("mod", ("alibi",)),))),
+            TensorSpec("block_tables", (B, MAXB), "int32"), TensorSpec("prefix_lens", (B,), "int32"), ALIBI),
     outputs=(TensorSpec("out", (T, Hq, D), DTYPE),),
     domain=(T, B * Hq), attrs={"dtype": ("bf16", "fp16"), "mod": MODS},
     params={"window": 1024.0, "softcap": 30.0},
