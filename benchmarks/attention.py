@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, bench_side_by_side, copy_gbs, environment, print_table, write_results  # noqa: E402
+from common import RESULTS, bench_side_by_side, tuning_session, copy_gbs, environment, print_table, write_results  # noqa: E402
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
@@ -86,9 +86,9 @@ def main() -> None:
         cases += [("prefill", name, *prefill_case(lens, dev)) for name, lens in
                   (("B=4 S=4096", [4096] * 4), ("B=1 S=16384", [16384]), ("ragged 8x 1k-16k", ragged))]
     rows = []
-    with Database(args.db) as db:
+    with Database(args.db) as db, tuning_session(target) as session:
         for kind, name, wl, ins, peer in cases:
-            tune(wl, target, db, args.trials, strategy="evolutionary", progress=None)
+            tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, **session)
             kern = flashgen.compile(wl, target, db=db)
             out = kern.run(ins)
             fns = {"flashgen": lambda: kern.run(ins, out)}

@@ -6,16 +6,32 @@ command that produced them, the device and the tool versions.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 RESULTS = Path(__file__).with_name("results")
+
+
+@contextlib.contextmanager
+def tuning_session(target: Any) -> Iterator[dict[str, Any]]:
+    """One builder pool and one measuring worker for all of a benchmark's workloads, as `tune` keywords:
+    starting them per workload would cost seconds of process start-up each time."""
+    from flashgen.schedules.builder import Builder
+    from flashgen.schedules.measure import Runner
+
+    builder, runner = Builder(target), Runner(target)
+    try:
+        yield {"builder": builder, "runner": runner}
+    finally:
+        builder.close()
+        runner.close()
 
 
 def bench_side_by_side(fns: dict[str, Callable[[], Any]], nbytes: int, l2_bytes: int,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, bench_side_by_side, copy_gbs, environment, print_table, write_results  # noqa: E402
+from common import RESULTS, bench_side_by_side, tuning_session, copy_gbs, environment, print_table, write_results  # noqa: E402
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
@@ -84,13 +84,13 @@ def main() -> None:
               "of_roofline", "TFLOP/s", "schedule")
     rows = []
     t0 = time.perf_counter()
-    with Database(args.db) as db:
+    with Database(args.db) as db, tuning_session(target) as session:
         for op in args.ops.split(","):
             for shape in args.shapes.split(","):
                 n, k = SHAPES[shape]
                 for m in map(int, args.ms.split(",")):
                     wl = make_workload(op, m, n, k)
-                    res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None)
+                    res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, **session)
                     if res.best is None:
                         print(f"{wl}: no correct schedule", flush=True)
                         continue

@@ -43,9 +43,17 @@ def _build(a) -> tuple:
     return (Attend(*_mods(a), kind="decode"),)
 
 
+REFERENCE_SCORES = 1 << 27  # float64 scores the reference holds at once
+
+
 def _attend(q, k, v, qpos, kpos, t, p, a) -> torch.Tensor:
     """float64 attention of queries q [n, Hq, D] at positions qpos [n] over keys and values [m, Hq, D] at
-    kpos [m], causal, with the `mod`: the reference every attention op is checked against."""
+    kpos [m], causal, with the `mod`: the reference every attention op is checked against. Queries go in
+    chunks so the float64 scores stay near 1 GiB (one 16k-token sequence would need 69 GB at once)."""
+    rows = max(1, REFERENCE_SCORES // (q.shape[1] * k.shape[0]))
+    if q.shape[0] > rows:
+        return torch.cat([_attend(q[i:i + rows], k, v, qpos[i:i + rows], kpos, t, p, a)
+                          for i in range(0, q.shape[0], rows)])
     s = torch.einsum("ihd,jhd->hij", q, k) / q.shape[-1] ** 0.5
     if a["mod"] == "softcap":
         s = p["softcap"] * torch.tanh(s / p["softcap"])
