@@ -82,15 +82,14 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
         return F.linear(x, q.weight, bias)
     if mode == "mixed":
         mode = chooser(q.weight.shape[0], q.weight.shape[1], x.shape[0]) if chooser else "w4a16"
-    epi = {"with_bias": "yes"} if bias is not None else {}
-    b = (bias,) if bias is not None else (None,)
+    epi = {"with_bias": "yes", "bias": bias} if bias is not None else {}
     if mode == "bf16":
-        return torch.ops.flashgen.gemm(x, q.weight, *b, **epi)
+        return torch.ops.flashgen.gemm(x, q.weight, **epi)
     if mode == "w8a16":
-        return torch.ops.flashgen.gemm_w8a16(x, q.w8, q.w8_scale, *b, **epi)
+        return torch.ops.flashgen.gemm_w8a16(x, q.w8, q.w8_scale, **epi)
     if mode == "w4a16":
         dims = [x.shape[0], q.weight.shape[0], q.weight.shape[1], q.group]
-        return torch.ops.flashgen.gemm_w4a16(x, q.w4, q.w4_scales, None, *b, group="group" if q.group != q.weight.shape[1]
+        return torch.ops.flashgen.gemm_w4a16(x, q.w4, q.w4_scales, group="group" if q.group != q.weight.shape[1]
                                              else "channel", dims=dims, **epi)
     xq, xs = torch.ops.flashgen.dynamic_quant(x, out_dtype="int8")
-    return torch.ops.flashgen.gemm_w8a8(xq, xs, q.w8, q.w8_scale, *b, dtype=dtypes.of_torch(x.dtype), **epi)
+    return torch.ops.flashgen.gemm_w8a8(xq, xs, q.w8, q.w8_scale, dtype=dtypes.of_torch(x.dtype), **epi)

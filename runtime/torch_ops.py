@@ -36,8 +36,8 @@ def _attr_default(op: Op, a: str) -> str:
 
 
 def schema(op: Op) -> str:
-    """The op's schema: tensors (optional ones as Tensor?), params, attrs, dims; returns its outputs."""
-    args = [f"Tensor{'?' if t.when else ''} {t.name}" for t in op.inputs]
+    """The op's schema: tensors (optional ones as Tensor?, None when left out), params, attrs, dims; returns its outputs."""
+    args = [f"Tensor? {t.name}=None" if t.when else f"Tensor {t.name}" for t in op.inputs]  # optional ones trail
     args += [f"float {p}={v!r}" for p, v in op.params.items()]
     args += [f"str {a}='{_attr_default(op, a)}'" for a in _attr_names(op)]
     args.append("int[] dims=[]")
