@@ -2,6 +2,7 @@
 against transformers' generate (eager, and static cache with torch.compile), and the bandwidth limit.
 
     python benchmarks/model.py [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
+                               [--no-cuda-graphs]
 """
 from __future__ import annotations
 
@@ -47,15 +48,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--new-tokens", type=int, default=300)
     ap.add_argument("--quant", default="bf16,w4a16")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="flashgen decode steps run eagerly")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     bw = copy_gbs()
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for quant in args.quant.split(","):
-        for r in bench.run("llama3-8b", batches, args.prompt_len, args.new_tokens, quant, bw):
-            rows.append(["flashgen " + quant, r["batch"], r["ttft_s"], r["decode_tokens_per_s"],
-                         r["bandwidth_limit_tokens_per_s"], r["of_limit"]])
+        for r in bench.run("llama3-8b", batches, args.prompt_len, args.new_tokens, quant, bw,
+                           cuda_graphs=not args.no_cuda_graphs):
+            name = "flashgen " + quant + ("" if r["cuda_graphs"] else " eager")
+            rows.append([name, r["batch"], r["ttft_s"], r["decode_tokens_per_s"], r["bandwidth_limit_tokens_per_s"],
+                         r["of_limit"]])
             print(rows[-1], flush=True)
     for static in (False, True):
         for b in batches:

@@ -204,9 +204,11 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     else:
         from flashgen.targets import get_target
         target = get_target("cpu")
-    rows = run(args.config, batches, args.prompt_len, args.new_tokens, args.quant, target.copy_gbs)
+    rows = run(args.config, batches, args.prompt_len, args.new_tokens, args.quant, target.copy_gbs,
+               cuda_graphs=not args.no_cuda_graphs)
+    graphs = "on" if rows and rows[0]["cuda_graphs"] else "off"
     print(f"{args.config} quant={args.quant} prompt={args.prompt_len} new={args.new_tokens} on {target.id} "
-          f"({target.copy_gbs:g} GB/s)")
+          f"({target.copy_gbs:g} GB/s), CUDA graphs {graphs}")
     print_table(("batch", "TTFT s", "decode tok/s", "limit tok/s", "of limit"),
                 [(str(r["batch"]), f"{r['ttft_s']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
                   f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{r['of_limit']:.1%}") for r in rows])
@@ -285,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--quant", default="bf16", choices=("bf16", "w8a16", "w4a16", "w8a8", "mixed"))
     bm.add_argument("--prompt-len", type=int, default=2000)
     bm.add_argument("--new-tokens", type=int, default=300)
+    bm.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (graphs apply on a GPU only)")
     bm.set_defaults(func=cmd_bench_model)
 
     db_cli.register(sub)

@@ -1,6 +1,7 @@
 """`flashgen bench-model`: decode throughput of the decoder on random weights of a known architecture
 (nothing to download), against the bandwidth limit: the weight and KV-cache bytes one decode step must
-read, over the device's copy bandwidth."""
+read, over the device's copy bandwidth. On a GPU, decode steps replay CUDA graphs unless `cuda_graphs` is
+off, so that both can be reported."""
 from __future__ import annotations
 
 import time
@@ -48,7 +49,7 @@ def weight_bytes(c: ModelConfig, quant: str, dtype_bytes: int) -> float:
 
 
 def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
-        device: str | None = None) -> list[dict]:
+        device: str | None = None, cuda_graphs: bool = True) -> list[dict]:
     if config not in CONFIGS:
         raise FlashgenError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -61,9 +62,10 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
         per_seq = -(-(prompt_len + new_tokens) // 16)
         g = torch.Generator().manual_seed(b)
         prompts = torch.randint(0, c.vocab_size, (b, prompt_len), generator=g).tolist()
-        # Untimed: builds (or loads) the kernels of this batch's prefill and decode shapes.
-        Engine(model, num_blocks=b * per_seq + 4).generate(prompts, SamplingParams(max_new_tokens=2))
-        engine = Engine(model, num_blocks=b * per_seq + 4)
+        engine = Engine(model, num_blocks=b * per_seq + 4, cuda_graphs=cuda_graphs)
+        # Untimed: builds (or loads) the kernels of this batch's prefill and decode shapes, and captures
+        # the decode step's CUDA graph.
+        engine.generate(prompts, SamplingParams(max_new_tokens=2))
         for p in prompts:
             engine.add(p, SamplingParams(max_new_tokens=new_tokens))
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -83,5 +85,6 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
         limit = copy_gbs * 1e9 / step_bytes * b  # tokens/s if each step only read its bytes once
         tps = b * steps / decode_s if steps else 0.0
         rows.append({"batch": b, "ttft_s": ttft, "decode_tokens_per_s": tps, "bandwidth_limit_tokens_per_s": limit,
-                     "of_limit": tps / limit, "steps": steps, "fallbacks": sorted(model.fallbacks)})
+                     "of_limit": tps / limit, "steps": steps, "cuda_graphs": engine.graphs is not None,
+                     "fallbacks": sorted(model.fallbacks)})
     return rows

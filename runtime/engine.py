@@ -4,7 +4,8 @@ prefills of newly admitted requests and one decode token of every running one.
 A request is admitted when the cache can hold its prompt plus its remaining new tokens; one that could
 never fit is refused with a clear error, and the others go on unharmed. Sampling is greedy
 (temperature 0) or by temperature, top-k and top-p, with a per-request seed; a request ends at a stop
-token or after max_new_tokens.
+token or after max_new_tokens. On a GPU, steps in which every sequence brings one token replay CUDA
+graphs (runtime/graphs.py); steps with prefills run eagerly.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashgen.errors import FlashgenError
+from flashgen.runtime.graphs import DecodeGraphs
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.model import Batch, Decoder
 
@@ -47,8 +49,7 @@ class Request:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    if p.temperature <= 0:
-        return int(logits.argmax())
+    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine.step`)."""
     logits = logits.float() / p.temperature
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -62,11 +63,15 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int
 
 
 class Engine:
-    def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16):
+    def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True):
+        """`cuda_graphs` applies when the model runs its generated attention on a GPU; it keeps one cache
+        block for the graphs' padding rows."""
         c = model.c
         self.model = model
+        graphs = cuda_graphs and model.uses_tables
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype,
-                                  model.device)
+                                  model.device, pad_block=graphs)
+        self.graphs = DecodeGraphs(model, self.cache) if graphs else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -117,12 +122,17 @@ class Engine:
             slots += [table[p // bs] * bs + p % bs for p in pos]
             lens.append(len(toks))
             ctx.append(start + len(toks))
-        dev = self.model.device
-        batch = Batch(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                      torch.tensor(slots, device=dev), [r.id for r in batch_reqs], lens, ctx)
-        logits = self.model.forward(batch, self.cache)
-        for req, row in zip(batch_reqs, logits):
-            req.output.append(sample(row, req.params, req.generator))
+        seqs = [r.id for r in batch_reqs]
+        if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
+            logits = self.graphs.run(seqs, tokens, positions, slots)
+        else:
+            dev = self.model.device
+            batch = Batch(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                          torch.tensor(slots, device=dev), seqs, lens, ctx)
+            logits = self.model.forward(batch, self.cache)
+        greedy = logits.argmax(-1).tolist()  # every row's, in one device-to-host copy
+        for req, row, top in zip(batch_reqs, logits, greedy):
+            req.output.append(top if req.params.temperature <= 0 else sample(row, req.params, req.generator))
         self.running = []
         for req in batch_reqs:
             if req.done:

@@ -2,7 +2,9 @@
 
 Per layer, k and v live in [num_blocks, block_size, Hkv, D] tensors (the layout of the paged attention
 ops); a sequence owns a list of blocks, its block table, and grows one block at a time. Blocks of
-finished sequences return to the free list at once, so requests can join between steps.
+finished sequences return to the free list at once, so requests can join between steps. A manager may
+keep one block out of circulation, the pad block: the padding rows of a CUDA-graph decode step write
+their key and value there, so they never touch a real sequence's blocks.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from flashgen.errors import FlashgenError
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, pad_block: bool = False):
         self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))
+        usable = num_blocks - 1 if pad_block else num_blocks
+        self.pad: int | None = usable if pad_block else None  # the last block, never handed out
+        self.free = list(range(usable - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
 
     def blocks_for(self, tokens: int) -> int:
@@ -36,14 +40,29 @@ class BlockManager:
     def release(self, seq: int) -> None:
         self.free.extend(reversed(self.tables.pop(seq, [])))
 
+    def padded_tables(self, seqs: list[int], width: int, rows: int | None = None) -> list[list[int]]:
+        """The block tables of `seqs` as rows of `width` entries, the form the attention kernels read: the
+        entries past a table are 0 (never read: they lie past its context). Rows past the sequences, up to
+        `rows`, are padding rows, all in the pad block."""
+        out = []
+        for s in seqs:
+            t = self.tables[s]
+            if len(t) > width:
+                raise FlashgenError(f"sequence {s} holds {len(t)} blocks, more than the table width {width}")
+            out.append(t + [0] * (width - len(t)))
+        pad = rows - len(seqs) if rows is not None else 0
+        if pad > 0 and self.pad is None:
+            raise FlashgenError("padding rows need a block manager with a pad block")
+        return out + [[self.pad] * width for _ in range(pad)]
+
 
 class PagedKVCache:
     def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, pad_block: bool = False):
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.manager = BlockManager(num_blocks, block_size)
+        self.manager = BlockManager(num_blocks, block_size, pad_block)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' keys and values at their slots (block * block_size + offset)."""

@@ -9,7 +9,7 @@ be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +24,19 @@ from flashgen.runtime.weights import ModelConfig
 @dataclass
 class Batch:
     """The new tokens of several sequences, packed: `lens[i]` tokens of sequence `seqs[i]`, whose
-    context (cached prefix + these tokens) is `ctx[i]` long."""
+    context (cached prefix + these tokens) is `ctx[i]` long.
+
+    The generated attention reads the block tables and context lengths as device tensors; `forward`
+    builds them from the lists when they are not given. A CUDA-graph step gives them (static buffers
+    refilled before each replay), and its `seqs` and `ctx` are then unused."""
     tokens: torch.Tensor     # [T] int64
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor      # [T] int64: cache slot of each token
     seqs: list[int]
     lens: list[int]
     ctx: list[int]
+    tables: torch.Tensor | None = None    # [B, MAXB] int32: block tables, one width for every step
+    ctx_lens: torch.Tensor | None = None  # [B] int32
 
 
 class Decoder:
@@ -74,22 +80,35 @@ class Decoder:
                   batch: Batch) -> torch.Tensor:
         """Each sequence's new queries against its whole cached context (the new keys already written),
         causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU."""
-        if self.device.type == "cuda" and self.generated_attention:
+        if self.uses_tables:
             return self._generated_attention(q, k, v, cache, layer, batch)
         return self._torch_attention(q, cache, layer, batch)
 
+    @property
+    def uses_tables(self) -> bool:
+        """Whether attention runs the generated kernels, which read device block tables."""
+        return self.device.type == "cuda" and self.generated_attention
+
+    def table_width(self, cache: PagedKVCache) -> int:
+        """Block-table width: a whole context, so every step of a run is one workload (no new dispatch)
+        and a CUDA graph's tables fit any sequence."""
+        return cache.manager.blocks_for(self.c.max_position_embeddings)
+
+    def with_tables(self, batch: Batch, cache: PagedKVCache) -> Batch:
+        """`batch` with its block tables and context lengths on the device."""
+        rows = cache.manager.padded_tables(batch.seqs, self.table_width(cache))
+        return replace(batch, tables=torch.tensor(rows, dtype=torch.int32, device=self.device),
+                       ctx_lens=torch.tensor(batch.ctx, dtype=torch.int32, device=self.device))
+
     def _generated_attention(self, q, k, v, cache, layer, batch) -> torch.Tensor:
         c, m = self.c, cache.manager
-        tables = [m.tables[s] for s in batch.seqs]
-        # One table width (and so one workload, and no new dispatch) for every step of a run.
-        width = max(m.blocks_for(c.max_position_embeddings), max(len(t) for t in tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
-        ctx = torch.tensor(batch.ctx, dtype=torch.int32, device=self.device)
+        table, ctx = batch.tables, batch.ctx_lens
         kc, vc = cache.k[layer], cache.v[layer]
         mod = {"mod": "window"} if c.sliding_window else {}
         window = float(c.sliding_window or 1024)
         if all(n == 1 for n in batch.lens):
-            dims = [len(batch.seqs), c.num_heads, c.num_kv_heads, c.head_dim, m.block_size, kc.shape[0], width,
+            width = table.shape[1]
+            dims = [len(batch.lens), c.num_heads, c.num_kv_heads, c.head_dim, m.block_size, kc.shape[0], width,
                     width * m.block_size]
             return torch.ops.flashgen.paged_decode_attention(q, kc, vc, table, ctx, None, window, dims=dims, **mod)
         cu = torch.tensor([0] + list(torch.tensor(batch.lens).cumsum(0)), dtype=torch.int32, device=self.device)
@@ -119,8 +138,11 @@ class Decoder:
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, batch: Batch, cache: PagedKVCache, last_only: bool = True) -> torch.Tensor:
-        """Logits of each sequence's last new token (or of every new token)."""
+        """Logits of each sequence's last new token (or of every new token). With every device tensor
+        of `batch` given and one token per sequence, this is capturable in a CUDA graph."""
         c = self.c
+        if self.uses_tables and batch.tables is None:
+            batch = self.with_tables(batch, cache)
         x = self.embed[batch.tokens]
         residual = None
         for i, L in enumerate(self.layers):
@@ -140,7 +162,7 @@ class Decoder:
             h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["post_norm"], c.rms_norm_eps)
             x = self.linear(torch.ops.flashgen.silu_mul(self.linear(h, L["gate_up"])), L["down"])
         h, _ = torch.ops.flashgen.add_rmsnorm(x, residual, self.final_norm, c.rms_norm_eps)
-        if last_only:
+        if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
             h = h[ends]
         return F.linear(h, self.lm_head)

@@ -8,6 +8,7 @@ so nothing is estimated from it). Two regimes, chosen by the caller:
   write-back then competes with the timed kernel (seen: 2x slower timings of a 64 MB rmsnorm).
 - `flush_l2=False`: the calls are captured in a CUDA graph and replayed, so host launch overhead
   is gone and inputs are L2-hot, as a small activation is right after the kernel that wrote it.
+`cuda_graph` (capture after a warm-up on a side stream) also serves the runtime's decode graphs.
 """
 from __future__ import annotations
 
@@ -44,6 +45,21 @@ def _flush_buffer(device: torch.device, l2_bytes: int) -> torch.Tensor:
     return _FLUSH[idx]
 
 
+def cuda_graph(fn: Callable[[], Any], device: torch.device, pool: Any = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """`fn()` captured into a CUDA graph (in memory pool `pool`, when given) on a side stream, as capture
+    requires, after one call there that loads its modules and fills caches, which capture would refuse.
+    Returns the graph and what the captured call returned: its outputs, rewritten by each replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, out
+
+
 def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_bytes: int,
              runs: int = 30, warmup_ms: float = 5.0, graph_us: float = 200.0) -> Timing:
     """Median device time of one `fn()` call in microseconds."""
@@ -73,15 +89,12 @@ def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_byt
             torch.cuda.synchronize()
             return _summary([s.elapsed_time(e) * 1e3 for s, e in events])
         calls = max(MIN_GRAPH_CALLS, min(200, int(graph_us / once_us)))
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            fn()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(calls):
-                    fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
+
+        def repeated() -> None:  # each output freed at once, as in a loop of calls: the next reuses its memory
+            for _ in range(calls):
+                fn()
+
+        graph, _ = cuda_graph(repeated, device)
         graph.replay()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(runs)]

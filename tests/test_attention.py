@@ -178,3 +178,10 @@ def test_reference_in_query_chunks_matches_whole(monkeypatch, mod, params):
     chunked = wl.op.reference(ins, p, wl.dim, wl.attr)["out"]
     assert torch.allclose(whole, chunked, rtol=1e-12, atol=1e-12)
     assert whole.abs().max() > 0
+
+
+def test_tables_wider_than_the_cache(interpreter):
+    """A runtime pads every block table to one width, which may exceed the cache's block count."""
+    wl = decode(NB=6, MAXB=8, L=100)
+    for c in interpreter.check(wl, DEFAULT, "h200", seed=4):
+        assert c.ok, c

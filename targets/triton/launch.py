@@ -33,9 +33,11 @@ class TritonLauncher:
         self._interpreted = None
         self._devices_ok: set[int] = set()  # GPUs whose architecture was checked against the target
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}  # (scratch name, device) -> buffer
+        self._outgrown: list[torch.Tensor] = []  # kept alive: CUDA graphs captured earlier still use them
 
     def scratch(self, name: str, dims: Mapping[str, int], device: torch.device) -> torch.Tensor:
-        """The kernel's scratch buffer on `device`, at least as large as these dims need."""
+        """The kernel's scratch buffer on `device`, at least as large as these dims need. A buffer too
+        small is replaced by one twice as large (at least), so few outgrown buffers are kept."""
         from flashgen.ir import dtypes
 
         sc = next(x for x in self.ks.scratch if x.name == name)
@@ -43,6 +45,9 @@ class TritonLauncher:
         key = (name, str(device))
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < n:
+            if buf is not None:
+                self._outgrown.append(buf)
+                n = max(n, 2 * buf.numel())
             make = torch.zeros if sc.zeroed else torch.empty
             buf = self._scratch[key] = make(n, dtype=dtypes.TORCH[sc.dtype], device=device)
         return buf
