@@ -24,9 +24,10 @@ FEATURE_NAMES: tuple[str, ...] = (
     *KNOBS, *(f"log2_{k}" for k in KNOBS),
     "log2_m", "log2_n", "log2_k", "operand_bytes", "log2_flops", "log2_bytes_moved", "log2_roofline_us",
     "log2_tiles", "log2_waves", "last_wave_fill", "m_waste", "n_waste", "log2_k_steps", "smem_fraction",
-    "acc_per_thread", "log2_w_reads", "log2_a_reads", "tile_intensity", "log2_traffic", "mma_efficiency",
+    "acc_per_thread", "log2_w_reads", "log2_a_reads", "tile_intensity", "log2_traffic", "mma_efficiency", "loads_in_flight",
     "log2_estimate_us", "sm_count", "log2_copy_gbs", "warp_size", "log2_peak_tflops",
 )
+MEM_WARPS_PER_SM = 16  # warps per SM that keep enough loads in flight to stream at full bandwidth
 STEP_LATENCY_US = 0.35  # one k step's load latency, hidden in proportion to the pipeline depth
 
 
@@ -56,9 +57,11 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     # W tiles are read once per row of tiles; grouping row tiles lets the L2 serve most repeats.
     w_reads = np.maximum(1.0, tm / np.where(kv["group_m"] > 1, np.minimum(kv["group_m"], tm), 1.0))
     traffic = w_bytes * w_reads + a_bytes * tn + (nbytes - w_bytes - a_bytes)
-    mma_eff = np.clip((bm * bn) / (128.0 * 128.0), 0.05, 1.0) ** 0.5 * np.clip(bm / 64.0, 0.25, 1.0)
+    mma_eff = np.clip((bm * bn) / (128.0 * 256.0), 0.05, 1.0) ** 0.3 * np.clip(bm / 64.0, 0.25, 1.0)
     compute_us = flops / (peak * mma_eff)
-    memory_us = traffic / bw
+    # Streaming needs loads in flight on every SM: about 16 warps' worth each, or bandwidth falls.
+    in_flight = np.clip(tiles * kv["num_warps"] / (sms * MEM_WARPS_PER_SM), 0.1, 1.0)
+    memory_us = traffic / bw / in_flight
     k_steps = np.ceil(k / bk)
     latency_us = k_steps * STEP_LATENCY_US / kv["num_stages"]
     est = np.maximum(compute_us, memory_us) * (full / np.maximum(waves, 1e-9)).clip(1, 8) + latency_us + 2.0
@@ -75,7 +78,7 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
         "log2_k_steps": np.log2(k_steps), "smem_fraction": smem / max(int(target.get("smem_per_block", 1)), 1),
         "acc_per_thread": bm * bn / threads, "log2_w_reads": np.log2(w_reads), "log2_a_reads": np.log2(tn),
         "tile_intensity": 2 * bm * bn * bk / ((bm + bn) * bk * ob), "log2_traffic": np.log2(traffic),
-        "mma_efficiency": mma_eff, "log2_estimate_us": np.log2(est), "sm_count": ones * sms,
+        "mma_efficiency": mma_eff, "loads_in_flight": in_flight, "log2_estimate_us": np.log2(est), "sm_count": ones * sms,
         "log2_copy_gbs": ones * np.log2(target.copy_gbs), "warp_size": ones * target.warp_size,
         "log2_peak_tflops": ones * np.log2(_peak_tflops(wl, target)), "_latency_us": est,
     })

@@ -53,15 +53,17 @@ def operand_bytes(wl: Workload) -> int:
 
 def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
     """Bytes loaded per element of the A and B tiles, after the prologue is made tile-shaped
-    (flashgen/ir/prologue.py): a packed int4 word serves eight elements, a per-tile scale row none to
-    speak of. The software pipeliner keeps each load in shared memory for every stage."""
+    (flashgen/ir/prologue.py): a packed int4 word serves eight elements, a group's scale G elements,
+    a per-tile scale row none to speak of. The software pipeliner keeps each load in shared memory for every stage."""
     _, _, _, con = _extents(wl)
     lets = {st.name: st.value for st in wl.op.body(wl.attr) if isinstance(st, Let)}
 
     def total(e: E.Expr) -> float:
         unpacked: dict = {}
-        e = prologue.rewrite(e, wl.dim, block_k, unpacked)
+        grouped: dict = {}
+        e = prologue.rewrite(e, wl.dim, block_k, unpacked, grouped)
         n = sum(dtypes.BYTES[wl.tensor_dtype(w.tensor)] / 8 for w in unpacked)
+        n += sum(dtypes.BYTES[wl.tensor_dtype(g.tensor)] / prologue.group_size(g, wl.dim) for g in grouped)
         seen = set()
         stack = [e]
         while stack:
@@ -100,13 +102,20 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     m, n, k, _ = _extents(wl)
     kn = knobs(wl, target)
     stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
+    sms = max(int(target.sm_count), 1)
     if m <= 16:
-        s = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": stages, "group_m": 1}
+        # A GEMV: narrow column tiles so that at least two programs stream weights on every SM.
+        bn = max([b for b in (16, 32, 64) if n // b >= 2 * sms] or [16])
+        warps = 4 if 16 * bn >= 4 * target.warp_size * 4 else 2  # see why_invalid: warps need accumulator rows
+        s = {"block_m": 16, "block_n": bn, "block_k": 256, "num_warps": warps, "num_stages": stages, "group_m": 1}
     elif m <= 64:
         s = {"block_m": max(16, _p2(m)), "block_n": 128, "block_k": 128, "num_warps": 4,
              "num_stages": stages, "group_m": 8}
     else:
-        s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8,
+        # Wide tiles feed Hopper's warpgroup MMA best; older matrix units prefer square 128 tiles.
+        wide = (target.vendor == "nvidia" and int(target.arch.removeprefix("sm_")) >= 90
+                and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
+        s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 64, "num_warps": 8,
              "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8}
     for key in ("block_m", "block_n", "block_k"):
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]

@@ -83,12 +83,12 @@ def test_contraction_defaults_valid():
 
 
 def test_shared_memory_rule_counts_what_prologues_load():
-    """Per tile element, A loads 2 bytes; B half a byte of packed word, plus the group scale when
-    the k tile spans several groups (G=128: a tile of 256 k reads two scales per column)."""
+    """Per tile element, A loads 2 bytes; B half a byte of packed word, plus a group's scale once per
+    group when the k tile spans several groups (G=128: a tile of 256 k reads two scales per column)."""
     from flashgen.schedules.contraction_space import load_bytes
     wl = flashgen.workload("gemm_w4a16", M=1, N=8192, K=8192, G=128, dtype="fp16")
     assert load_bytes(wl, 64) == (2, 0.5)
-    assert load_bytes(wl, 256) == (2, 0.5 + 2)
+    assert load_bytes(wl, 256) == (2, 0.5 + 2 / 128)
     space = ScheduleSpace(flashgen.workload("gemm_w4a16", M=256, N=8192, K=8192, G=128, dtype="fp16"),
                           get_target("h200"))
     bad = {"block_m": 256, "block_n": 256, "block_k": 512, "num_warps": 8, "num_stages": 5, "group_m": 1}
@@ -102,8 +102,12 @@ def test_int4_prologue_becomes_tile_loads():
     wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=512, G=128, dtype="fp16")
     src = generate(wl, {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 2,
                         "group_m": 1}).source
-    assert "tl.reshape((words_w_packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15" in src
+    assert "tl.reshape(((words_w_packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15)" in src
+    assert "| 0x4B000000" in src and ".to(tl.float32, bitcast=True)" in src  # no int-to-float conversion
     assert "(k0 // G)" in src and "kb // 8" not in src
+    deep = generate(wl, {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 2,
+                         "group_m": 1}).source  # two groups per k tile: their scale rows, loaded once each
+    assert "tl.arange(0, BLOCK_K // G) * G" in deep and "groups_scales" in deep and "kb // G" not in deep
 
 
 EPILOGUES = [("gemm", dict(with_bias="yes", act="silu", with_residual="yes")), ("gemm_w8a16", dict(act="gelu")),
@@ -141,3 +145,13 @@ def test_search_proposes_valid_gemm_schedules():
     assert len(keys) == len(set(keys)) == 16
     assert all(space.is_valid(s) for s in first + second)
     assert all(s["block_m"] >= 64 for s in first[:3])  # the prior knows a 256-row GEMM wants big tiles
+
+
+@pytest.mark.parametrize("zp", ["sym", "asym"])
+def test_k_tiles_spanning_several_groups(interpreter, zp):
+    """block_k = 4 groups of 32, with a K tail (224 = 128 + 96): scale and zero-point rows loaded once
+    per group and repeated over it."""
+    wl = flashgen.workload("gemm_w4a16", M=3, N=40, K=224, G=32, dtype="fp16", zp=zp)
+    s = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 2, "group_m": 1}
+    for c in interpreter.check(wl, s, "h200", seed=7):
+        assert c.ok, c

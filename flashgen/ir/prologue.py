@@ -5,7 +5,9 @@ of a packed int32 loads its whole word, and a group scale is loaded for every k 
 k tile shares it. These rewrites keep the IR simple and make the generated loads tile-shaped:
 - `(w[c, k // 8] >> ((k % 8) * 4)) & 15` becomes one load of the [block_k / 8, block_n] words of the
   tile, unpacked in registers by broadcasting shifts and reshaping to [block_k, block_n];
-- `k // G` with G a multiple of block_k becomes `k0 // G`: one scale (or zero point) row per tile.
+- `k // G` with G a multiple of block_k becomes `k0 // G`: one scale (or zero point) row per tile;
+- a load at `[c, k // G]` with block_k a multiple of a power-of-two G becomes a Ref to the tile's
+  [block_k / G, block_n] rows, loaded once and broadcast over each group (named in `grouped`).
 """
 from __future__ import annotations
 
@@ -34,15 +36,37 @@ def packed_int4(e: E.Expr) -> E.Load | None:
     return word
 
 
-def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.Load, str]) -> E.Expr:
-    """The prologue with int4 unpacks replaced by Refs to tile-unpacked values (named in `unpacked`,
-    to be emitted by the caller) and tile-constant k divisions by divisions of the tile start."""
+def group_size(e: E.Load, dims: Mapping[str, int]) -> int | None:
+    """G when `e` loads at [c, k // G] (a per-group scale or zero point), else None."""
+    if len(e.indices) != 2 or e.indices[0] != E.Index("c") or e.mask is not None:
+        return None
+    ix = e.indices[1]
+    if not (_is(ix, "floordiv") and ix.a == E.Index("k")):
+        return None
+    try:
+        return eval_int(ix.b, dims)
+    except ValueError:
+        return None
 
-    def f(n: E.Expr) -> E.Expr:
+
+def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.Load, str],
+            grouped: dict[E.Load, str]) -> E.Expr:
+    """The prologue with int4 unpacks and group-wise loads replaced by Refs to tile-shaped values
+    (named in `unpacked` and `grouped`, to be emitted by the caller) and tile-constant k divisions by
+    divisions of the tile start."""
+
+    def unpack(n: E.Expr) -> E.Expr:
         word = packed_int4(n)
         if word is not None and block_k % 8 == 0:
             unpacked.setdefault(word, f"codes_{word.tensor}")
             return E.Ref(unpacked[word])
+        return n
+
+    def f(n: E.Expr) -> E.Expr:
+        g = group_size(n, dims) if isinstance(n, E.Load) else None
+        if g is not None and g < block_k and block_k % g == 0 and g & (g - 1) == 0:
+            grouped.setdefault(n, f"groups_{n.tensor}")
+            return E.Ref(grouped[n])
         if _is(n, "floordiv") and n.a == E.Index("k"):
             try:
                 g = eval_int(n.b, dims)
@@ -52,4 +76,4 @@ def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.L
                 return E.Binary("floordiv", K_TILE_START, n.b)
         return n
 
-    return E.transform(e, f)
+    return E.transform(E.transform(e, unpack), f)  # packed words first: they too are loaded at [c, k // 8]

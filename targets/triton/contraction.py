@@ -28,13 +28,31 @@ def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
 
 
 def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool) -> None:
-    """Load the tile's packed words once, [block_k / 8, block_n], and unpack all eight codes of each."""
+    """Load the tile's packed words once, [block_k / 8, block_n], and unpack all eight codes of each
+    (as fp32 values: they only ever meet the float dequantization arithmetic)."""
     t = word.tensor
     scope.line(f"kw_{t} = k0 // 8 + tl.arange(0, BLOCK_K // 8)[:, None]")
     mask = " & ".join(m for m in (scope.axes["c"][1], f"(kw_{t} < {em.emit(E.Dim('K'), scope)} // 8)" if kmask else None) if m)
     load = f"tl.load({t}_ptr + c.to(tl.int64) * {t}_s0 + kw_{t}" + (f", mask={mask}, other=0)" if mask else ")")
     scope.line(f"words_{t} = {load}")
-    scope.line(f"{var} = tl.reshape((words_{t}[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15, "
+    # Codes become exact fp32 values without an int-to-float conversion (a quarter-rate instruction):
+    # 2^23 + code has the code in its low mantissa bits, so OR in 2^23's exponent and subtract 2^23.
+    scope.line(f"{var} = tl.reshape(((words_{t}[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15) "
+               "| 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True) - 8388608.0")
+    em.named[var] = var
+
+
+def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.Expr | None) -> None:
+    """Load the tile's block_k / G group rows of a [c, k // G] tensor once and repeat each G times:
+    the load runs with k standing for the first k of each group."""
+    g = em.emit(load.indices[1].b, scope)
+    kg = f"kg_{load.tensor}"
+    scope.line(f"{kg} = k0 + (tl.arange(0, BLOCK_K // {g}) * {g})[:, None]")
+    mask = f"{kg}_mask" if k_extent is not None else None
+    if mask:
+        scope.line(f"{mask} = {kg} < {em.emit(k_extent, scope)}")
+    rows = em.emit(load, scope.child(axes={**scope.axes, "k": (kg, mask)}, fresh=True))
+    scope.line(f"{var} = tl.reshape(tl.broadcast_to({rows}[:, None, :], [BLOCK_K // {g}, {g}, BLOCK_N]), "
                "[BLOCK_K, BLOCK_N])")
     em.named[var] = var
 
@@ -82,9 +100,12 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     if kmask:
         b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
     unpacked: dict[E.Load, str] = {}
-    b_expr = prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked)
+    grouped: dict[E.Load, str] = {}
+    b_expr = prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped)
     for word, var in unpacked.items():
         _unpack_int4(em, b_scope, word, var, kmask)
+    for load, var in grouped.items():
+        _group_rows(em, b_scope, load, var, con.extent if kmask else None)
     operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
     tl_operand = dtypes.TL[operand]
     tiles = []
