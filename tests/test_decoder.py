@@ -190,5 +190,8 @@ def test_bench_model_cli_runs_tiny(capsys):
                  "--quant", "w4a16"]) == 0
     out = capsys.readouterr().out
     assert "decode tok/s" in out and "of limit" in out and "torch fallbacks" in out
+    assert "CUDA graphs off" in out                                         # a GPU's only: none on the CPU
+    assert main(["bench-model", "--config", "tiny", "--batch", "2", "--prompt-len", "5", "--new-tokens", "3",
+                 "--no-cuda-graphs"]) == 0
     assert main(["bench-model", "--config", "gpt5", "--batch", "1"]) == 2
     assert main(["bench-model", "--config", "tiny", "--batch", "0"]) == 2

@@ -91,3 +91,56 @@ def test_dims_not_in_shapes_must_be_given():
     with pytest.raises(flashgen.FlashgenError, match="cannot be read off"):
         Dispatcher("h100").kernel("gemm_w4a16", {"x": x, "w_packed": torch.zeros(16, 8, dtype=torch.int32),
                                                 "scales": torch.ones(16, 2, dtype=torch.float16)})
+
+
+def test_decode_graph_buckets_and_padding():
+    from flashgen.runtime.graphs import bucket_for, buckets, input_columns, padded_inputs
+    assert buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256] and buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert buckets(1) == [1]
+    sizes = buckets(48)
+    assert [bucket_for(n, sizes) for n in (1, 3, 4, 5, 33, 48, 49)] == [1, 4, 4, 8, 48, 48, None]
+    assert [input_columns(b) for b in (1, 2, 3, 48)] == [2, 2, 4, 48]   # rows of int64 start 16-byte aligned
+    assert padded_inputs([7, 8], [10, 0], [33, 50], 4, 96) == [[7, 8, 0, 0], [10, 0, 0, 0], [33, 50, 96, 96],
+                                                                 [11, 1, 1, 1]]
+
+
+def test_pad_block_is_never_handed_out_and_pads_tables():
+    from flashgen.runtime.kv_cache import BlockManager
+    m = BlockManager(5, 16, pad_block=True)
+    assert m.pad == 4 and m.reserve(0, 40) == [0, 1, 2] and m.reserve(1, 16) == [3]
+    assert not m.can_hold(2, 1)                                          # the pad block is not free
+    assert m.padded_tables([1, 0], 4, rows=4) == [[3, 0, 0, 0], [0, 1, 2, 0], [4, 4, 4, 4], [4, 4, 4, 4]]
+    with pytest.raises(flashgen.FlashgenError, match="more than the table width"):
+        m.padded_tables([0], 2)
+    m.release(0)
+    assert sorted(m.free) == [0, 1, 2]
+    plain = BlockManager(5, 16)
+    assert plain.pad is None and len(plain.free) == 5
+    plain.reserve(0, 16)
+    assert plain.padded_tables([0], 3) == [[0, 0, 0]]
+    with pytest.raises(flashgen.FlashgenError, match="pad block"):
+        plain.padded_tables([0], 3, rows=2)
+
+
+def test_outgrown_scratch_stays_alive():
+    """A CUDA graph captured with a split-KV decode's scratch keeps writing there after a larger batch
+    replaced it: the old buffer must not be freed."""
+    import gc
+    import weakref
+
+    from flashgen.targets.triton.codegen import generate
+    from flashgen.targets.triton.launch import TritonLauncher
+    wl = flashgen.workload("paged_decode_attention", B=1, Hq=8, Hkv=2, D=64, BS=16, NB=64, MAXB=8, L=128,
+                           dtype="fp16")
+    schedule = {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": 4}
+    launcher = TritonLauncher(generate(wl, schedule), wl, get_target("h100"))
+    cpu = torch.device("cpu")
+    small = launcher.scratch("part_acc", wl.dim, cpu)
+    alive = weakref.ref(small)
+    assert launcher.scratch("part_acc", wl.dim, cpu) is small
+    big = launcher.scratch("part_acc", {**wl.dim, "B": 3}, cpu)
+    assert big.numel() >= 3 * small.numel()
+    assert launcher.scratch("part_acc", {**wl.dim, "B": 2}, cpu) is big
+    del small
+    gc.collect()
+    assert alive() is not None
