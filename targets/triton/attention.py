@@ -17,32 +17,53 @@ end do nothing. Key tiles stop at the diagonal (causal), and the same score and 
 from __future__ import annotations
 
 from flashgen.ir import dtypes
+from flashgen.ir import expr as E
 from flashgen.ir.op import Attend
 from flashgen.schedules.space import Schedule
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, Scratch, kernel_args, module_header
 from flashgen.workload import Workload
 
 
-def _online_softmax(body: Scope, dt: str) -> None:
-    """One key tile's update of the running max, sum and weighted values (`logit`, `v` in scope)."""
+LOG2E = 1.4426950408889634
+CAUSAL = E.Binary("ge", E.Index("qpos"), E.Index("kpos"))  # the plain causal mask, as the ops write it
+
+
+def _online_softmax(body: Scope, dt: str, finite: bool = False) -> None:
+    """One key tile's update of the running max, sum and weighted values (`logit` in log2 units, `v`
+    in scope). `finite`: every logit of the tile is finite, so the running max needs no guard."""
     body.line("m_new = tl.maximum(m_i, tl.max(logit, axis=1)[:, None])")
-    body.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
-    body.line("alpha = tl.exp(m_i - m_safe)")
-    body.line("p = tl.exp(logit - m_safe)")
+    if finite:
+        body.line("alpha = tl.math.exp2(m_i - m_new)")
+        body.line("p = tl.math.exp2(logit - m_new)")
+    else:
+        body.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
+        body.line("alpha = tl.math.exp2(m_i - m_safe)")
+        body.line("p = tl.math.exp2(logit - m_safe)")
     body.line("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]")
     body.line(f"acc = acc * alpha + tl.dot(p.to({dt}), v)")
     body.line("m_i = m_new")
 
 
-def _scores(em: Emitter, att: Attend, body: Scope, dt: str) -> None:
-    """Logits of the key tile `kt` (masked by jmask, imask and the op's mask expression), then the
-    online-softmax update with the value tile `v`."""
-    body.line("s = tl.dot(q, kt) * scale")
+def _logit(em: Emitter, att: Attend, body: Scope, dot: str, mask: str | None) -> None:
+    """`logit`: the op's score expression of the scaled dot product, in log2 units (exp2 is the
+    hardware's exponential), masked by `mask` and the op's mask expression. A plain score folds the
+    log2 factor into the scale."""
+    plain = att.score == E.Ref("s")
+    body.line(f"s = {dot} * " + (f"(scale * {LOG2E!r})" if plain else "scale"))
     em.named["s"] = "s"
-    score = em.emit(att.score, body)
+    score = "s" if plain else f"{em.emit(att.score, body)} * {LOG2E!r}"
+    if mask is None:
+        body.line(f"logit = {score}")
+        return
     seen = em.emit(att.mask, body)
-    body.line(f"logit = tl.where(jmask & imask & ({seen}), {score}, float(\"-inf\"))")
-    _online_softmax(body, dt)
+    body.line(f"logit = tl.where({mask} & ({seen}), {score}, float(\"-inf\"))")
+
+
+def _scores(em: Emitter, att: Attend, body: Scope, dt: str, masked: bool = True) -> None:
+    """Logits of the key tile `kt` (masked by jmask, imask and the op's mask expression unless the tile
+    needs no mask), then the online-softmax update with the value tile `v`."""
+    _logit(em, att, body, "tl.dot(q, kt)", "jmask & imask" if masked else None)
+    _online_softmax(body, dt, finite=not masked)
 
 
 def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
@@ -59,7 +80,7 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     lines = module_header(wl, s, name, args)
     dt = dtypes.TL[attrs["dtype"]]
     top = Scope(lines, "    ", {})
-    top.line("pid_m = tl.program_id(0)")
+    top.line("pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) query tiles start first")
     top.line("bh = tl.program_id(1)")
     top.line("b = bh // Hq")
     top.line("h = bh % Hq")
@@ -93,7 +114,20 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
         body.line("v = tl.load(v_cache_ptr + pg_c.to(tl.int64) * v_cache_s0 + (kc % BS) * v_cache_s1 + "
                   "kvh * v_cache_s2 + dd[None, :], mask=kc < pre, other=0)")
         _scores(em, att, body, dt)
-    blk.line("for n0 in range(0, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):")
+    if att.mask == CAUSAL:
+        # Key tiles wholly before the query tile's first row need no mask: keys < n, and causal holds.
+        blk.line("full = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N")
+        blk.line("for n0 in range(0, full, BLOCK_N):")
+        body = blk.child(blk.indent + "    ", axes, fresh=True)
+        body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
+        body.line("kpos = pre + j")
+        body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
+        body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None])")
+        body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :])")
+        _scores(em, att, body, dt, masked=False)
+    else:
+        blk.line("full = 0")
+    blk.line("for n0 in range(full, tl.minimum(n, (pid_m + 1) * BLOCK_M), BLOCK_N):")
     body = blk.child(blk.indent + "    ", axes, fresh=True)
     body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
     body.line("jmask = j < n")
@@ -134,11 +168,11 @@ def _combine(top: Scope, dt: str, fp8: bool) -> None:
     last.line("l_all = tl.load(part_ml_ptr + (first + sp) * 2 + 1, volatile=True)")
     last.line("m_top = tl.max(m_all, axis=1)[:, None]")
     last.line("m_top = tl.where(m_top == float(\"-inf\"), 0.0, m_top)")
-    last.line("l_sum = tl.sum(l_all * tl.exp(m_all - m_top), axis=1)[:, None]")
+    last.line("l_sum = tl.sum(l_all * tl.math.exp2(m_all - m_top), axis=1)[:, None]")
     last.line("merged = tl.zeros([G_PAD, D], tl.float32)")
     last.line("for i in tl.static_range(SPLITS):")
     last.line("    row = first + i * G_PAD")
-    last.line("    w_i = tl.exp(tl.load(part_ml_ptr + row * 2, volatile=True) - m_top)")
+    last.line("    w_i = tl.math.exp2(tl.load(part_ml_ptr + row * 2, volatile=True) - m_top)")
     last.line("    merged += tl.load(part_acc_ptr + row.to(tl.int64) * D + dd[None, :], volatile=True) * w_i")
     last.line("out = merged / tl.where(l_sum == 0.0, 1.0, l_sum)" + (" * v_scale" if fp8 else ""))
     last.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
@@ -195,11 +229,7 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     if fp8:
         body.line(f"kt = tl.where(kmask, kt.to({dt}), 0.0).to({dt})")
         body.line(f"v = tl.where(kcol < hi, v.to({dt}), 0.0).to({dt})")
-    body.line("s = tl.dot(q, kt) * scale" + (" * k_scale" if fp8 else ""))
-    em.named["s"] = "s"
-    score = em.emit(att.score, body)
-    seen = em.emit(att.mask, body)
-    body.line(f"logit = tl.where(kmask & gmask & ({seen}), {score}, float(\"-inf\"))")
+    _logit(em, att, body, "tl.dot(q, kt)" + (" * k_scale" if fp8 else ""), "kmask & gmask")
     _online_softmax(body, dt)
     if splits > 1:
         _combine(top, dt, fp8)
