@@ -4,6 +4,7 @@ plus the prior's best few schedules, every candidate checked against the float64
 database's best is what is timed.
 
     python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
+        [--shapes 8192x8192,qkv,gate_up,down] [--name gemm]
 
 Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
 dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,64,256,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="gemm", help="result files: <out-dir>/<name>.json and .md")
     args = ap.parse_args()
     dev = torch.device("cuda")
     target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
@@ -114,7 +116,7 @@ def main() -> None:
                                  str(kern.schedule)])
                     print(f"{op:11s} {shape:9s} M={m:<5d} flashgen {t['flashgen']:9.2f} us  peer {pt:9.2f}  "
                           f"roof {roof:8.2f}  ({time.perf_counter() - t0:.0f}s)", flush=True)
-                    write_results("gemm", header, rows, {**environment(), "target": target.id, "copy_gbs": bw},
+                    write_results(args.name, header, rows, {**environment(), "target": target.id, "copy_gbs": bw},
                                   args.out_dir, NOTE.format(trials=args.trials, bw=bw))
     print_table(("op", "shape", "M", "us", "vs_peer", "of_roof"), [(r[0], r[1], r[2], r[5], r[8], r[10]) for r in rows])
 
