@@ -121,10 +121,10 @@ def main() -> None:
     print_table(("op", "shape", "M", "us", "vs_peer", "of_roof"), [(r[0], r[1], r[2], r[5], r[8], r[10]) for r in rows])
 
 
-NOTE = ("Each workload tuned with {trials} measured schedules (analytic default first, then the analytic "
-        "prior's ranking: no GEMM records existed to train the cost model). vs_peer = peer time / flashgen "
-        "time (above 1: flashgen faster). Roofline = max(flops / datasheet peak, bytes / measured copy "
-        "bandwidth {bw:.0f} GB/s).")
+NOTE = ("Each workload tuned with {trials} new measured schedules (the analytic default first, then the cost "
+        "model's ranking: XGBoost trained on the database's GEMM records so far, the analytic prior before there are "
+        "any). vs_peer = peer time / flashgen time (above 1: flashgen faster). Roofline = max(flops / datasheet peak, "
+        "bytes / measured copy bandwidth {bw:.0f} GB/s).")
 
 
 if __name__ == "__main__":
