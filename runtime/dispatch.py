@@ -119,7 +119,7 @@ class Dispatcher:
 
     def kernel(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str] | None = None,
                dims: Mapping[str, int] | None = None) -> Kernel:
-        signature = (op_name, tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in tensors.items()),
+        signature = (op_name, tuple((n, t.shape, t.dtype, t.device) for n, t in tensors.items()),
                      tuple(sorted((attrs or {}).items())), tuple(sorted((dims or {}).items())))
         hit = self._calls.get(signature)
         if hit is not None:

@@ -9,7 +9,7 @@ running GPU's; the dispatcher picks the schedule.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,15 +50,22 @@ def _defaults(op: Op) -> list[Any]:
     return [None] * len(op.inputs) + list(op.params.values()) + [_attr_default(op, a) for a in _attr_names(op)] + [[]]
 
 
-def _split(op: Op, args: tuple) -> tuple[dict, dict, dict, dict]:
-    """Tensors, params, attrs and given dims of a call (arguments left out take their defaults)."""
-    args = tuple(args) + tuple(_defaults(op)[len(args):])
-    n_in, n_par, n_att = len(op.inputs), len(op.params), len(_attr_names(op))
-    tensors = {t.name: x for t, x in zip(op.inputs, args[:n_in]) if x is not None}
-    params = dict(zip(op.params, args[n_in:n_in + n_par]))
-    attrs = {a: v for a, v in zip(_attr_names(op), args[n_in + n_par:n_in + n_par + n_att]) if v != ""}
-    dims = dict(zip(op.dims, args[n_in + n_par + n_att])) if args[n_in + n_par + n_att] else {}
-    return tensors, params, attrs, dims
+def _splitter(op: Op) -> Callable[[tuple], tuple[dict, dict, dict, dict]]:
+    """`split(args)`: the tensors, params, attrs and given dims of a call (arguments left out take their
+    defaults); the op's argument layout is worked out once, as calls are hot."""
+    defaults = _defaults(op)
+    inputs, params, attrs = [t.name for t in op.inputs], list(op.params), _attr_names(op)
+    n_in, n_par, n_att = len(inputs), len(params), len(attrs)
+
+    def split(args: tuple) -> tuple[dict, dict, dict, dict]:
+        args = tuple(args) + tuple(defaults[len(args):])
+        tensors = {n: x for n, x in zip(inputs, args[:n_in]) if x is not None}
+        par = dict(zip(params, args[n_in:n_in + n_par]))
+        att = {a: v for a, v in zip(attrs, args[n_in + n_par:n_in + n_par + n_att]) if v != ""}
+        dims = dict(zip(op.dims, args[n_in + n_par + n_att])) if args[n_in + n_par + n_att] else {}
+        return tensors, par, att, dims
+
+    return split
 
 
 def register(op: Op) -> None:
@@ -67,15 +74,16 @@ def register(op: Op) -> None:
         return
     _LIB.define(schema(op))
 
+    split = _splitter(op)
+
     def real(*args: Any):
-        tensors, params, attrs, dims = _split(op, args)
+        tensors, params, attrs, dims = split(args)
         kernel = _DISPATCHER.kernel(op.name, tensors, attrs, dims)
-        outs = kernel.run(tensors, params=params)
-        vals = tuple(outs[t.name] for t in kernel.workload.outputs)
+        vals = tuple(kernel.run(tensors, params=params).values())  # in the op's output order
         return vals[0] if len(vals) == 1 else vals
 
     def fake(*args: Any):
-        tensors, _, attrs, dims = _split(op, args)
+        tensors, _, attrs, dims = split(args)
         bound = bind_shapes(op.name, tensors, dims)
         first = next(iter(tensors.values()))
         full = {**{a: v[0] for a, v in op.attrs.items()}, "dtype": dtypes.of_torch(first.dtype), **attrs}

@@ -273,3 +273,21 @@ def test_every_expression_node_lowers(monkeypatch, with_erf):
     assert len(checks) == len(funcs)
     for ch in checks:
         assert ch.ok, ch
+
+
+def test_repeated_calls_reuse_checks_but_still_refuse_bad_tensors():
+    """A kernel remembers the checks of each call signature; a new signature is checked afresh."""
+    k = kernel(workload("rmsnorm", M=4, N=48, dtype="fp32"))
+    w = torch.randn(48)
+    for m in (3, 5, 3):
+        x = torch.randn(m, 48)
+        ref = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+        torch.testing.assert_close(k.run({"x": x, "w": w})["y"], ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(FlashgenError, match="float64"):
+        k.run({"x": torch.randn(3, 48, dtype=torch.float64), "w": w})
+    with pytest.raises(FlashgenError, match="contiguous last dimension"):
+        k.run({"x": torch.randn(48, 3).t(), "w": w})
+    with pytest.raises(FlashgenError, match="shape"):
+        k.run({"x": torch.randn(3, 47), "w": w})
+    with pytest.raises(FlashgenError, match="missing input 'w'"):
+        k.run({"x": torch.randn(3, 48)})
