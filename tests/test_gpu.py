@@ -142,33 +142,41 @@ def test_decoder_on_gpu_matches_its_torch_path():
 
 
 def test_decoder_cuda_graphs_match_eager():
-    """Decode steps replayed from CUDA graphs against the same engine run eagerly (bf16): a whole bucket
-    of 4 (no padding rows) token for token; a ragged batch whose requests join (one with a 1-token prompt,
-    in a decode step) and leave, through padded buckets, allowing rare near-ties (a padded row count may
-    change how cuBLAS computes the lm_head)."""
+    """Decode steps replayed from CUDA graphs against the eager forward on the same inputs (bf16), at every
+    step of a ragged run whose requests join (one with a 1-token prompt, in a decode step) and leave, through
+    padded buckets: the logits agree within bf16 rounding. (Comparing sampled tokens instead lets one near-tie,
+    e.g. from a GEMM schedule chosen for 4 rows instead of 3, change every later token.) Then a whole bucket
+    of 4, with no padding rows, token for token."""
     from flashgen.runtime.bench import CONFIGS, random_weights
     from flashgen.runtime.engine import Engine, SamplingParams
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.model import Batch, Decoder
     c = CONFIGS["tiny"]
     model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
     joins = {0: [([1, 2, 3, 4, 5] * 7, 12), ([9] * 3, 5), (list(range(100)), 9)],
              3: [([7] * 20, 6), ([8] * 10, 8)], 5: [([42], 10)], 9: [(list(range(50, 90)), 4)]}
+    eng = Engine(model, num_blocks=64, cuda_graphs=True)
+    replay, errors = eng.graphs.run, []
 
-    def ragged(graphs: bool):
-        eng = Engine(model, num_blocks=64, cuda_graphs=graphs)
-        ids, step = [], 0
-        while step in joins or step < max(joins) or eng.waiting or eng.running:
-            ids += [eng.add(p, SamplingParams(max_new_tokens=n)) for p, n in joins.get(step, [])]
-            eng.step()
-            step += 1
-        return [eng.finished[i].output for i in ids], eng
+    def checked(seqs, tokens, positions, slots):
+        """The eager forward first (it writes the same keys and values to the same slots), then the replay."""
+        dev = model.device
+        batch = Batch(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                      torch.tensor(slots, device=dev), seqs, [1] * len(seqs), [p + 1 for p in positions])
+        ref = model.forward(batch, eng.cache).float()
+        out = replay(seqs, tokens, positions, slots)
+        errors.append(((out.float() - ref).abs().max() / ref.abs().max()).item())
+        return out
 
-    (eager, e0), (graphed, e1) = ragged(False), ragged(True)
+    eng.graphs.run = checked
+    ids, step = [], 0
+    while step in joins or step < max(joins) or eng.waiting or eng.running:
+        ids += [eng.add(p, SamplingParams(max_new_tokens=n)) for p, n in joins.get(step, [])]
+        eng.step()
+        step += 1
     # decode steps of 3, 5, 4, 3, 2, 1 sequences: buckets 4 and 8 with padding rows, 2 and 1 without
-    assert e0.graphs is None and set(e1.graphs.graphs) == {1, 2, 4, 8}
-    assert [len(o) for o in graphed] == [12, 5, 9, 6, 8, 10, 4]
-    agree = sum(a == b for x, y in zip(eager, graphed) for a, b in zip(x, y))
-    assert agree >= 0.9 * sum(map(len, eager)), (eager, graphed)
+    assert set(eng.graphs.graphs) == {1, 2, 4, 8} and len(errors) >= 10
+    assert [len(eng.finished[i].output) for i in ids] == [12, 5, 9, 6, 8, 10, 4]
+    assert max(errors) < 2e-2, errors
 
     prompts = [[5, 6, 7] * 9, [11] * 40, [3], list(range(60))]
     whole = [[r.output for r in Engine(model, num_blocks=64, cuda_graphs=g).generate(
