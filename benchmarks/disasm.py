@@ -1,0 +1,99 @@
+"""What the tuned GEMM kernels are made of, from their SASS: rebuilds each workload's fastest recorded
+schedule ahead of time (no GPU needed) and counts the instructions that decide GEMM speed on sm_90:
+warpgroup MMA (HGMMA/IGMMA/QGMMA) against the older warp MMA (HMMA/IMMA), 16-byte global loads (LDG.128,
+and LDGSTS.128 asynchronous copies to shared memory) against narrower ones, TMA copies (UTMALDG), and
+shared-memory stores of a dequantized tile (STS), per kernel, whole binary.
+
+    python benchmarks/disasm.py benchmarks/results/h200_gemm_records.jsonl [--ops gemm,gemm_w4a16]
+
+Uses the nvdisasm that ships with Triton.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, print_table, write_results  # noqa: E402
+
+import flashgen  # noqa: E402
+from flashgen.db import Database  # noqa: E402
+from flashgen.workload import Workload  # noqa: E402
+
+SHAPES = {(8192, 8192): "8192x8192", (6144, 4096): "qkv", (28672, 4096): "gate_up", (4096, 14336): "down"}
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def nvdisasm() -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+
+
+def opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode counts (with modifiers) of a cubin's SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(nvdisasm()), f.name], check=True, capture_output=True, text=True).stdout
+    return collections.Counter(OPCODE.findall(sass))
+
+
+def summary(ops: collections.Counter) -> dict[str, int]:
+    def count(pred) -> int:
+        return sum(n for op, n in ops.items() if pred(op))
+
+    return {
+        "wgmma": count(lambda o: re.match(r"[HIQ]GMMA", o) is not None),
+        "warp_mma": count(lambda o: re.match(r"(HMMA|IMMA)", o) is not None),
+        "loads_16B": count(lambda o: o.startswith(("LDG.", "LDGSTS.")) and ".128" in o),
+        "loads_narrow": count(lambda o: o.startswith(("LDG.", "LDGSTS.")) and ".128" not in o),
+        "tma": count(lambda o: o.startswith("UTMALDG")),
+        "sts": count(lambda o: o.startswith("STS")),
+        "sts_16bit": count(lambda o: o.startswith("STS") and (".U16" in o or ".16" in o)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("records", type=Path, help="JSON-lines records (flashgen db export)")
+    ap.add_argument("--ops", default="gemm,gemm_w4a16,gemm_w8a8,gemm_fp8")
+    ap.add_argument("--target", default="cuda:sm_90/h200")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    ops = args.ops.split(",")
+    with tempfile.TemporaryDirectory() as tmp, Database(Path(tmp) / "records.db") as db:
+        db.import_jsonl(args.records)
+        best = [r for r in db.best_all(args.target) if r.workload.get("op") in ops]
+    best.sort(key=lambda r: (ops.index(r.workload["op"]), SHAPES.get((r.workload["dims"]["N"], r.workload["dims"]["K"]), ""),
+                             r.workload["dims"]["M"]))
+    rows = []
+    for i, rec in enumerate(best):
+        wl = Workload.from_json(rec.workload)
+        d = wl.dim
+        kernel = flashgen.compile(wl, args.target, schedule=rec.schedule)
+        s = summary(opcodes(kernel.binary))
+        rows.append([wl.op_name, SHAPES.get((d["N"], d["K"]), f"{d['N']}x{d['K']}"), d["M"], rec.latency_us,
+                     *s.values(), str(rec.schedule)])
+        print(f"[{i + 1}/{len(best)}] {wl.op_name} M={d['M']} N={d['N']} K={d['K']}: {s}", flush=True)
+    meta = {"device": f"{args.target} (AOT, no GPU)", "torch": "-", "triton": "-", "python": platform.python_version(),
+            "command": " ".join(["python"] + sys.argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    header = ("op", "shape", "M", "recorded_us", *summary(collections.Counter()), "schedule")
+    write_results("disasm", header, rows, meta, args.out_dir,
+                  "Counts over the whole SASS of each workload's fastest recorded schedule (static instructions, "
+                  "not executions). wgmma: HGMMA/IGMMA/QGMMA (sm_90 warpgroup MMA); warp_mma: HMMA/IMMA; "
+                  "loads_16B: LDG.128 and LDGSTS.128 (cp.async); tma: UTMALDG; sts_16bit: 2-byte shared stores.")
+    print_table(("op", "shape", "M", "us", "wgmma", "warp_mma", "loads_16B", "loads_narrow", "sts_16bit"),
+                [(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[10]) for r in rows])
+
+
+if __name__ == "__main__":
+    main()
