@@ -26,7 +26,7 @@ from flashgen.ir import expr as E
 from flashgen.oplib import get_op
 from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target, target_for_device
-from flashgen.targets.kernel import Kernel
+from flashgen.targets.kernel import MAX_CALL_SIGNATURES, Kernel
 from flashgen.workload import Workload, workload
 
 log = logging.getLogger("flashgen.dispatch")
@@ -125,6 +125,8 @@ class Dispatcher:
         if hit is not None:
             return hit
         kernel = self._kernel(op_name, tensors, attrs, dims)
+        if len(self._calls) >= MAX_CALL_SIGNATURES:
+            self._calls.clear()
         self._calls[signature] = kernel
         return kernel
 

@@ -26,6 +26,7 @@ from flashgen.schedules.space import Schedule
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
+MAX_CALL_SIGNATURES = 4096  # remembered per kernel (and per dispatcher)
 Launcher = Callable[[Mapping[str, torch.Tensor], Mapping[str, float], Mapping[str, int]], None]
 
 
@@ -104,6 +105,8 @@ class Kernel:
             bound = (dims, [(t.name, tuple(eval_int(e, dims) for e in t.shape),
                              dtypes.TORCH[self.workload.tensor_dtype(t.name)]) for t in self.workload.outputs])
             if tuple(inputs) == self._input_names:
+                if len(self._calls) >= MAX_CALL_SIGNATURES:  # row counts of prefills vary without end
+                    self._calls.clear()
                 self._calls[sig] = bound
         dims, out_specs = bound
         if outputs is not None:

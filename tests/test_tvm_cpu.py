@@ -291,3 +291,17 @@ def test_repeated_calls_reuse_checks_but_still_refuse_bad_tensors():
         k.run({"x": torch.randn(3, 47), "w": w})
     with pytest.raises(FlashgenError, match="missing input 'w'"):
         k.run({"x": torch.randn(3, 48)})
+
+
+def test_call_signatures_remembered_are_bounded(monkeypatch):
+    """Prefills bring ever new row counts: the per-kernel memory of checked signatures stays bounded."""
+    from flashgen.targets import kernel as kernel_module
+    monkeypatch.setattr(kernel_module, "MAX_CALL_SIGNATURES", 3)
+    k = kernel(workload("rmsnorm", M=4, N=48, dtype="fp32"))
+    k._calls.clear()
+    w = torch.randn(48)
+    for m in range(1, 9):
+        x = torch.randn(m, 48)
+        ref = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+        torch.testing.assert_close(k.run({"x": x, "w": w})["y"], ref, rtol=1e-5, atol=1e-5)
+        assert len(k._calls) <= 3
