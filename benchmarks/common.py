@@ -11,12 +11,25 @@ import datetime
 import json
 import platform
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 RESULTS = Path(__file__).with_name("results")
+
+
+@contextlib.contextmanager
+def replayed_records(records: str | Path) -> Iterator[tuple[Any, Path]]:
+    """A scratch database holding the records of a JSON-lines export, and its path, for CPU replays."""
+    from flashgen.db import Database
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "replay.db"
+        with Database(path) as db:
+            db.import_jsonl(records)
+            yield db, path
 
 
 @contextlib.contextmanager
@@ -63,10 +76,12 @@ def copy_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e3)
 
 
-def environment() -> dict[str, Any]:
+def environment(device: str | None = None) -> dict[str, Any]:
+    """The run's device (the current GPU's name unless given: CPU replays name the records' device),
+    versions, command and date."""
     import triton
 
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    return {"device": device or torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 

@@ -10,14 +10,11 @@ microseconds at decode sizes; see rowwise.md), which the choice does not count.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, print_table, write_results  # noqa: E402
+from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 
 from flashgen.db import Database  # noqa: E402
 from flashgen.runtime.linear import choose  # noqa: E402
@@ -46,23 +43,16 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     rows = []
-    devices: set[str] = set()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "records.db"
-        with Database(path) as db:
-            db.import_jsonl(args.records)
-            devices = {r.device for r in db.best_all(args.target)}
-            shapes = best_by_shape(db, args.target)
-        for (n, k), per_m in sorted(shapes.items()):
+    with replayed_records(args.records) as (db, path):
+        devices = {r.device for r in db.best_all(args.target)}
+        for (n, k), per_m in sorted(best_by_shape(db, args.target).items()):
             for m, t in sorted(per_m.items()):
                 if len(t) < 2:
                     continue
                 faster = min(t, key=t.get)
                 rows.append([SHAPE_NAMES.get((n, k), f"{n}x{k}"), m, n, k, t["w4a16"], t["w8a8"],
                              t["w8a8"] / t["w4a16"], faster, choose(path, n, k, m, args.target)])
-    meta = {"device": ", ".join(sorted(devices)) + " (records)", "torch": "-", "triton": "-",
-            "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    meta = environment(", ".join(sorted(devices)) + " (records)")
     write_results("crossover", ("shape", "M", "N", "K", "w4a16_us", "w8a8_us", "w8a8_over_w4a16", "faster",
                                 "runtime_picks"), rows, meta, args.out_dir,
                   "Fastest correct record of each mode per workload (GEMM time only: W8A8's activation "

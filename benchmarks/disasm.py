@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import platform
 import re
 import subprocess
 import sys
@@ -21,10 +19,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, print_table, write_results  # noqa: E402
+from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen.db import Database  # noqa: E402
 from flashgen.workload import Workload  # noqa: E402
 
 SHAPES = {(8192, 8192): "8192x8192", (6144, 4096): "qkv", (28672, 4096): "gate_up", (4096, 14336): "down"}
@@ -69,8 +66,7 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     ops = args.ops.split(",")
-    with tempfile.TemporaryDirectory() as tmp, Database(Path(tmp) / "records.db") as db:
-        db.import_jsonl(args.records)
+    with replayed_records(args.records) as (db, _):
         best = [r for r in db.best_all(args.target) if r.workload.get("op") in ops]
     best.sort(key=lambda r: (ops.index(r.workload["op"]), SHAPES.get((r.workload["dims"]["N"], r.workload["dims"]["K"]), ""),
                              r.workload["dims"]["M"]))
@@ -83,9 +79,7 @@ def main() -> None:
         rows.append([wl.op_name, SHAPES.get((d["N"], d["K"]), f"{d['N']}x{d['K']}"), d["M"], rec.latency_us,
                      *s.values(), str(rec.schedule)])
         print(f"[{i + 1}/{len(best)}] {wl.op_name} M={d['M']} N={d['N']} K={d['K']}: {s}", flush=True)
-    meta = {"device": f"{args.target} (AOT, no GPU)", "torch": "-", "triton": "-", "python": platform.python_version(),
-            "command": " ".join(["python"] + sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    meta = environment(f"{args.target} (AOT, no GPU)")
     header = ("op", "shape", "M", "recorded_us", *summary(collections.Counter()), "schedule")
     write_results("disasm", header, rows, meta, args.out_dir,
                   "Counts over the whole SASS of each workload's fastest recorded schedule (static instructions, "

@@ -14,16 +14,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, print_table  # noqa: E402
+from common import RESULTS, print_table, replayed_records  # noqa: E402
 
-from flashgen.db import Database  # noqa: E402
 from flashgen.schedules.cost_model import (AnalyticPrior, XGBCostModel, compare_objectives,  # noqa: E402
                                            samples_from_records)
 from flashgen.schedules.replay import best_of, measurements_to_within, replay, table_from_records  # noqa: E402
@@ -55,9 +53,7 @@ def main() -> None:
     ap.add_argument("records", help="JSON-lines export of the sweep's database")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        db = Database(Path(tmp) / "replay.db")
-        db.import_jsonl(args.records)
+    with replayed_records(args.records) as (db, _):
         records = db.records()
     by_wl = defaultdict(list)
     for r in records:
