@@ -70,7 +70,20 @@ class Kernel:
     # shapes and dtypes, so a repeated call skips the checks (decode calls the same shapes all along).
     _calls: dict[tuple, tuple[dict[str, int], list[tuple[str, tuple[int, ...], torch.dtype]]]] = field(
         default_factory=dict, repr=False, compare=False)
-    _input_names: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    _input_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._input_names = tuple(t.name for t in self.workload.inputs)
+
+    def _signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple | None:
+        """Each input's shape, dtype and last stride, when the inputs are the op's tensors in order;
+        else None (the full check then says what is wrong)."""
+        if tuple(inputs) != self._input_names:
+            return None
+        try:
+            return tuple((x.shape, x.dtype, x.stride(-1) if x.dim() else 1) for x in inputs.values())
+        except AttributeError:
+            return None
 
     def __call__(self, *inputs: torch.Tensor, **params: float) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run on tensors given in the op's input order; returns the op's outputs (one, or a tuple)."""
@@ -91,20 +104,13 @@ class Kernel:
             unknown = set(params) - set(op.params)
             raise FlashgenError(f"{op.name}: unknown parameter {', '.join(sorted(unknown))}; "
                                 f"valid: {', '.join(op.params) or 'none'}")
-        if not self._input_names:
-            self._input_names = tuple(t.name for t in self.workload.inputs)
-        bound = None
-        if tuple(inputs) == self._input_names:
-            try:
-                sig = tuple((x.shape, x.dtype, x.stride(-1) if x.dim() else 1) for x in inputs.values())
-                bound = self._calls.get(sig)
-            except AttributeError:
-                sig = None  # not all tensors: bind_dims says what is wrong
+        sig = self._signature(inputs)
+        bound = self._calls.get(sig) if sig is not None else None
         if bound is None:
             dims = bind_dims(self.workload, inputs)
             bound = (dims, [(t.name, tuple(eval_int(e, dims) for e in t.shape),
                              dtypes.TORCH[self.workload.tensor_dtype(t.name)]) for t in self.workload.outputs])
-            if tuple(inputs) == self._input_names:
+            if sig is not None:
                 if len(self._calls) >= MAX_CALL_SIGNATURES:  # row counts of prefills vary without end
                     self._calls.clear()
                 self._calls[sig] = bound
