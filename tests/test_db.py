@@ -32,6 +32,14 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def assert_refused_untouched(path: Path, match: str) -> None:
+    """Opening `path` as a database fails with `match`, and the file's bytes are unchanged."""
+    before = sha256(path)
+    with pytest.raises(FlashgenError, match=match):
+        Database(path)
+    assert sha256(path) == before
+
+
 def _add_worker(path: str, worker: int, start: multiprocessing.synchronize.Barrier) -> None:
     start.wait()  # all four create the file and write at the same moment
     with Database(path) as db:
@@ -172,20 +180,14 @@ def test_malformed_jsonl_adds_nothing(tmp_path: Path) -> None:
 def test_corrupt_file_is_refused_untouched(tmp_path: Path) -> None:
     path = tmp_path / "random.db"
     path.write_bytes(os.urandom(8192))
-    before = sha256(path)
-    with pytest.raises(FlashgenError, match="is not a flashgen tuning database .*pass another --db"):
-        Database(path)
-    assert sha256(path) == before
+    assert_refused_untouched(path, "is not a flashgen tuning database .*pass another --db")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["random.db"]
 
 
 def test_corrupt_file_with_sqlite_header_is_refused_untouched(tmp_path: Path) -> None:
     path = tmp_path / "torn.db"
     path.write_bytes(b"SQLite format 3\x00" + os.urandom(8192))
-    before = sha256(path)
-    with pytest.raises(FlashgenError, match="is not a flashgen tuning database"):
-        Database(path)
-    assert sha256(path) == before
+    assert_refused_untouched(path, "is not a flashgen tuning database")
 
 
 @pytest.mark.parametrize("journal_mode", ["delete", "wal"])
@@ -197,10 +199,7 @@ def test_other_apps_sqlite_is_refused_untouched(tmp_path: Path, journal_mode: st
     conn.execute("INSERT INTO users VALUES ('ada')")
     conn.commit()
     conn.close()
-    before = sha256(path)
-    with pytest.raises(FlashgenError, match="no flashgen meta table.*pass another --db path"):
-        Database(path)
-    assert sha256(path) == before
+    assert_refused_untouched(path, "no flashgen meta table.*pass another --db path")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["app.sqlite"]
 
 
@@ -211,10 +210,7 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
     conn.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
-    before = sha256(path)
-    with pytest.raises(FlashgenError, match=r"newer flashgen \(schema v7, this one reads up to v1\)"):
-        Database(path)
-    assert sha256(path) == before
+    assert_refused_untouched(path, r"newer flashgen \(schema v7, this one reads up to v1\)")
 
 
 def test_reopening_creates_no_side_files(tmp_path: Path) -> None:
