@@ -54,7 +54,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=300)
     ap.add_argument("--quant", default="bf16,w4a16")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="flashgen decode steps run eagerly")
-    ap.add_argument("--peer-batch", default=None, help="batches for the transformers peers (default: --batch)")
+    ap.add_argument("--peer-batch", default=None,
+                    help="batches for the transformers peers (default: --batch; 'none': no peers)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     bw = copy_gbs()
@@ -77,7 +78,7 @@ def main() -> None:
             print(rows[-1], flush=True)
             save()
     for static in (False, True):
-        for b in [int(b) for b in (args.peer_batch or args.batch).split(",")]:
+        for b in [] if args.peer_batch == "none" else [int(b) for b in (args.peer_batch or args.batch).split(",")]:
             tps = transformers_tps(b, args.prompt_len, args.new_tokens, static)
             rows.append(["transformers " + ("static+compile" if static else "eager"), b, float("nan"), tps,
                          float("nan"), float("nan")])

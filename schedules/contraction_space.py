@@ -4,8 +4,10 @@ Knobs: block_m x block_n output tile, block_k depth per k step, num_warps, num_s
 pipelining buffers), group_m (row tiles launched together so they share weight tiles in the L2).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, and tiles stop at the next power of two of each extent
-(16 is the smallest tile a matrix instruction takes). At M <= 16 the space still holds the GEMV
-regime: one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads.
+(16 is the smallest tile a matrix instruction takes). At M <= 16 the space holds the GEMV regime:
+one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
+of 1-8 rows, whose products are summed on the ALUs (targets/triton/contraction.py), bounded by the
+products each thread holds per k step.
 """
 from __future__ import annotations
 
@@ -19,6 +21,12 @@ from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
 MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread
+MMA_MIN_ROWS = 16  # the fewest rows a matrix instruction takes: fewer rows are summed on the ALUs
+MAX_MMA_BLOCK_K = 512  # deeper k tiles only serve ALU tiles: a program needs many bytes in flight
+MAX_PRODUCTS_PER_THREAD = 512  # such a tile's products per thread per k step, at most (registers)
+MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
+GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row: the default up to 4 rows
+GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 
 
 def _extents(wl: Workload) -> tuple[int, int, int, Contract]:
@@ -34,9 +42,10 @@ def _p2(x: int) -> int:
 def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
     m, n, k, _ = _extents(wl)
     amd = target.vendor == "amd"
-    return {"block_m": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(m))),
+    gemv_rows = tuple(b for b in (1, 2, 4, 8) if m <= GEMV_MAX_M and b <= _p2(m))
+    return {"block_m": gemv_rows + tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(m))),
             "block_n": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(n))),
-            "block_k": tuple(b for b in (32, 64, 128, 256, 512) if b <= max(32, _p2(k))),
+            "block_k": tuple(b for b in (32, 64, 128, 256, 512, 1024, 2048) if b <= max(32, _p2(k))),
             "num_warps": (2, 4, 8),
             "num_stages": (1, 2) if amd else (2, 3, 4, 5),
             "group_m": (1, 8)}
@@ -90,6 +99,15 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     if smem > limit:
         return f"{smem} bytes of pipelined tiles exceed the {limit} bytes of shared memory"
     threads = s["num_warps"] * target.warp_size
+    if s["block_k"] > MAX_MMA_BLOCK_K and s["block_m"] >= MMA_MIN_ROWS:
+        return f"k tiles deeper than {MAX_MMA_BLOCK_K} are for GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
+    if s["block_m"] < MMA_MIN_ROWS:
+        products = s["block_m"] * s["block_n"] * s["block_k"]
+        if products > threads * MAX_PRODUCTS_PER_THREAD:
+            return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile does not fit {threads} threads' registers"
+        if products < threads * MIN_PRODUCTS_PER_THREAD:
+            return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile leaves some of {threads} threads idle"
+        return None
     if s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
         return f"a {s['block_m']}x{s['block_n']} accumulator does not fit {threads} threads' registers"
     if s["block_m"] * s["block_n"] < threads * 4 and s["num_warps"] > 2:
@@ -99,11 +117,18 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
 
 def default(wl: Workload, target: Target) -> dict[str, int]:
     """Analytic choice per regime, shrunk until it satisfies the rules."""
-    m, n, k, _ = _extents(wl)
+    m, n, k, con = _extents(wl)
     kn = knobs(wl, target)
     stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
     sms = max(int(target.sm_count), 1)
-    if m <= 16:
+    if m <= GEMV_INT4_DEFAULT_M and prologue.affine_codes(con.b, wl.dim):
+        # int4 codes summed on the ALUs (no dequantized tile for a matrix instruction): 16-column tiles
+        # for many programs, and deep k steps of 4 warps, so that every SM has warps to issue from and
+        # kilobytes of words in flight (measured on the H200: a 512-deep k step ran 2-4x faster than a
+        # 128-deep one).
+        s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
+             "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1}
+    elif m <= 16:
         # A GEMV: narrow column tiles so that at least two programs stream weights on every SM.
         bn = max([b for b in (16, 32, 64) if n // b >= 2 * sms] or [16])
         warps = 4 if 16 * bn >= 4 * target.warp_size * 4 else 2  # see why_invalid: warps need accumulator rows

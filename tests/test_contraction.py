@@ -54,6 +54,51 @@ def test_interpreter_numerics(interpreter, op, kw, m):
         assert c.ok, c
 
 
+GEMV = [("gemm_w4a16", dict(G=64), 1, 64), ("gemm_w4a16", dict(G=64, zp="asym"), 2, 32),
+        ("gemm_w4a16", dict(G=256, group="channel", zp="asym"), 4, 64), ("gemm_w4a16", dict(G=32), 2, 64),
+        ("gemm", {}, 2, 64), ("gemm_w8a8", {}, 4, 32)]
+
+
+@pytest.mark.parametrize("op, kw, block_m, block_k", GEMV, ids=[f"{o}-{'-'.join(map(str, kw.values()))}-m{bm}-k{bk}" for o, kw, bm, bk in GEMV])
+def test_gemv_tiles_numerics(interpreter, op, kw, block_m, block_k):
+    """Tiles of fewer than 16 rows sum products on the ALUs; int4 codes with a zero point and scale
+    constant over the k tile take the reshape-free path (the scale once per word), others (G=32 under a
+    64-deep k tile) the general one. M=3 leaves a partial row tile, N=40 a partial column tile."""
+    k = 256 if "G" in kw else 200
+    wl = flashgen.workload(op, M=3, N=40, K=k, dtype="fp16", **kw)
+    s = {"block_m": block_m, "block_n": 32, "block_k": block_k, "num_warps": 2, "num_stages": 2, "group_m": 1}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s), ScheduleSpace(wl, get_target("h200")).why_invalid(s)
+    for c in interpreter.check(wl, s, "h200", seed=block_m):
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("target", ["h200", "a100", "mi300x", "mi250"])
+def test_gemv_int4_default_builds_without_matrix_instructions(target):
+    """At M=1 the analytic default of W4A16 is a one-row ALU tile, pipelined, on every target."""
+    wl = flashgen.workload("gemm_w4a16", M=1, N=4096, K=4096, G=128, dtype="bf16")
+    t = get_target(target)
+    s = ScheduleSpace(wl, t).default()
+    assert s["block_m"] == 1
+    k = flashgen.compile(wl, t, schedule=s)
+    asm = k.asm["ptx"] if t.vendor == "nvidia" else k.asm["amdgcn"]
+    assert "mma" not in asm and "mfma" not in asm
+    if t.vendor == "nvidia":
+        assert "cp.async" in asm  # the words are software-pipelined
+
+
+def test_gemv_int4_source_has_no_reshape():
+    """The reshape-free GEMV keeps codes in the loaded words' layout: no tl.reshape, no tl.dot, and the
+    scale applied to partial sums, not to each code."""
+    from flashgen.targets.triton.codegen import generate
+    wl = flashgen.workload("gemm_w4a16", M=1, N=256, K=512, G=128, dtype="bf16")
+    src = generate(wl, {"block_m": 1, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2,
+                        "group_m": 1}).source
+    assert "tl.reshape" not in src and "tl.dot" not in src and "part0 += p0 * " in src
+    k = flashgen.compile(wl, "sm_90", schedule={"block_m": 1, "block_n": 64, "block_k": 128, "num_warps": 4,
+                                                "num_stages": 2, "group_m": 1})
+    assert "mma" not in k.asm["ptx"] and k.binary[:4] == b"\x7fELF"
+
+
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942"])
 @pytest.mark.parametrize("op, kw", CASES + [("gemm_fp8", {})], ids=[o + str(len(kw)) for o, kw in CASES + [("gemm_fp8", {})]])
 def test_aot_uses_matrix_instructions(op, kw, target):

@@ -68,6 +68,20 @@ def test_gemm_on_gpu(wl):
         assert c.ok, (c, kernel.schedule)
 
 
+GEMV_CASES = [(flashgen.workload("gemm_w4a16", M=3, N=330, K=1024, dtype=dt, **kw), bm, bk)
+              for dt in ("bf16", "fp16") for kw in ({"G": 128}, {"G": 1024, "group": "channel", "zp": "asym"})
+              for bm, bk in ((1, 1024), (2, 256), (4, 128))]
+
+
+@pytest.mark.parametrize("wl, block_m, block_k", GEMV_CASES, ids=lambda v: case_id(v) if hasattr(v, "op") else str(v))
+def test_gemv_tiles_on_gpu(wl, block_m, block_k):
+    """ALU tiles of 1-4 rows over int4 codes, pipelined, with partial row (M=3) and column tiles."""
+    s = {"block_m": block_m, "block_n": 32, "block_k": block_k, "num_warps": 2, "num_stages": 3, "group_m": 1}
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    for c in check(wl, _run(kernel), 3, DEVICE):
+        assert c.ok, (c, s)
+
+
 ATTN_CASES = [flashgen.workload("paged_decode_attention", B=b, Hq=hq, Hkv=hkv, D=d, BS=16, NB=512, MAXB=64,
                                 L=length, dtype=dt, mod=mod)
               for b, length in ((1, 1000), (7, 333)) for hq, hkv, d in ((32, 8, 128), (8, 8, 64), (16, 2, 256))

@@ -77,3 +77,31 @@ def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.L
         return n
 
     return E.transform(E.transform(e, unpack), f)  # packed words first: they too are loaded at [c, k // 8]
+
+
+
+def word_constant(e: E.Expr, dims: Mapping[str, int]) -> bool:
+    """Whether `e` has one value for the eight k of each packed word: k only appears as k // G with G
+    a multiple of 8."""
+    if _is(e, "floordiv") and e.a == E.Index("k"):
+        try:
+            return eval_int(e.b, dims) % 8 == 0
+        except ValueError:
+            return False
+    if isinstance(e, E.Index):
+        return e.axis != "k"
+    return all(word_constant(x, dims) for x in E.children(e))
+
+
+def affine_codes(e: E.Expr, dims: Mapping[str, int]) -> tuple[E.Load, E.Expr, E.Expr | None] | None:
+    """(packed word load, zero, scale) when a prologue is `(code - zero) * scale` (or without the
+    scale) with zero and scale constant over each packed word's eight codes, else None. A GEMV then
+    subtracts the zero point per code and scales sums of eight codes."""
+    scale = None
+    if _is(e, "mul") and word_constant(e.b, dims):
+        e, scale = e.a, e.b
+    if _is(e, "sub") and word_constant(e.b, dims):
+        word = packed_int4(e.a)
+        if word is not None:
+            return word, e.b, scale
+    return None

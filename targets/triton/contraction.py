@@ -13,12 +13,14 @@ from __future__ import annotations
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, Let, Store, eval_int
+from flashgen.schedules.contraction_space import MMA_MIN_ROWS
 from flashgen.schedules.space import Schedule
 from flashgen.ir import prologue
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, kernel_args, module_header
 from flashgen.workload import Workload
 
 ACC = {"fp32": "tl.float32", "int32": "tl.int32"}
+MAGIC = 8388608.0  # 2^23: an fp32 with 2^23's exponent holds a small integer in its low mantissa bits
 
 
 def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
@@ -27,19 +29,74 @@ def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
     return e if isinstance(e, E.Load) else None
 
 
-def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool) -> None:
-    """Load the tile's packed words once, [block_k / 8, block_n], and unpack all eight codes of each
-    (as fp32 values: they only ever meet the float dequantization arithmetic)."""
+def _load_words(em: Emitter, scope: Scope, word: E.Load, kmask: bool) -> str:
+    """Load the tile's packed words once, [block_k / 8, block_n]."""
     t = word.tensor
     scope.line(f"kw_{t} = k0 // 8 + tl.arange(0, BLOCK_K // 8)[:, None]")
     mask = " & ".join(m for m in (scope.axes["c"][1], f"(kw_{t} < {em.emit(E.Dim('K'), scope)} // 8)" if kmask else None) if m)
     load = f"tl.load({t}_ptr + c.to(tl.int64) * {t}_s0 + kw_{t}" + (f", mask={mask}, other=0)" if mask else ")")
     scope.line(f"words_{t} = {load}")
+    return f"words_{t}"
+
+
+def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool) -> None:
+    """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile (as fp32
+    values: they only ever meet the float dequantization arithmetic)."""
+    words = _load_words(em, scope, word, kmask)
     # Codes become exact fp32 values without an int-to-float conversion (a quarter-rate instruction):
     # 2^23 + code has the code in its low mantissa bits, so OR in 2^23's exponent and subtract 2^23.
-    scope.line(f"{var} = tl.reshape(((words_{t}[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15) "
-               "| 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True) - 8388608.0")
+    scope.line(f"{var} = tl.reshape((({words}[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15) "
+               f"| 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True) - {MAGIC}")
     em.named[var] = var
+
+
+def _gemv_int4(em: Emitter, con: Contract, word: E.Load, zero: E.Expr, scale: E.Expr | None,
+               top: Scope, b_scope: Scope, block_m: int, stages: int, kmask: bool, acc: str) -> None:
+    """The k loop of a GEMV over int4 codes `(code - zero) * scale`, zero and scale constant over each
+    word's eight codes (`top` is the scope around the loop, `b_scope` its body).
+
+    The words are never reshaped, so they stay in the registers and layout they were loaded in: each
+    row of x keeps a [block_k / 8, block_n] tile of partial sums, one per word, summed over k only after
+    the loop. Code j of every word meets x at k = 8 * word + j, loaded as a [block_k / 8, 1] column.
+    A code costs three instructions: an AND-OR that puts code * 16^j' in an fp32 mantissa (j' = j, or
+    j - 3 after one shift of the word by 12 for j >= 5), one add that removes 2^23 + zero * 16^j', and
+    the FMA with x * 16^-j'. The scale multiplies each word's sum once."""
+    rows = em.emit(em.op.domain[0], top)
+    for i in range(block_m):
+        top.line(f"r{i} = pid_m * BLOCK_M + {i}")
+        top.line(f"part{i} = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)")
+    # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a register,
+    # it lets one LOP3 do both the AND and the OR below.
+    top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
+    # Loads that feed no matrix instruction are software-pipelined only when the loop asks.
+    top.line(f"for k0 in tl.range(0, {em.emit(con.extent, top)}, BLOCK_K, num_stages={stages}):")
+    words = _load_words(em, b_scope, word, kmask)
+    b_scope.line(f"{words}_hi = {words} >> 12")
+    b_scope.line("kw8 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8")
+    per_word = b_scope.child(axes={"c": b_scope.axes["c"], "k": ("kw8", "kmask_w" if kmask else None)}, fresh=True)
+    if kmask:
+        per_word.line(f"kmask_w = kw8 < {em.emit(con.extent, per_word)}")
+    z = em.emit(zero, per_word)
+    for j in range(8):
+        src, jj = (words, j) if j < 5 else (f"{words}_hi", j - 3)
+        b_scope.line(f"ka{j} = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + {j}")
+        if kmask:
+            b_scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, b_scope)}")
+        b_scope.line(f"w{j} = (({src} & {15 << 4 * jj}) | magic).to(tl.float32, bitcast=True) "
+                     f"- ({MAGIC} + {z} * {16.0 ** jj})")
+    scale_v = em.emit(scale, per_word) if scale is not None else None
+    for i in range(block_m):
+        b_scope.line(f"rmask{i} = r{i} < {rows}")
+        terms = []
+        for j in range(8):
+            axes = {"r": (f"r{i}", f"rmask{i}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
+            x = em.emit(con.a, b_scope.child(axes=axes, fresh=True))
+            terms.append(f"{x} * {16.0 ** -(j if j < 5 else j - 3)} * w{j}")
+        b_scope.line(f"p{i} = " + " + ".join(terms))
+        b_scope.line(f"part{i} += p{i}" + (f" * {scale_v}" if scale_v else ""))
+    top.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
+    for i in range(block_m):
+        top.line(f"{acc} = tl.where(row_ids == {i}, tl.sum(part{i}, axis=0)[None, :], {acc})")
 
 
 def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.Expr | None) -> None:
@@ -55,6 +112,37 @@ def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.E
     scope.line(f"{var} = tl.reshape(tl.broadcast_to({rows}[:, None, :], [BLOCK_K // {g}, {g}, BLOCK_N]), "
                "[BLOCK_K, BLOCK_N])")
     em.named[var] = var
+
+
+def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked: dict, grouped: dict,
+            top: Scope, b_scope: Scope, fma: bool, kmask: bool, acc: str) -> None:
+    """The k loop of a tile: A and B tiles through their prologues, then `tl.dot` (or, for a GEMV
+    tile, products summed over k)."""
+    attrs = em.attrs
+    top.line(f"for k0 in range(0, {em.emit(con.extent, top)}, BLOCK_K):")
+    a_scope = b_scope.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None)}, fresh=True)
+    a_scope.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
+    if kmask:
+        a_scope.line(f"kmask_a = ka < {em.emit(con.extent, a_scope)}")
+    b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+    if kmask:
+        b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
+    for word, var in unpacked.items():
+        _unpack_int4(em, b_scope, word, var, kmask)
+    for load, var in grouped.items():
+        _group_rows(em, b_scope, load, var, con.extent if kmask else None)
+    operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
+    tl_operand = ACC[con.acc] if fma else dtypes.TL[operand]
+    tiles = []
+    for expr, scope in ((con.a, a_scope), (b_expr, b_scope)):
+        load = _bare_load(expr, lets)
+        raw = not fma and load is not None and op.dtype_of(load.tensor, attrs) == operand
+        v = em.emit(expr, scope, raw=raw)
+        tiles.append(v if raw else em.temp(scope, f"{v}.to({tl_operand})"))
+    if fma:
+        b_scope.line(f"{acc} += tl.sum({tiles[0]}[:, :, None] * {tiles[1]}[None, :, :], axis=1)")
+    else:
+        b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
 
 
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
@@ -88,33 +176,20 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         top.line(f"cmask = c < {cols}")
     acc = f"acc_{con.name}"
     top.line(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype={ACC[con.acc]})")
-    top.line(f"for k0 in range(0, {em.emit(con.extent, top)}, BLOCK_K):")
     ind = top.indent + "    "
-    a_scope = top.child(ind, {"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None)}, fresh=True)
-    a_scope.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
-    if kmask:
-        a_scope.line(f"kmask_a = ka < {em.emit(con.extent, a_scope)}")
     b_scope = top.child(ind, {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None),
                               "k0": ("k0", None)}, fresh=True)
-    b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
-    if kmask:
-        b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
     unpacked: dict[E.Load, str] = {}
     grouped: dict[E.Load, str] = {}
     b_expr = prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped)
-    for word, var in unpacked.items():
-        _unpack_int4(em, b_scope, word, var, kmask)
-    for load, var in grouped.items():
-        _group_rows(em, b_scope, load, var, con.extent if kmask else None)
-    operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
-    tl_operand = dtypes.TL[operand]
-    tiles = []
-    for expr, scope in ((con.a, a_scope), (b_expr, b_scope)):
-        load = _bare_load(expr, lets)
-        raw = load is not None and op.dtype_of(load.tensor, attrs) == operand
-        v = em.emit(expr, scope, raw=raw)
-        tiles.append(v if raw else em.temp(scope, f"{v}.to({tl_operand})"))
-    b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
+    # Below 16 rows a tile is a GEMV: products summed over k on the ALUs, in the accumulator's type
+    # (no matrix instruction, so no operand layout to convert the dequantized weights to).
+    fma = s["block_m"] < MMA_MIN_ROWS
+    affine = prologue.affine_codes(con.b, wl.dim)
+    if fma and affine:
+        _gemv_int4(em, con, *affine, top, b_scope, s["block_m"], s["num_stages"], kmask, acc)
+    else:
+        _k_loop(em, op, con, lets, b_expr, unpacked, grouped, top, b_scope, fma, kmask, acc)
     em.named[con.name] = acc
     for st in body[body.index(con) + 1:]:
         if isinstance(st, Store):
