@@ -50,26 +50,15 @@ def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool)
     em.named[var] = var
 
 
-def _gemv_int4(em: Emitter, con: Contract, word: E.Load, zero: E.Expr, scale: E.Expr | None,
-               top: Scope, b_scope: Scope, block_m: int, stages: int, kmask: bool, acc: str) -> None:
-    """The k loop of a GEMV over int4 codes `(code - zero) * scale`, zero and scale constant over each
-    word's eight codes (`top` is the scope around the loop, `b_scope` its body).
-
-    The words are never reshaped, so they stay in the registers and layout they were loaded in: each
-    row of x keeps a [block_k / 8, block_n] tile of partial sums, one per word, summed over k only after
-    the loop. Code j of every word meets x at k = 8 * word + j, loaded as a [block_k / 8, 1] column.
-    A code costs three instructions: an AND-OR that puts code * 16^j' in an fp32 mantissa (j' = j, or
-    j - 3 after one shift of the word by 12 for j >= 5), one add that removes 2^23 + zero * 16^j', and
-    the FMA with x * 16^-j'. The scale multiplies each word's sum once."""
-    rows = em.emit(em.op.domain[0], top)
-    for i in range(block_m):
-        top.line(f"r{i} = pid_m * BLOCK_M + {i}")
-        top.line(f"part{i} = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)")
-    # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a register,
-    # it lets one LOP3 do both the AND and the OR below.
-    top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
-    # Loads that feed no matrix instruction are software-pipelined only when the loop asks.
-    top.line(f"for k0 in tl.range(0, {em.emit(con.extent, top)}, BLOCK_K, num_stages={stages}):")
+def _int4_terms(em: Emitter, con: Contract, word: E.Load, zero: E.Expr, scale: E.Expr | None, b_scope: Scope,
+                kmask: bool) -> tuple[list[tuple[str, str | None, str, float]], str | None]:
+    """A GEMV k step's weights for int4 codes `(code - zero) * scale`, zero and scale constant over each
+    word's eight codes: eight [block_k / 8, block_n] tiles, code j of every word, which meets x at
+    k = 8 * word + j. The words are never reshaped, so they stay in the registers and layout they were
+    loaded in. A code costs three instructions: an AND-OR that puts code * 16^j' in an fp32 mantissa
+    (j' = j, or j - 3 after one shift of the word by 12 for j >= 5), one add that removes
+    2^23 + zero * 16^j', and the FMA with x * 16^-j'; the scale multiplies each word's sum once.
+    Returns (k, k mask, weight tile, x factor) per code position, and the scale."""
     words = _load_words(em, b_scope, word, kmask)
     b_scope.line(f"{words}_hi = {words} >> 12")
     b_scope.line("kw8 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8")
@@ -77,6 +66,7 @@ def _gemv_int4(em: Emitter, con: Contract, word: E.Load, zero: E.Expr, scale: E.
     if kmask:
         per_word.line(f"kmask_w = kw8 < {em.emit(con.extent, per_word)}")
     z = em.emit(zero, per_word)
+    terms = []
     for j in range(8):
         src, jj = (words, j) if j < 5 else (f"{words}_hi", j - 3)
         b_scope.line(f"ka{j} = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + {j}")
@@ -84,16 +74,47 @@ def _gemv_int4(em: Emitter, con: Contract, word: E.Load, zero: E.Expr, scale: E.
             b_scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, b_scope)}")
         b_scope.line(f"w{j} = (({src} & {15 << 4 * jj}) | magic).to(tl.float32, bitcast=True) "
                      f"- ({MAGIC} + {z} * {16.0 ** jj})")
-    scale_v = em.emit(scale, per_word) if scale is not None else None
+        terms.append((f"ka{j}", f"kmask{j}" if kmask else None, f"w{j}", 16.0 ** -jj))
+    return terms, em.emit(scale, per_word) if scale is not None else None
+
+
+def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: dict, affine: tuple | None,
+          top: Scope, b_scope: Scope, block_m: int, stages: int, kmask: bool, acc: str) -> None:
+    """The k loop of a tile of fewer rows than a matrix instruction takes, on the ALUs (`top` is the
+    scope around the loop, `b_scope` its body): the weight tile is multiplied, in the layout it was
+    loaded in, by a column of x per row, into a tile of partial sums per row that is summed over k only
+    after the loop. No operand layout, no shared-memory round trip, one FMA per weight and row; int4
+    codes take `_int4_terms`' route when their zero point and scale allow it."""
+    rows = em.emit(em.op.domain[0], top)
+    acc_t = ACC[con.acc]
+    for i in range(block_m):
+        top.line(f"r{i} = pid_m * BLOCK_M + {i}")
+        top.line(f"part{i} = tl.zeros([BLOCK_K{' // 8' if affine else ''}, BLOCK_N], dtype={acc_t})")
+    if affine:
+        # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a
+        # register, it lets one LOP3 do both the AND and the OR of each code.
+        top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
+    # Loads that feed no matrix instruction are software-pipelined only when the loop asks.
+    top.line(f"for k0 in tl.range(0, {em.emit(con.extent, top)}, BLOCK_K, num_stages={stages}):")
+    if affine:
+        terms, scale = _int4_terms(em, con, *affine, b_scope, kmask)
+    else:
+        b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+        if kmask:
+            b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
+        for word, var in unpacked.items():
+            _unpack_int4(em, b_scope, word, var, kmask)
+        for load, var in grouped.items():
+            _group_rows(em, b_scope, load, var, con.extent if kmask else None)
+        w = em.temp(b_scope, f"{em.emit(b_expr, b_scope)}.to({acc_t})")
+        terms, scale = [("kb", "kmask_b" if kmask else None, w, 1.0)], None
     for i in range(block_m):
         b_scope.line(f"rmask{i} = r{i} < {rows}")
-        terms = []
-        for j in range(8):
-            axes = {"r": (f"r{i}", f"rmask{i}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
-            x = em.emit(con.a, b_scope.child(axes=axes, fresh=True))
-            terms.append(f"{x} * {16.0 ** -(j if j < 5 else j - 3)} * w{j}")
-        b_scope.line(f"p{i} = " + " + ".join(terms))
-        b_scope.line(f"part{i} += p{i}" + (f" * {scale_v}" if scale_v else ""))
+        products = []
+        for k, kmask_k, w, factor in terms:
+            x = em.emit(con.a, b_scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True))
+            products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
+        b_scope.line(f"part{i} += " + (f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products)))
     top.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
     for i in range(block_m):
         top.line(f"{acc} = tl.where(row_ids == {i}, tl.sum(part{i}, axis=0)[None, :], {acc})")
@@ -115,9 +136,8 @@ def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.E
 
 
 def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked: dict, grouped: dict,
-            top: Scope, b_scope: Scope, fma: bool, kmask: bool, acc: str) -> None:
-    """The k loop of a tile: A and B tiles through their prologues, then `tl.dot` (or, for a GEMV
-    tile, products summed over k)."""
+            top: Scope, b_scope: Scope, kmask: bool, acc: str) -> None:
+    """The k loop of a tile: A and B tiles through their prologues, then `tl.dot`."""
     attrs = em.attrs
     top.line(f"for k0 in range(0, {em.emit(con.extent, top)}, BLOCK_K):")
     a_scope = b_scope.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None)}, fresh=True)
@@ -132,17 +152,13 @@ def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked
     for load, var in grouped.items():
         _group_rows(em, b_scope, load, var, con.extent if kmask else None)
     operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
-    tl_operand = ACC[con.acc] if fma else dtypes.TL[operand]
     tiles = []
     for expr, scope in ((con.a, a_scope), (b_expr, b_scope)):
         load = _bare_load(expr, lets)
-        raw = not fma and load is not None and op.dtype_of(load.tensor, attrs) == operand
+        raw = load is not None and op.dtype_of(load.tensor, attrs) == operand
         v = em.emit(expr, scope, raw=raw)
-        tiles.append(v if raw else em.temp(scope, f"{v}.to({tl_operand})"))
-    if fma:
-        b_scope.line(f"{acc} += tl.sum({tiles[0]}[:, :, None] * {tiles[1]}[None, :, :], axis=1)")
-    else:
-        b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
+        tiles.append(v if raw else em.temp(scope, f"{v}.to({dtypes.TL[operand]})"))
+    b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
 
 
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
@@ -182,14 +198,11 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     unpacked: dict[E.Load, str] = {}
     grouped: dict[E.Load, str] = {}
     b_expr = prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped)
-    # Below 16 rows a tile is a GEMV: products summed over k on the ALUs, in the accumulator's type
-    # (no matrix instruction, so no operand layout to convert the dequantized weights to).
-    fma = s["block_m"] < MMA_MIN_ROWS
-    affine = prologue.affine_codes(con.b, wl.dim)
-    if fma and affine:
-        _gemv_int4(em, con, *affine, top, b_scope, s["block_m"], s["num_stages"], kmask, acc)
+    if s["block_m"] < MMA_MIN_ROWS:
+        _gemv(em, con, b_expr, unpacked, grouped, prologue.affine_codes(con.b, wl.dim), top, b_scope,
+              s["block_m"], s["num_stages"], kmask, acc)
     else:
-        _k_loop(em, op, con, lets, b_expr, unpacked, grouped, top, b_scope, fma, kmask, acc)
+        _k_loop(em, op, con, lets, b_expr, unpacked, grouped, top, b_scope, kmask, acc)
     em.named[con.name] = acc
     for st in body[body.index(con) + 1:]:
         if isinstance(st, Store):
