@@ -15,11 +15,11 @@ import numpy as np
 
 from flashgen.ir import dtypes
 from flashgen.roofline import bytes_moved
-from flashgen.schedules.contraction_space import _extents, _operand
+from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, _operand
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
-KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
+KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k")
 FEATURE_NAMES: tuple[str, ...] = (
     *KNOBS, *(f"log2_{k}" for k in KNOBS),
     "log2_m", "log2_n", "log2_k", "operand_bytes", "log2_flops", "log2_bytes_moved", "log2_roofline_us",
@@ -39,15 +39,15 @@ def _peak_tflops(wl: Workload, target: Target) -> float:
 
 def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
     m, n, k, _ = _extents(wl)
-    kv = {name: np.asarray([float(s[name]) for s in schedules]) for name in KNOBS}
-    bm, bn, bk = kv["block_m"], kv["block_n"], kv["block_k"]
+    kv = {name: np.asarray([float(s.get(name, ADDED_KNOBS.get(name))) for s in schedules]) for name in KNOBS}
+    bm, bn, bk, split = kv["block_m"], kv["block_n"], kv["block_k"], kv["split_k"]
     ob = dtypes.BYTES[_operand(wl)]
     flops = 2.0 * m * n * k
     nbytes = float(bytes_moved(wl))
     peak = _peak_tflops(wl, target) * 1e6  # flop per us
     bw = target.copy_gbs * 1e3  # bytes per us
     tm, tn = np.ceil(m / bm), np.ceil(n / bn)
-    tiles = tm * tn
+    tiles = tm * tn * split
     sms = max(target.sm_count, 1)
     waves = tiles / sms
     full = np.ceil(waves)
@@ -56,13 +56,17 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     a_bytes = m * k * ob
     # W tiles are read once per row of tiles; grouping row tiles lets the L2 serve most repeats.
     w_reads = np.maximum(1.0, tm / np.where(kv["group_m"] > 1, np.minimum(kv["group_m"], tm), 1.0))
-    traffic = w_bytes * w_reads + a_bytes * tn + (nbytes - w_bytes - a_bytes)
+    # Split-K writes each partial tile once and the merging program reads them all back.
+    partials = np.where(split > 1, 2.0 * tiles * bm * bn * 4, 0.0)
+    traffic = w_bytes * w_reads + a_bytes * tn + (nbytes - w_bytes - a_bytes) + partials
     mma_eff = np.clip((bm * bn) / (128.0 * 256.0), 0.05, 1.0) ** 0.3 * np.clip(bm / 64.0, 0.25, 1.0)
-    compute_us = flops / (peak * mma_eff)
+    # Tiles under 16 rows run on the ALUs: about 4 instructions per weight and row (fp32 rate).
+    alu_peak = float(target.peak_tflops.get("fp32", 1.0)) * 1e6 / 4.0
+    compute_us = np.where(bm < 16, flops / alu_peak, flops / (peak * mma_eff))
     # Streaming needs loads in flight on every SM: about 16 warps' worth each, or bandwidth falls.
     in_flight = np.clip(tiles * kv["num_warps"] / (sms * MEM_WARPS_PER_SM), 0.1, 1.0)
     memory_us = traffic / bw / in_flight
-    k_steps = np.ceil(k / bk)
+    k_steps = np.ceil(k / (bk * split))
     latency_us = k_steps * STEP_LATENCY_US / kv["num_stages"]
     est = np.maximum(compute_us, memory_us) * (full / np.maximum(waves, 1e-9)).clip(1, 8) + latency_us + 2.0
     smem = kv["num_stages"] * (bm + bn) * bk * ob

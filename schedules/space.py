@@ -82,8 +82,17 @@ class ScheduleSpace:
     def is_valid(self, s: Schedule) -> bool:
         return self.why_invalid(s) is None
 
+    def added_knobs(self) -> dict[str, int]:
+        """Knobs added after records were written, with the value their absence stands for."""
+        return contraction_space.ADDED_KNOBS if self.kclass == "contraction" else {}
+
+    def complete(self, s: Schedule) -> Schedule:
+        """`s` with every added knob it predates set to the value its absence stands for."""
+        return {**{k: v for k, v in self.added_knobs().items() if k not in s}, **s}
+
     def why_invalid(self, s: Schedule) -> str | None:
         knobs = self.knobs()
+        s = self.complete(s)
         if set(s) != set(knobs):
             return f"schedule knobs must be {sorted(knobs)}, got {sorted(s)}"
         for k, v in s.items():

@@ -74,6 +74,36 @@ def test_gemv_tiles_numerics(interpreter, op, kw, block_m, block_k):
         assert c.ok, c
 
 
+SPLITS = [("gemm", {}, 16, 32, 2), ("gemm_w8a8", {}, 16, 32, 4), ("gemm_w4a16", dict(G=64, zp="asym"), 1, 64, 2),
+          ("gemm_w4a16", dict(G=32), 16, 32, 2), ("gemm", dict(with_bias="yes", act="silu", with_residual="yes"), 2, 32, 4)]
+
+
+@pytest.mark.parametrize("op, kw, block_m, block_k, split_k", SPLITS,
+                         ids=[f"{o}-{'-'.join(map(str, kw.values()))}-m{bm}-s{sk}" for o, kw, bm, _, sk in SPLITS])
+def test_split_k_numerics(interpreter, op, kw, block_m, block_k, split_k):
+    """Splits of K merged by the last split of each tile, in matrix and ALU tiles, int32 partials for
+    int8 operands, the epilogue applied once to the merged sum; K=248 (a partial k tile) or 256, and
+    M=17 or 5 (partial row tiles)."""
+    k = 256 if "G" in kw else 248
+    wl = flashgen.workload(op, M=17 if block_m == 16 else 5, N=40, K=k, dtype="fp16", **kw)
+    s = {"block_m": block_m, "block_n": 32, "block_k": block_k, "num_warps": 2, "num_stages": 2, "group_m": 1,
+         "split_k": split_k}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    for c in interpreter.check(wl, s, "h200", seed=split_k):
+        assert c.ok, c
+
+
+def test_split_k_rules_and_older_records():
+    """A schedule recorded before split_k existed is read as split_k=1; splits need k steps to share."""
+    space = ScheduleSpace(flashgen.workload("gemm", M=256, N=4096, K=1024), get_target("h200"))
+    old = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8}
+    assert space.is_valid(old) and space.complete(old)["split_k"] == 1
+    assert "k steps" in space.why_invalid({**old, "block_k": 128, "split_k": 8})
+    assert space.is_valid({**old, "split_k": 8})
+    k = flashgen.compile(space.workload, "sm_90", schedule={**old, "split_k": 4})
+    assert "atom.global" in k.asm["ptx"] and k.metadata["schedule"]["split_k"] == 4
+
+
 @pytest.mark.parametrize("target", ["h200", "a100", "mi300x", "mi250"])
 def test_gemv_int4_default_builds_without_matrix_instructions(target):
     """At M=1 the analytic default of W4A16 is a one-row ALU tile, pipelined, on every target."""

@@ -82,6 +82,23 @@ def test_gemv_tiles_on_gpu(wl, block_m, block_k):
         assert c.ok, (c, s)
 
 
+SPLIT_CASES = [(flashgen.workload(op, M=m, N=330, K=1024, dtype="bf16", **kw), bm, split)
+               for op, kw in (("gemm", {"with_bias": "yes", "act": "silu"}), ("gemm_w4a16", {"G": 128}), ("gemm_w8a8", {}))
+               for m, bm, split in ((1, 1, 4), (17, 16, 2), (256, 64, 8)) if op != "gemm_w8a8" or bm >= 16]
+
+
+@pytest.mark.parametrize("wl, block_m, split_k", SPLIT_CASES, ids=lambda v: case_id(v) if hasattr(v, "op") else str(v))
+def test_split_k_on_gpu(wl, block_m, split_k):
+    """Split-K tiles, run twice with the same kernel: the last split of each tile merges and resets
+    its counter, so the second call starts clean."""
+    s = {"block_m": block_m, "block_n": 32, "block_k": 64, "num_warps": 4 if block_m >= 16 else 2,
+         "num_stages": 3, "group_m": 8, "split_k": split_k}
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    for seed in (4, 5):
+        for c in check(wl, _run(kernel), seed, DEVICE):
+            assert c.ok, (c, s, seed)
+
+
 ATTN_CASES = [flashgen.workload("paged_decode_attention", B=b, Hq=hq, Hkv=hkv, D=d, BS=16, NB=512, MAXB=64,
                                 L=length, dtype=dt, mod=mod)
               for b, length in ((1, 1000), (7, 333)) for hq, hkv, d in ((32, 8, 128), (8, 8, 64), (16, 2, 256))

@@ -16,7 +16,7 @@ from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.schedules.contraction_space import MMA_MIN_ROWS
 from flashgen.schedules.space import Schedule
 from flashgen.ir import prologue
-from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, kernel_args, module_header
+from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, Scratch, kernel_args, module_header
 from flashgen.workload import Workload
 
 ACC = {"fp32": "tl.float32", "int32": "tl.int32"}
@@ -95,7 +95,7 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
         # register, it lets one LOP3 do both the AND and the OR of each code.
         top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
     # Loads that feed no matrix instruction are software-pipelined only when the loop asks.
-    top.line(f"for k0 in tl.range(0, {em.emit(con.extent, top)}, BLOCK_K, num_stages={stages}):")
+    top.line(f"for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages={stages}):")
     if affine:
         terms, scale = _int4_terms(em, con, *affine, b_scope, kmask)
     else:
@@ -139,7 +139,7 @@ def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked
             top: Scope, b_scope: Scope, kmask: bool, acc: str) -> None:
     """The k loop of a tile: A and B tiles through their prologues, then `tl.dot`."""
     attrs = em.attrs
-    top.line(f"for k0 in range(0, {em.emit(con.extent, top)}, BLOCK_K):")
+    top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
     a_scope = b_scope.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None)}, fresh=True)
     a_scope.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
     if kmask:
@@ -161,6 +161,31 @@ def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked
     b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
 
 
+def _split_scratch(bm: int, bn: int, split_k: int, acc: str) -> tuple[Scratch, ...]:
+    """Per (tile, split) the partial accumulator tile, and per tile a counter of finished splits."""
+    tiles = lambda d: -(-d["M"] // bm) * -(-d["N"] // bn)  # noqa: E731
+    return (Scratch("part", "fp32" if acc == "fp32" else "int32", lambda d: tiles(d) * split_k * bm * bn),
+            Scratch("done", "int32", tiles, zeroed=True))
+
+
+def _merge_splits(top: Scope, acc: str, acc_type: str) -> Scope:
+    """Split-K: each split stores its partial tile; the last split of a tile to finish adds all of them
+    in split order (the sum does not depend on which finished last), resets the tile's counter, and
+    returns the scope (inside its branch) where the epilogue goes."""
+    top.line("offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+    top.line(f"tl.store(part_ptr + (pid * SPLIT_K + split).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, {acc})")
+    top.line("tl.debug_barrier()")
+    top.line("finished = tl.atomic_add(done_ptr + pid, 1)  # acq_rel at gpu scope")
+    top.line("if finished == SPLIT_K - 1:")
+    last = top.child(top.indent + "    ")
+    last.line("tl.debug_barrier()")
+    last.line(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype={ACC[acc_type]})")
+    last.line("for i in tl.static_range(SPLIT_K):")
+    last.line(f"    {acc} += tl.load(part_ptr + (pid * SPLIT_K + i).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, volatile=True)")
+    last.line("tl.atomic_xchg(done_ptr + pid, 0)")
+    return last
+
+
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     op, attrs = wl.op, wl.attr
     body = op.body(attrs)
@@ -169,8 +194,11 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     m_extent, n_extent = op.domain
     em = Emitter(op, attrs, lets)
     name = f"{op.name}_kernel"
-    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"]}
-    args = kernel_args(wl, consts)
+    split_k = s.get("split_k", 1)
+    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"],
+              "SPLIT_K": split_k}
+    scratch = _split_scratch(s["block_m"], s["block_n"], split_k, con.acc) if split_k > 1 else ()
+    args = kernel_args(wl, consts, scratch)
     lines = module_header(wl, s, name, args)
     n_val, k_val = eval_int(n_extent, wl.dim), eval_int(con.extent, wl.dim)
     cmask = "cmask" if n_val % s["block_n"] else None
@@ -192,6 +220,15 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         top.line(f"cmask = c < {cols}")
     acc = f"acc_{con.name}"
     top.line(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype={ACC[con.acc]})")
+    k_extent = em.emit(con.extent, top)
+    if split_k > 1:  # this program's share of K: whole k steps, the last share shorter
+        top.line("split = tl.program_id(2)")
+        top.line(f"k_span = tl.cdiv(tl.cdiv({k_extent}, SPLIT_K), BLOCK_K) * BLOCK_K")
+        top.line("k_lo = split * k_span")
+        top.line(f"k_hi = tl.minimum({k_extent}, k_lo + k_span)")
+    else:
+        top.line("k_lo = 0")
+        top.line(f"k_hi = {k_extent}")
     ind = top.indent + "    "
     b_scope = top.child(ind, {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None),
                               "k0": ("k0", None)}, fresh=True)
@@ -204,7 +241,9 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     else:
         _k_loop(em, op, con, lets, b_expr, unpacked, grouped, top, b_scope, kmask, acc)
     em.named[con.name] = acc
+    out = _merge_splits(top, acc, con.acc) if split_k > 1 else top
     for st in body[body.index(con) + 1:]:
         if isinstance(st, Store):
-            em.store(st, top)
-    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], s["block_n"]), tile_cols=True, flat=True)
+            em.store(st, out)
+    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], s["block_n"]), tile_cols=True, flat=True,
+                        grid_z=split_k, scratch=scratch)
