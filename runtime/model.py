@@ -155,9 +155,9 @@ class Decoder:
             q = qkv[:, :nq].reshape(-1, c.num_heads, c.head_dim)
             k = qkv[:, nq:nq + nk].reshape(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)
-            q, k = torch.ops.flashgen.rope(q, k, batch.positions, self.cos_sin)  # strided views of qkv: no copies
+            q, k = torch.ops.flashgen.rope(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin)
             cache.write(i, batch.slots, k, v)
-            a = self.attention(q, k, v, cache, i, batch).reshape(-1, nq)
+            a = self.attention(q, k, v.contiguous(), cache, i, batch).reshape(-1, nq)
             x = self.linear(a, L["o"])
             h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["post_norm"], c.rms_norm_eps)
             x = self.linear(torch.ops.flashgen.silu_mul(self.linear(h, L["gate_up"])), L["down"])
