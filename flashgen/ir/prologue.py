@@ -8,6 +8,8 @@ k tile shares it. These rewrites keep the IR simple and make the generated loads
 - `k // G` with G a multiple of block_k becomes `k0 // G`: one scale (or zero point) row per tile;
 - a load at `[c, k // G]` with block_k a multiple of a power-of-two G becomes a Ref to the tile's
   [block_k / G, block_n] rows, loaded once and broadcast over each group (named in `grouped`).
+`affine_codes` recognises `(code - zero) * scale` with zero and scale constant over each word's eight
+codes, which GEMV tiles evaluate without reshaping the words (targets/triton/contraction.py).
 """
 from __future__ import annotations
 

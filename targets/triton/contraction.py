@@ -1,12 +1,13 @@
-"""Triton code generation for the contraction class: tiled tensor-core GEMM with fused prologues and
-epilogues.
+"""Triton code generation for the contraction class: GEMMs with fused prologues and epilogues.
 
 One program computes a block_m x block_n tile of the output. Tiles are numbered along one grid axis
 and grouped `group_m` row-tiles at a time, so that programs running together share weight tiles in
-the L2. The k loop loads an A tile [block_m, block_k] and a B tile [block_k, block_n] through the
-op's prologue expressions (unpacking, dequantization), casts both to the operand dtype and
-accumulates `tl.dot` in fp32 (or int32 for int8 operands); Triton pipelines the loop over
-`num_stages` buffers. The epilogue (scales, stores) runs on the accumulator tile.
+the L2. For tiles of 16 rows or more, the k loop loads an A tile [block_m, block_k] and a B tile
+[block_k, block_n] through the op's prologue expressions (unpacking, dequantization), casts both to
+the operand dtype and accumulates `tl.dot` in fp32 (or int32 for int8 operands); Triton pipelines the
+loop over `num_stages` buffers. Tiles of fewer rows are GEMVs on the ALUs (`_gemv`). With `split_k`,
+a third grid axis shares each tile's k range, and the last split to finish merges (`_merge_splits`).
+The epilogue (scales, stores) runs on the accumulator tile.
 """
 from __future__ import annotations
 
@@ -99,13 +100,7 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     if affine:
         terms, scale = _int4_terms(em, con, *affine, b_scope, kmask)
     else:
-        b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
-        if kmask:
-            b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
-        for word, var in unpacked.items():
-            _unpack_int4(em, b_scope, word, var, kmask)
-        for load, var in grouped.items():
-            _group_rows(em, b_scope, load, var, con.extent if kmask else None)
+        _b_tile_values(em, con, unpacked, grouped, b_scope, kmask)
         w = em.temp(b_scope, f"{em.emit(b_expr, b_scope)}.to({acc_t})")
         terms, scale = [("kb", "kmask_b" if kmask else None, w, 1.0)], None
     for i in range(block_m):
@@ -135,6 +130,18 @@ def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.E
     em.named[var] = var
 
 
+def _b_tile_values(em: Emitter, con: Contract, unpacked: dict, grouped: dict, b_scope: Scope, kmask: bool) -> None:
+    """A k step's [block_k, block_n] indices of the weight tile, its unpacked int4 codes and its
+    group rows (what the rewritten prologue refers to)."""
+    b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+    if kmask:
+        b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
+    for word, var in unpacked.items():
+        _unpack_int4(em, b_scope, word, var, kmask)
+    for load, var in grouped.items():
+        _group_rows(em, b_scope, load, var, con.extent if kmask else None)
+
+
 def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked: dict, grouped: dict,
             top: Scope, b_scope: Scope, kmask: bool, acc: str) -> None:
     """The k loop of a tile: A and B tiles through their prologues, then `tl.dot`."""
@@ -144,13 +151,7 @@ def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked
     a_scope.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
     if kmask:
         a_scope.line(f"kmask_a = ka < {em.emit(con.extent, a_scope)}")
-    b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
-    if kmask:
-        b_scope.line(f"kmask_b = kb < {em.emit(con.extent, b_scope)}")
-    for word, var in unpacked.items():
-        _unpack_int4(em, b_scope, word, var, kmask)
-    for load, var in grouped.items():
-        _group_rows(em, b_scope, load, var, con.extent if kmask else None)
+    _b_tile_values(em, con, unpacked, grouped, b_scope, kmask)
     operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
     tiles = []
     for expr, scope in ((con.a, a_scope), (b_expr, b_scope)):
