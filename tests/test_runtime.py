@@ -9,6 +9,7 @@ import flashgen
 from flashgen.cli import main
 from flashgen.db import Database, Record
 from flashgen.runtime import Dispatcher, register_all
+from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 
 register_all()
@@ -144,3 +145,26 @@ def test_outgrown_scratch_stays_alive():
     del small
     gc.collect()
     assert alive() is not None
+
+
+def test_launch_refuses_views_the_binary_cannot_read():
+    """Binaries assume 16-byte aligned tensors and strides that are multiples of 16 elements (where the
+    contiguous ones are): a view at an odd offset or with an odd row stride is refused with the reason,
+    while a view that keeps both (the q columns of a fused qkv output) launches."""
+    from flashgen.targets.triton.codegen import generate
+    from flashgen.targets.triton.launch import TritonLauncher
+    wl = flashgen.workload("rope", M=4, Hq=2, Hkv=1, D=32, L=16, dtype="fp16")
+    launcher = TritonLauncher(generate(wl, ScheduleSpace(wl, get_target("h100")).default()), wl, get_target("h100"))
+    qkv = torch.zeros(4, 4 * 32 + 8, dtype=torch.float16)
+    outs = {"q_out": torch.empty(4, 2, 32, dtype=torch.float16), "k_out": torch.empty(4, 1, 32, dtype=torch.float16)}
+    rest = {"positions": torch.zeros(4, dtype=torch.int64), "cos_sin": torch.zeros(16, 32)}
+
+    def args(q, k):
+        return launcher.args({"q": q, "k": k, **rest, **outs}, {}, wl.dim)
+
+    wide = torch.zeros(4, 4 * 32, dtype=torch.float16)
+    assert len(args(wide[:, :64].reshape(4, 2, 32), wide[:, 64:96].reshape(4, 1, 32))) == len(launcher.ks.args)
+    with pytest.raises(flashgen.FlashgenError, match="address that is not a multiple of 16"):
+        args(qkv[:, 1:65].reshape(4, 2, 32), wide[:, 64:96].reshape(4, 1, 32))
+    with pytest.raises(flashgen.FlashgenError, match="stride 136"):
+        args(qkv[:, :64].reshape(4, 2, 32), wide[:, 64:96].reshape(4, 1, 32))

@@ -58,7 +58,12 @@ class TritonLauncher:
         device = next(iter(tensors.values())).device
         for a in self.ks.args:
             if a.kind == "ptr":
-                out.append(tensors[a.tensor])
+                t = tensors[a.tensor]
+                if t.data_ptr() % DIVISIBILITY:
+                    raise FlashgenError(f"{self.wl.op_name}: tensor '{a.tensor}' starts at an address that is not a "
+                                        f"multiple of {DIVISIBILITY} bytes, as this binary assumes (a view at an "
+                                        "odd offset?); pass a copy")
+                out.append(t)
             elif a.kind == "scratch":
                 out.append(self.scratch(a.tensor, dims, device))
             elif a.kind == "stride":
