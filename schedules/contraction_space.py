@@ -136,6 +136,13 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         # 128-deep one).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
              "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1}
+    elif m <= 16 and prologue.affine_codes(con.b, wl.dim):
+        # int4 codes in 16-row matrix tiles with K split: the dequantization is the work, and splits
+        # spread it over more warps. On the H200 the fastest schedule measured at M = 16 was split on
+        # every Llama-3-8B shape (2 splits for 8192x8192 and qkv, 4 for gate_up and down), with tiles
+        # 16 x 64-128, 64 deep, 2 warps.
+        s = {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 2, "num_stages": min(3, kn["num_stages"][-1]),
+             "group_m": 8, "split_k": 2 if -(-k // 64) >= 2 * SPLIT_K_MIN_STEPS else 1}
     elif m <= 16:
         # A GEMV: narrow column tiles so that at least two programs stream weights on every SM.
         bn = max([b for b in (16, 32, 64) if n // b >= 2 * sms] or [16])
