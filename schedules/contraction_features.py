@@ -19,9 +19,10 @@ from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, _operand
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
-KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k")
+KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k", "persistent")
+SIZES = KNOBS[:-1]  # the knobs that are sizes or counts, never 0: also given as log2
 FEATURE_NAMES: tuple[str, ...] = (
-    *KNOBS, *(f"log2_{k}" for k in KNOBS),
+    *KNOBS, *(f"log2_{k}" for k in SIZES),
     "log2_m", "log2_n", "log2_k", "operand_bytes", "log2_flops", "log2_bytes_moved", "log2_roofline_us",
     "log2_tiles", "log2_waves", "last_wave_fill", "m_waste", "n_waste", "log2_k_steps", "smem_fraction",
     "acc_per_thread", "log2_w_reads", "log2_a_reads", "tile_intensity", "log2_traffic", "mma_efficiency", "loads_in_flight",
@@ -72,7 +73,7 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     smem = kv["num_stages"] * (bm + bn) * bk * ob
     roof_us = max(flops / peak, nbytes / bw)
     cols = {name: kv[name] for name in KNOBS}
-    cols.update({f"log2_{name}": np.log2(kv[name]) for name in KNOBS})
+    cols.update({f"log2_{name}": np.log2(kv[name]) for name in SIZES})
     ones = np.ones(len(schedules))
     cols.update({
         "log2_m": ones * np.log2(m), "log2_n": ones * np.log2(n), "log2_k": ones * np.log2(k),

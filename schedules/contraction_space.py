@@ -3,7 +3,9 @@
 Knobs: block_m x block_n output tile, block_k depth per k step, num_warps, num_stages (software
 pipelining buffers), group_m (row tiles launched together so they share weight tiles in the L2),
 split_k (programs sharing one tile's k range when the tiles alone leave SMs idle; the last of them
-to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilogue).
+to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilogue), persistent
+(0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
+tiles start while earlier tiles' epilogues finish).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, and tiles stop at the next power of two of each extent
 (16 is the smallest tile a matrix instruction takes). At M <= 16 the space holds the GEMV regime:
@@ -30,7 +32,7 @@ MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
 GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row: the default up to 4 rows
 SPLIT_K_MIN_STEPS = 2  # k steps per split, at least: fewer only adds partial sums to merge
 # Knobs added after records existed, and the value a record without them was measured with.
-ADDED_KNOBS = {"split_k": 1}
+ADDED_KNOBS = {"split_k": 1, "persistent": 0}
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 
 
@@ -54,7 +56,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "num_warps": (2, 4, 8),
             "num_stages": (1, 2) if amd else (2, 3, 4, 5),
             "group_m": (1, 8),
-            "split_k": (1, 2, 4, 8)}
+            "split_k": (1, 2, 4, 8),
+            "persistent": (0, 1, 2)}
 
 
 def _operand(wl: Workload) -> str:
@@ -105,6 +108,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     if smem > limit:
         return f"{smem} bytes of pipelined tiles exceed the {limit} bytes of shared memory"
     threads = s["num_warps"] * target.warp_size
+    if s["persistent"] and s["split_k"] > 1:
+        return "persistent programs walk whole tiles: split_k must be 1"
     if s["split_k"] > 1 and -(-_extents(wl)[2] // s["block_k"]) < s["split_k"] * SPLIT_K_MIN_STEPS:
         return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {SPLIT_K_MIN_STEPS} k steps of {s['block_k']} each"
     if s["block_k"] > MAX_MMA_BLOCK_K and s["block_m"] >= MMA_MIN_ROWS:
@@ -135,29 +140,29 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         # kilobytes of words in flight (measured on the H200: a 512-deep k step ran 2-4x faster than a
         # 128-deep one).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
-             "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1}
+             "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1, "persistent": 0}
     elif m <= 16 and prologue.affine_codes(con.b, wl.dim):
         # int4 codes in 16-row matrix tiles with K split: the dequantization is the work, and splits
         # spread it over more warps. On the H200 the fastest schedule measured at M = 16 was split on
         # every Llama-3-8B shape (2 splits for 8192x8192 and qkv, 4 for gate_up and down), with tiles
         # 16 x 64-128, 64 deep, 2 warps.
         s = {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 2, "num_stages": min(3, kn["num_stages"][-1]),
-             "group_m": 8, "split_k": 2 if -(-k // 64) >= 2 * SPLIT_K_MIN_STEPS else 1}
+             "group_m": 8, "split_k": 2 if -(-k // 64) >= 2 * SPLIT_K_MIN_STEPS else 1, "persistent": 0}
     elif m <= 16:
         # A GEMV: narrow column tiles so that at least two programs stream weights on every SM.
         bn = max([b for b in (16, 32, 64) if n // b >= 2 * sms] or [16])
         warps = 4 if 16 * bn >= 4 * target.warp_size * 4 else 2  # see why_invalid: warps need accumulator rows
         s = {"block_m": 16, "block_n": bn, "block_k": 256, "num_warps": warps, "num_stages": stages, "group_m": 1,
-             "split_k": 1}
+             "split_k": 1, "persistent": 0}
     elif m <= 64:
         s = {"block_m": max(16, _p2(m)), "block_n": 128, "block_k": 128, "num_warps": 4,
-             "num_stages": stages, "group_m": 8, "split_k": 1}
+             "num_stages": stages, "group_m": 8, "split_k": 1, "persistent": 0}
     else:
         # Wide tiles feed Hopper's warpgroup MMA best; older matrix units prefer square 128 tiles.
         wide = (target.vendor == "nvidia" and int(target.arch.removeprefix("sm_")) >= 90
                 and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
         s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 64, "num_warps": 8,
-             "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8, "split_k": 1}
+             "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8, "split_k": 1, "persistent": 0}
     for key in ("block_m", "block_n", "block_k"):
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]
     while why_invalid(wl, target, s):

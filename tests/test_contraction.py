@@ -93,11 +93,28 @@ def test_split_k_numerics(interpreter, op, kw, block_m, block_k, split_k):
         assert c.ok, c
 
 
+def test_persistent_tiles_numerics(interpreter):
+    """Persistent programs (one per SM: 132 on the h200 target) walking 200 tiles, some two each, with
+    partial row and column tiles and a fused epilogue."""
+    wl = flashgen.workload("gemm", M=150, N=312, K=64, dtype="fp16", with_bias="yes", act="silu")
+    s = {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 2, "num_stages": 2, "group_m": 8, "split_k": 1,
+         "persistent": 1}
+    space = ScheduleSpace(wl, get_target("h200"))
+    assert space.is_valid(s) and "split_k must be 1" in space.why_invalid({**s, "split_k": 2})
+    from flashgen.targets.triton.codegen import generate, grid
+    ks = generate(wl, s)
+    assert grid(ks, wl, sm_count=132) == (132, 1, 1) and grid(ks, wl) == (200, 1, 1)
+    for c in interpreter.check(wl, s, "h200", seed=9):
+        assert c.ok, c
+    for target in ("sm_90", "gfx942"):
+        assert flashgen.compile(wl, target, schedule=s).binary[:4] == b"\x7fELF"
+
+
 def test_split_k_rules_and_older_records():
     """A schedule recorded before split_k existed is read as split_k=1; splits need k steps to share."""
     space = ScheduleSpace(flashgen.workload("gemm", M=256, N=4096, K=1024), get_target("h200"))
     old = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8}
-    assert space.is_valid(old) and space.complete(old)["split_k"] == 1
+    assert space.is_valid(old) and space.complete(old)["split_k"] == 1 and space.complete(old)["persistent"] == 0
     assert "k steps" in space.why_invalid({**old, "block_k": 128, "split_k": 8})
     assert space.is_valid({**old, "split_k": 8})
     k = flashgen.compile(space.workload, "sm_90", schedule={**old, "split_k": 4})

@@ -99,6 +99,18 @@ def test_split_k_on_gpu(wl, block_m, split_k):
             assert c.ok, (c, s, seed)
 
 
+@pytest.mark.parametrize("op, kw", [("gemm", {"with_residual": "yes"}), ("gemm_w8a8", {})], ids=["gemm", "w8a8"])
+def test_persistent_tiles_on_gpu(op, kw):
+    """Persistent programs, one per SM, walking more tiles than there are SMs; run twice."""
+    wl = flashgen.workload(op, M=1000, N=1000, K=512, dtype="bf16", **kw)
+    s = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8, "split_k": 1,
+         "persistent": 1}
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    for seed in (6, 7):
+        for c in check(wl, _run(kernel), seed, DEVICE):
+            assert c.ok, (c, seed)
+
+
 ATTN_CASES = [flashgen.workload("paged_decode_attention", B=b, Hq=hq, Hkv=hkv, D=d, BS=16, NB=512, MAXB=64,
                                 L=length, dtype=dt, mod=mod)
               for b, length in ((1, 1000), (7, 333)) for hq, hkv, d in ((32, 8, 128), (8, 8, 64), (16, 2, 256))

@@ -127,10 +127,13 @@ def generate(wl: Workload, schedule: Schedule) -> KernelSource:
     raise NotImplementedError(f"the triton backend does not generate {wl.op.kclass} kernels yet")
 
 
-def grid(ks: KernelSource, wl: Workload, rows: int | None = None) -> tuple[int, int, int]:
-    """Programs to launch for `rows` rows of the domain (the workload's own row count by default)."""
+def grid(ks: KernelSource, wl: Workload, rows: int | None = None, sm_count: int = 0) -> tuple[int, int, int]:
+    """Programs to launch for `rows` rows of the domain (the workload's own row count by default); a
+    persistent kernel gets at most `persistent` programs per SM of the device."""
     r, c = domain(wl)
     rows = r if rows is None else rows
     tr, tc = ks.tiles
     nr, nc = -(-rows // tr), (-(-c // tc) if ks.tile_cols else 1)
+    if ks.persistent and sm_count:
+        return (min(nr * nc, ks.persistent * sm_count), 1, ks.grid_z)
     return (nr * nc, 1, ks.grid_z) if ks.flat else (nr, nc, ks.grid_z)

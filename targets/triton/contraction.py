@@ -7,7 +7,8 @@ the L2. For tiles of 16 rows or more, the k loop loads an A tile [block_m, block
 the operand dtype and accumulates `tl.dot` in fp32 (or int32 for int8 operands); Triton pipelines the
 loop over `num_stages` buffers. Tiles of fewer rows are GEMVs on the ALUs (`_gemv`). With `split_k`,
 a third grid axis shares each tile's k range, and the last split to finish merges (`_merge_splits`).
-The epilogue (scales, stores) runs on the accumulator tile.
+With `persistent`, a fixed number of programs per SM walk the tiles in turn. The epilogue (scales,
+stores) runs on the accumulator tile.
 """
 from __future__ import annotations
 
@@ -204,11 +205,17 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     n_val, k_val = eval_int(n_extent, wl.dim), eval_int(con.extent, wl.dim)
     cmask = "cmask" if n_val % s["block_n"] else None
     kmask = k_val % s["block_k"] != 0
-    top = Scope(lines, "    ", {"r": ("r", "rmask"), "c": ("c", cmask)})
-    rows, cols = em.emit(m_extent, top), em.emit(n_extent, top)
-    top.line("pid = tl.program_id(0)")
-    top.line(f"tiles_m = tl.cdiv({rows}, BLOCK_M)")
-    top.line(f"tiles_n = tl.cdiv({cols}, BLOCK_N)")
+    persistent = s.get("persistent", 0)
+    outer = Scope(lines, "    ", {"r": ("r", "rmask"), "c": ("c", cmask)})
+    rows, cols = em.emit(m_extent, outer), em.emit(n_extent, outer)
+    if not persistent:
+        outer.line("pid = tl.program_id(0)")
+    outer.line(f"tiles_m = tl.cdiv({rows}, BLOCK_M)")
+    outer.line(f"tiles_n = tl.cdiv({cols}, BLOCK_N)")
+    top = outer
+    if persistent:  # `persistent` programs per SM walk the tiles in launch order, pid being the tile
+        outer.line("for pid in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):")
+        top = outer.child("        ")
     top.line("group = pid // (GROUP_M * tiles_n)")
     top.line("first_m = group * GROUP_M")
     top.line("size_m = tl.minimum(tiles_m - first_m, GROUP_M)")
@@ -247,4 +254,4 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         if isinstance(st, Store):
             em.store(st, out)
     return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], s["block_n"]), tile_cols=True, flat=True,
-                        grid_z=split_k, scratch=scratch)
+                        grid_z=split_k, scratch=scratch, persistent=persistent)

@@ -53,7 +53,8 @@ class KernelSource:
     """Generated module text, its parameters, and how its programs tile the (rows, cols) domain:
     `tiles` rows x cols per program; cols tiled only when `tile_cols`; `flat` numbers every tile
     along one grid axis (the kernel maps program ids to tiles itself); `grid_z` programs more along
-    the third grid axis (splits of one tile's work)."""
+    the third grid axis (splits of one tile's work); a `persistent` kernel launches at most that many
+    programs per SM, each walking tiles until none are left."""
     name: str
     source: str
     args: list[Arg]
@@ -62,6 +63,7 @@ class KernelSource:
     flat: bool = False
     grid_z: int = 1
     scratch: tuple[Scratch, ...] = ()
+    persistent: int = 0  # programs per SM when the kernel walks the tiles itself (0: one program per tile)
 
 
 @dataclass

@@ -86,7 +86,7 @@ class TritonLauncher:
         if rows == 0:
             return
         args = self.args(tensors, params, dims)
-        g = grid(self.ks, self.wl, rows)
+        g = grid(self.ks, self.wl, rows, int(self.target.sm_count))
         device = next(iter(tensors.values())).device
         if device.type == "cpu":
             if not interpreting():
