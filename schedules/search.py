@@ -88,12 +88,13 @@ class SearchStrategy:
     def _record(self, s: Schedule, lat: float | None) -> None:
         if lat is not None and (not math.isfinite(lat) or lat <= 0):
             lat = None
+        s = self.space.complete(s)  # a record older than a knob is the schedule with its neutral value
         k = schedule_key(s)
         self._seen.add(k)
         self.measured[k] = (s, lat)
 
     def seen(self, s: Mapping[str, Any]) -> bool:
-        return schedule_key(dict(s)) in self._seen
+        return schedule_key(self.space.complete(dict(s))) in self._seen
 
     def best(self) -> tuple[Schedule, float] | None:
         ok = [(s, lat) for s, lat in self.measured.values() if lat is not None]

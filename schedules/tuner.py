@@ -82,7 +82,8 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
     builder = builder or Builder(target)
     runner = runner or Runner(target, seed=seed)
     device = device_name or _device_name(target)
-    known = {r.schedule_key: r for r in db.records(wl.key, target.id)}
+    # keyed by the complete schedule: a record older than a knob counts as its neutral value
+    known = {schedule_key(space.complete(r.schedule)): r for r in db.records(wl.key, target.id)}
     # Only the evolutionary search is guided by the learned model; the others need no training.
     model = CostModel.for_database(db.path, wl.op.kclass) if strategy == "evolutionary" else None
     strat = make_strategy(strategy, space, model, seed,
@@ -107,7 +108,7 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
             recs = [_record(wl, target, device, r) for r in results]
             db.add_many(recs)
             for rec in recs:
-                known[rec.schedule_key] = rec
+                known[schedule_key(space.complete(rec.schedule))] = rec
             strat.observe([(r.schedule, r.latency_us if r.status == "ok" else None) for r in results])
             history += [r.latency_us if r.status == "ok" else None for r in results]
             bar.update(results)

@@ -191,6 +191,20 @@ def test_replay_budget_strictness_and_helpers():
     assert len(proposed) == len(table) - 2
 
 
+def test_records_older_than_a_knob_are_not_measured_again():
+    """A GEMM record written before split_k and persistent existed is the schedule with split_k=1 and
+    persistent=0: the search never proposes that again."""
+    from flashgen.targets import get_target
+    space = ScheduleSpace(workload("gemm", M=64, N=256, K=128), get_target("h200"))
+    old = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 1}
+    strategy = make_strategy("exhaustive", space, None, seed=0, measured=[(old, 5.0)])
+    assert strategy.seen(space.complete(old)) and strategy.seen(old)
+    proposed = []
+    while batch := strategy.propose(64):
+        proposed += batch
+    assert space.complete(old) not in proposed and len(proposed) == len(list(space)) - 1
+
+
 def test_make_strategy_names():
     space = ScheduleSpace(workload("rmsnorm", M=4, N=1024), H200)
     assert isinstance(make_strategy("exhaustive", space), Exhaustive)
