@@ -3,7 +3,7 @@
 For each call the dispatcher binds the op's dims from the tensors (row dims such as M vary per call),
 then picks a schedule: the database's best for exactly this workload; else the best of the nearest
 tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
-largest below); else the analytic default. Kernels are compiled once per (workload, schedule) and come
+largest below; failing that, the same in the other 16-bit float dtype); else the analytic default. Kernels are compiled once per (workload, schedule) and come
 from the on-disk artifact cache after that, so a warm start compiles nothing. Every decision is kept
 (and logged at DEBUG) for `flashgen explain`.
 """
@@ -65,6 +65,12 @@ def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mappin
     return dims
 
 
+def _other_half(attrs: Mapping[str, str]) -> dict[str, str]:
+    """The attrs with dtype fp16 and bf16 swapped; empty when the dtype is neither."""
+    swap = {"fp16": "bf16", "bf16": "fp16"}
+    return {**attrs, "dtype": swap[attrs["dtype"]]} if attrs.get("dtype") in swap else {}
+
+
 class Dispatcher:
     def __init__(self, target: Target | str | None = None, db: str | os.PathLike | None = None):
         self._target = get_target(target) if isinstance(target, str) else target
@@ -101,21 +107,21 @@ class Dispatcher:
         return Decision(wl, target.id, space.default(), "default")
 
     def _bucket(self, db: Database, wl: Workload, target: Target, space: ScheduleSpace) -> Decision | None:
-        """The nearest tuned workload differing only in row dims: M rounded up, else the largest below."""
+        """The nearest tuned workload differing only in row dims: M rounded up, else the largest below.
+        Failing that, the same in the other 16-bit float dtype (fp16 and bf16 kernels of one schedule
+        run alike: a schedule tuned in one serves the other)."""
         row = wl.op.row_dims[0]
         fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
-        tuned = []
-        for rec in db.best_all(target.id):
-            w = rec.workload
-            if w.get("op") == wl.op_name and w.get("attrs") == wl.attr and \
-                    all(w["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule):
-                tuned.append((w["dims"][row], rec))
-        if not tuned:
-            return None
-        m = wl.dim[row]
-        above = [t for t in tuned if t[0] >= m]
-        size, rec = min(above, key=lambda t: t[0]) if above else max(tuned, key=lambda t: t[0])
-        return Decision(wl, target.id, rec.schedule, f"bucket {row}={size}")
+        best = [rec for rec in db.best_all(target.id) if rec.workload.get("op") == wl.op_name and
+                all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
+        for attrs, note in ((wl.attr, ""), (_other_half(wl.attr), f", tuned in {_other_half(wl.attr).get('dtype')}")):
+            tuned = [(rec.workload["dims"][row], rec) for rec in best if attrs and rec.workload.get("attrs") == attrs]
+            if tuned:
+                m = wl.dim[row]
+                above = [t for t in tuned if t[0] >= m]
+                size, rec = min(above, key=lambda t: t[0]) if above else max(tuned, key=lambda t: t[0])
+                return Decision(wl, target.id, rec.schedule, f"bucket {row}={size}{note}")
+        return None
 
     def kernel(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str] | None = None,
                dims: Mapping[str, int] | None = None) -> Kernel:

@@ -70,6 +70,9 @@ def test_dispatch_exact_bucket_default(tmp_path, capsys):
     assert (choose(9000).source, choose(9000).schedule) == ("bucket M=4096", s4096)  # above every bucket
     other = d.choose(flashgen.workload("rmsnorm", M=64, N=1024, dtype="bf16"), h200)
     assert other.source == "default"
+    fp16 = d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="fp16"), h200)  # tuned only in bf16
+    assert (fp16.source, fp16.schedule) == ("bucket M=64, tuned in bf16", s64)
+    assert d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="fp32"), h200).source == "default"
     assert main(["explain", "rmsnorm", "--dim", "M=40", "--dim", "N=1000", "--target", "h200", "--db", str(db_path)]) == 0
     assert "bucket M=64" in capsys.readouterr().out
 
