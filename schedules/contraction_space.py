@@ -7,8 +7,9 @@ to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilog
 (0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
 tiles start while earlier tiles' epilogues finish).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
-the registers of the program's threads, and tiles stop at the next power of two of each extent
-(16 is the smallest tile a matrix instruction takes). At M <= 16 the space holds the GEMV regime:
+the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
+the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
+persistent programs do not split K, and k tiles deeper than 512 are for ALU tiles only. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
 of 1-8 rows, whose products are summed on the ALUs (targets/triton/contraction.py), bounded by the
 products each thread holds per k step.
@@ -137,7 +138,7 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     if m <= GEMV_INT4_DEFAULT_M and prologue.affine_codes(con.b, wl.dim):
         # int4 codes summed on the ALUs (no dequantized tile for a matrix instruction): 16-column tiles
         # for many programs, and deep k steps of 4 warps, so that every SM has warps to issue from and
-        # kilobytes of words in flight (measured on the H200: a 512-deep k step ran 2-4x faster than a
+        # kilobytes of words in flight (measured on the H200: a 512-deep k step ran 2.4-2.7x faster than a
         # 128-deep one).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
              "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1, "persistent": 0}
