@@ -138,8 +138,8 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     if m <= GEMV_INT4_DEFAULT_M and prologue.affine_codes(con.b, wl.dim):
         # int4 codes summed on the ALUs (no dequantized tile for a matrix instruction): 16-column tiles
         # for many programs, and deep k steps of 4 warps, so that every SM has warps to issue from and
-        # kilobytes of words in flight (measured on the H200: a 512-deep k step ran 2.4-2.7x faster than a
-        # 128-deep one).
+        # kilobytes of words in flight (measured on the H200: 512-deep k steps ran 2.4-2.7x faster than 128- or
+        # 256-deep ones).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
              "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1, "persistent": 0}
     elif m <= 16 and prologue.affine_codes(con.b, wl.dim):
