@@ -15,7 +15,7 @@ import numpy as np
 
 from flashgen.ir import dtypes
 from flashgen.roofline import bytes_moved
-from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, _operand
+from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, _operand, load_bytes
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
@@ -53,7 +53,8 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     waves = tiles / sms
     full = np.ceil(waves)
     threads = kv["num_warps"] * target.warp_size
-    w_bytes = n * k * ob
+    # Bytes per weight element as loaded (int4 codes: half a byte, plus their scales), per schedule.
+    w_bytes = n * k * np.asarray([load_bytes(wl, int(b))[1] for b in bk])
     a_bytes = m * k * ob
     # W tiles are read once per row of tiles; grouping row tiles lets the L2 serve most repeats.
     w_reads = np.maximum(1.0, tm / np.where(kv["group_m"] > 1, np.minimum(kv["group_m"], tm), 1.0))
