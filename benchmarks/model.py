@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, copy_gbs, environment, print_table, write_results  # noqa: E402
 
 from flashgen.runtime import bench  # noqa: E402
+from flashgen.runtime.dispatch import describe_sources  # noqa: E402
 
 
 def transformers_tps(batch: int, prompt_len: int, new_tokens: int, static: bool) -> float:
@@ -63,25 +64,27 @@ def main() -> None:
     rows: list[list] = []
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
-        write_results("model", ("system", "batch", "ttft_s", "tokens_per_s", "limit_tokens_per_s", "of_limit"), rows,
+        write_results("model", ("system", "batch", "ttft_s", "tokens_per_s", "limit_tokens_per_s", "of_limit",
+                                "decode_gemm_schedules"), rows,
                       {**environment(), "copy_gbs": bw}, args.out_dir,
                       f"Llama-3-8B-shaped random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
                       "Decode tokens/s; for transformers, the time of a generate call minus that of a one-token "
-                      "call (its prefill).")
+                      "call (its prefill). decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
+                      "a record of the tuning database (exact, or a bucket) and how many the analytic default.")
 
     for quant in args.quant.split(","):
         for r in bench.run("llama3-8b", batches, args.prompt_len, args.new_tokens, quant, bw,
                            cuda_graphs=not args.no_cuda_graphs):
             name = "flashgen " + quant + ("" if r["cuda_graphs"] else " eager")
             rows.append([name, r["batch"], r["ttft_s"], r["decode_tokens_per_s"], r["bandwidth_limit_tokens_per_s"],
-                         r["of_limit"]])
+                         r["of_limit"], describe_sources(r["decode_gemm_schedules"])])
             print(rows[-1], flush=True)
             save()
     for static in (False, True):
         for b in [] if args.peer_batch == "none" else [int(b) for b in (args.peer_batch or args.batch).split(",")]:
             tps = transformers_tps(b, args.prompt_len, args.new_tokens, static)
             rows.append(["transformers " + ("static+compile" if static else "eager"), b, float("nan"), tps,
-                         float("nan"), float("nan")])
+                         float("nan"), float("nan"), ""])
             print(rows[-1], flush=True)
             save()
     print_table(("system", "batch", "tok/s", "of_limit"), [(r[0], r[1], r[3], r[5]) for r in rows])

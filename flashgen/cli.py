@@ -214,6 +214,10 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
                   f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{r['of_limit']:.1%}") for r in rows])
     if rows and rows[0]["fallbacks"]:
         print("torch fallbacks: " + "; ".join(rows[0]["fallbacks"]))
+    from flashgen.runtime.dispatch import describe_sources
+    for r in rows:
+        if r["decode_gemm_schedules"]:
+            print(f"batch {r['batch']} decode GEMM schedules: {describe_sources(r['decode_gemm_schedules'])}")
     return 0
 
 

@@ -11,7 +11,9 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.runtime.engine import Engine, SamplingParams
+from flashgen.runtime.graphs import bucket_for
 from flashgen.runtime.model import Decoder
+from flashgen.runtime.torch_ops import dispatcher
 from flashgen.runtime.weights import ModelConfig
 
 CONFIGS = {
@@ -86,5 +88,8 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
         tps = b * steps / decode_s if steps else 0.0
         rows.append({"batch": b, "ttft_s": ttft, "decode_tokens_per_s": tps, "bandwidth_limit_tokens_per_s": limit,
                      "of_limit": tps / limit, "steps": steps, "cuda_graphs": engine.graphs is not None,
-                     "fallbacks": sorted(model.fallbacks)})
+                     "fallbacks": sorted(model.fallbacks),
+                     # where the decode GEMMs' schedules came from (their M: the batch, or its graph bucket)
+                     "decode_gemm_schedules": dispatcher().sources(
+                         "contraction", rows=bucket_for(b, engine.graphs.sizes) if engine.graphs else b)})
     return rows

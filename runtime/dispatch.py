@@ -65,6 +65,11 @@ def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mappin
     return dims
 
 
+def describe_sources(counts: Mapping[str, int]) -> str:
+    """`Dispatcher.sources` as text: "bucket 2, default 1, exact 4"."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
 def _other_half(attrs: Mapping[str, str]) -> dict[str, str]:
     """The attrs with dtype fp16 and bf16 swapped; empty when the dtype is neither."""
     swap = {"fp16": "bf16", "bf16": "fp16"}
@@ -122,6 +127,19 @@ class Dispatcher:
                 size, rec = min(above, key=lambda t: t[0]) if above else max(tuned, key=lambda t: t[0])
                 return Decision(wl, target.id, rec.schedule, f"bucket {row}={size}{note}")
         return None
+
+    def sources(self, kclass: str, rows: int | None = None) -> dict[str, int]:
+        """How many of the workloads dispatched so far (of a kernel class, and with this row count if
+        given) ran an exact record, a tuned bucket, a bucket tuned in the other dtype, or the default
+        a benchmark says with it whether its kernels were tuned."""
+        out: dict[str, int] = {}
+        for d in self.decisions.values():
+            wl = d.workload
+            if wl.op.kclass != kclass or (rows is not None and wl.dim[wl.op.row_dims[0]] != rows):
+                continue
+            kind = "other-dtype bucket" if "tuned in" in d.source else d.source.split(" ")[0]
+            out[kind] = out.get(kind, 0) + 1
+        return out
 
     def kernel(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str] | None = None,
                dims: Mapping[str, int] | None = None) -> Kernel:

@@ -73,6 +73,14 @@ def test_dispatch_exact_bucket_default(tmp_path, capsys):
     fp16 = d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="fp16"), h200)  # tuned only in bf16
     assert (fp16.source, fp16.schedule) == ("bucket M=64, tuned in bf16", s64)
     assert d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="fp32"), h200).source == "default"
+    w = torch.randn(1000, dtype=torch.bfloat16)
+    for m in (40, 64):
+        d.kernel("rmsnorm", {"x": torch.randn(m, 1000, dtype=torch.bfloat16), "w": w})
+    d.kernel("rmsnorm", {"x": torch.randn(40, 1000, dtype=torch.float16), "w": w.half()})
+    assert d.sources("rowwise") == {"bucket": 1, "exact": 1, "other-dtype bucket": 1}
+    assert d.sources("rowwise", rows=64) == {"exact": 1} and d.sources("contraction") == {}
+    from flashgen.runtime.dispatch import describe_sources
+    assert describe_sources(d.sources("rowwise")) == "bucket 1, exact 1, other-dtype bucket 1"
     assert main(["explain", "rmsnorm", "--dim", "M=40", "--dim", "N=1000", "--target", "h200", "--db", str(db_path)]) == 0
     assert "bucket M=64" in capsys.readouterr().out
 
