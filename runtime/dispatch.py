@@ -3,8 +3,9 @@
 For each call the dispatcher binds the op's dims from the tensors (row dims such as M vary per call),
 then picks a schedule: the database's best for exactly this workload; else the best of the nearest
 tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
-largest below; failing that, the same in the other 16-bit float dtype); else the analytic default. Kernels are compiled once per (workload, schedule) and come
-from the on-disk artifact cache after that, so a warm start compiles nothing. Every decision is kept
+largest below; failing that, the same in the other 16-bit float dtype); else the analytic default.
+Kernels are compiled once per (workload, schedule) and come from the on-disk artifact cache after
+that, so a warm start compiles nothing. Every decision is kept
 (and logged at DEBUG) for `flashgen explain`.
 """
 from __future__ import annotations
@@ -37,7 +38,12 @@ class Decision:
     workload: Workload
     target: str
     schedule: Schedule
-    source: str  # "exact", "bucket M=...", "default"
+    source: str  # "exact", "bucket M=...", "bucket M=..., tuned in fp16", "default"
+
+    @property
+    def kind(self) -> str:
+        """exact, bucket, other-dtype bucket or default."""
+        return "other-dtype bucket" if "tuned in" in self.source else self.source.split(" ")[0]
 
 
 def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mapping[str, int]) -> dict[str, int]:
@@ -119,8 +125,9 @@ class Dispatcher:
         fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
         best = [rec for rec in db.best_all(target.id) if rec.workload.get("op") == wl.op_name and
                 all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
-        for attrs, note in ((wl.attr, ""), (_other_half(wl.attr), f", tuned in {_other_half(wl.attr).get('dtype')}")):
-            tuned = [(rec.workload["dims"][row], rec) for rec in best if attrs and rec.workload.get("attrs") == attrs]
+        other = _other_half(wl.attr)
+        for attrs, note in [(wl.attr, "")] + ([(other, f", tuned in {other['dtype']}")] if other else []):
+            tuned = [(rec.workload["dims"][row], rec) for rec in best if rec.workload.get("attrs") == attrs]
             if tuned:
                 m = wl.dim[row]
                 above = [t for t in tuned if t[0] >= m]
@@ -130,15 +137,14 @@ class Dispatcher:
 
     def sources(self, kclass: str, rows: int | None = None) -> dict[str, int]:
         """How many of the workloads dispatched so far (of a kernel class, and with this row count if
-        given) ran an exact record, a tuned bucket, a bucket tuned in the other dtype, or the default
+        given) ran an exact record, a tuned bucket, a bucket tuned in the other dtype, or the default:
         a benchmark says with it whether its kernels were tuned."""
         out: dict[str, int] = {}
         for d in self.decisions.values():
             wl = d.workload
             if wl.op.kclass != kclass or (rows is not None and wl.dim[wl.op.row_dims[0]] != rows):
                 continue
-            kind = "other-dtype bucket" if "tuned in" in d.source else d.source.split(" ")[0]
-            out[kind] = out.get(kind, 0) + 1
+            out[d.kind] = out.get(d.kind, 0) + 1
         return out
 
     def kernel(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str] | None = None,

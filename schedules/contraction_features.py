@@ -54,7 +54,8 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     full = np.ceil(waves)
     threads = kv["num_warps"] * target.warp_size
     # Bytes per weight element as loaded (int4 codes: half a byte, plus their scales), per schedule.
-    w_bytes = n * k * np.asarray([load_bytes(wl, int(b))[1] for b in bk])
+    per_depth = {b: load_bytes(wl, int(b))[1] for b in set(bk)}  # (a prologue rewrite per k depth, not per schedule)
+    w_bytes = n * k * np.asarray([per_depth[b] for b in bk])
     a_bytes = m * k * ob
     # W tiles are read once per row of tiles; grouping row tiles lets the L2 serve most repeats.
     w_reads = np.maximum(1.0, tm / np.where(kv["group_m"] > 1, np.minimum(kv["group_m"], tm), 1.0))

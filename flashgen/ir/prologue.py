@@ -81,7 +81,6 @@ def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.L
     return E.transform(E.transform(e, unpack), f)  # packed words first: they too are loaded at [c, k // 8]
 
 
-
 def word_constant(e: E.Expr, dims: Mapping[str, int]) -> bool:
     """Whether `e` has one value for the eight k of each packed word: k only appears as k // G with G
     a multiple of 8."""
