@@ -25,6 +25,7 @@ from common import RESULTS, bench_side_by_side, tuning_session, copy_gbs, enviro
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
+from flashgen.quant import unpack_int4  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
@@ -48,9 +49,8 @@ def peer(op: str, ins: dict):
         x, wt = ins["x"], ins["w"].t()
         return lambda: torch.matmul(x, wt)
     if op == "gemm_w4a16":
-        codes = torch.stack([(ins["w_packed"].to(torch.int64) >> (4 * j)) & 15 for j in range(8)], -1)
-        n = codes.shape[0]
-        w = ((codes.reshape(n, -1).to(torch.float16) - 8) * ins["scales"].repeat_interleave(128, 1)).t()
+        codes = unpack_int4(ins["w_packed"].cpu(), ins["x"].shape[1]).to(ins["x"].device)
+        w = ((codes.to(torch.float16) - 8) * ins["scales"].repeat_interleave(128, 1)).t()
         x = ins["x"]
         return lambda: torch.matmul(x, w)
     if op == "gemm_w8a8":

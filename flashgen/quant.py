@@ -4,8 +4,12 @@
   bits, per output channel or per group of `group` consecutive k, symmetric or with zero points.
   Codes are unsigned for 4 bits (w ~ (u - zero) * scale, u in [0, 15]; symmetric means zero = 8) and
   signed for 8 bits (w ~ q * scale, q in [-127, 127]).
-- `pack_int4` / `unpack_int4`: eight 4-bit codes per int32 along k; code j of a word holds k = 8*word + j
-  in bits 4j..4j+3. This is the layout the generated W4A16 kernels read.
+- `pack_int4` / `unpack_int4`: eight 4-bit codes per int32, interleaved over blocks of INT4_PERIOD = 128
+  k: word 16*b + i holds, in bits 4j..4j+3, the code of k = 128*b + 16*j + i. Code j of sixteen
+  consecutive words is then a run of sixteen consecutive k, which a matrix tile multiplies by sixteen
+  consecutive columns of x: the words are unpacked in the operand layout of the matrix instruction,
+  never reshaped (targets/triton/contraction.py). K is padded with zero codes to a multiple of 128.
+  This is the layout the generated W4A16 kernels read.
 """
 from __future__ import annotations
 
@@ -61,21 +65,34 @@ def quantize_rtn(w: torch.Tensor, bits: int, group: int | None = None, symmetric
     return QuantizedWeight(u.to(torch.uint8).reshape(n, k), scale.float(), zero.to(torch.uint8), 4, g)
 
 
+INT4_PERIOD = 128  # k per block of sixteen interleaved words
+
+
+def packed_words(k: int) -> int:
+    """Words per row of a packed [N, K] int4 weight (K padded to a multiple of INT4_PERIOD)."""
+    return -(-k // INT4_PERIOD) * (INT4_PERIOD // 8)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes in 0..15 -> [N, K // 8] int32, eight codes per word along k."""
+    """[N, K] codes in 0..15 -> [N, packed_words(K)] int32 in the interleaved layout."""
     n, k = codes.shape
-    if k % 8:
-        raise FlashgenError(f"K={k} must be a multiple of 8 to pack 4-bit codes")
-    if codes.min() < 0 or codes.max() > 15:
+    if codes.numel() and (codes.min() < 0 or codes.max() > 15):
         raise FlashgenError("4-bit codes must lie in 0..15")
-    c = codes.to(torch.int64).reshape(n, k // 8, 8)
-    word = torch.zeros(n, k // 8, dtype=torch.int64)
+    padded = torch.zeros(n, packed_words(k) * 8, dtype=torch.int64)
+    padded[:, :k] = codes.to(torch.int64)
+    c = padded.reshape(n, -1, 8, INT4_PERIOD // 8)  # [n, block, j, i]
+    word = torch.zeros(n, c.shape[1], INT4_PERIOD // 8, dtype=torch.int64)
     for j in range(8):
-        word |= c[..., j] << (4 * j)
+        word |= c[:, :, j, :] << (4 * j)
+    word = word.reshape(n, -1)
     return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    n, w = packed.shape
-    word = packed.to(torch.int64) & 0xFFFFFFFF
-    return torch.stack([(word >> (4 * j)) & 15 for j in range(8)], dim=-1).reshape(n, w * 8).to(torch.uint8)
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The [N, k] codes of `pack_int4`'s output (its padding dropped)."""
+    n, words = packed.shape
+    if words != packed_words(k):
+        raise FlashgenError(f"{words} words per row do not pack K={k} (expected {packed_words(k)})")
+    word = packed.to(torch.int64).reshape(n, -1, INT4_PERIOD // 8) & 0xFFFFFFFF
+    codes = torch.stack([(word >> (4 * j)) & 15 for j in range(8)], dim=2)  # [n, block, j, i]
+    return codes.reshape(n, -1)[:, :k].to(torch.uint8)

@@ -29,7 +29,7 @@ class QuantLinear:
     weight: torch.Tensor                  # the float weight (bf16 mode) or its dequantized copy (cpu path)
     w8: torch.Tensor | None = None        # int8 [N, K]
     w8_scale: torch.Tensor | None = None  # fp32 [N]
-    w4: torch.Tensor | None = None        # int32 [N, K // 8]
+    w4: torch.Tensor | None = None        # int32 [N, packed_words(K)] (flashgen/quant.py)
     w4_scales: torch.Tensor | None = None
     group: int = 0
 

@@ -9,7 +9,8 @@ tiles start while earlier tiles' epilogues finish).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
-persistent programs do not split K, and k tiles deeper than 512 are for ALU tiles only. At M <= 16 the space holds the GEMV regime:
+persistent programs do not split K, k tiles deeper than 512 are for ALU tiles only, and k tiles of
+packed int4 words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
 of 1-8 rows, whose products are summed on the ALUs (targets/triton/contraction.py), bounded by the
 products each thread holds per k step.
@@ -22,6 +23,7 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.ir.op import Contract, Let, eval_int
+from flashgen.quant import INT4_PERIOD
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
@@ -53,7 +55,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
     gemv_rows = tuple(b for b in (1, 2, 4, 8) if m <= GEMV_MAX_M and b <= _p2(m))
     return {"block_m": gemv_rows + tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(m))),
             "block_n": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(n))),
-            "block_k": tuple(b for b in (32, 64, 128, 256, 512, 1024, 2048) if b <= max(32, _p2(k))),
+            "block_k": tuple(b for b in (32, 64, 128, 256, 512, 1024, 2048)
+                             if b % min_block_k(wl) == 0 and b <= max(min_block_k(wl), _p2(k))),
             "num_warps": (2, 4, 8),
             "num_stages": (1, 2) if amd else (2, 3, 4, 5),
             "group_m": (1, 8),
@@ -100,7 +103,17 @@ def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
     return total(con.a), total(con.b)
 
 
+def min_block_k(wl: Workload) -> int:
+    """The shallowest k step: packed int4 words interleave INT4_PERIOD k (flashgen/quant.py), and a
+    k step takes whole blocks of them."""
+    _, _, _, con = _extents(wl)
+    packed = any(prologue.packed_int4(e) for e in E.walk(con.b))
+    return INT4_PERIOD if packed else 32
+
+
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    if s["block_k"] % min_block_k(wl):
+        return f"int4 words interleave {INT4_PERIOD} k: block_k must be a multiple of {INT4_PERIOD}"
     if operand_bytes(wl) == 1 and dtypes.is_float(_operand(wl)) and _extents(wl)[2] % s["block_k"]:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
     a_bytes, b_bytes = load_bytes(wl, s["block_k"])
@@ -122,8 +135,10 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         if products < threads * MIN_PRODUCTS_PER_THREAD:
             return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile leaves some of {threads} threads idle"
         return None
-    if s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
-        return f"a {s['block_m']}x{s['block_n']} accumulator does not fit {threads} threads' registers"
+    affine = prologue.affine_codes(_extents(wl)[3].b, wl.dim)
+    tiles = 2 if affine and prologue.segment_sums(affine) else 1  # int4 groups sum apart before their scale
+    if tiles * s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
+        return f"{tiles} {s['block_m']}x{s['block_n']} accumulator tile(s) do not fit {threads} threads' registers"
     if s["block_m"] * s["block_n"] < threads * 4 and s["num_warps"] > 2:
         return "too few accumulator elements for the warps"
     return None
@@ -142,13 +157,17 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         # 256-deep ones).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
              "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1, "persistent": 0}
-    elif m <= 16 and prologue.affine_codes(con.b, wl.dim):
-        # int4 codes in 16-row matrix tiles with K split: the dequantization is the work, and splits
-        # spread it over more warps. On the H200 the fastest schedule measured at M = 16 was split on
-        # every Llama-3-8B shape (2 splits for 8192x8192 and qkv, 4 for gate_up and down), with tiles
-        # 16 x 64-128, 64 deep, 2 warps.
-        s = {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 2, "num_stages": min(3, kn["num_stages"][-1]),
-             "group_m": 8, "split_k": 2 if -(-k // 64) >= 2 * SPLIT_K_MIN_STEPS else 1, "persistent": 0}
+    elif m <= 64 and prologue.affine_codes(con.b, wl.dim):
+        # int4 codes unpacked into the weight operand of 64-row matrix tiles (one warpgroup), 128 k per
+        # step, with K split until about two programs run per SM: the unpacking is the work.
+        tiles = -(-n // 64) * -(-m // max(16, _p2(m)))
+        split = max([sp for sp in (1, 2, 4) if tiles * sp <= 2 * sms and -(-k // 128) >= sp * SPLIT_K_MIN_STEPS] or [1])
+        s = {"block_m": max(16, _p2(m)), "block_n": 64, "block_k": 128, "num_warps": 4,
+             "num_stages": min(4, kn["num_stages"][-1]), "group_m": 8, "split_k": split, "persistent": 0}
+    elif prologue.affine_codes(con.b, wl.dim):
+        # Large M: int4 matrix tiles of 128 x 128 (a group's sums and the tile's in registers), 8 warps.
+        s = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
+             "split_k": 1, "persistent": 0}
     elif m <= 16:
         # A GEMV: narrow column tiles so that at least two programs stream weights on every SM.
         bn = max([b for b in (16, 32, 64) if n // b >= 2 * sms] or [16])
@@ -164,12 +183,13 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
                 and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
         s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 64, "num_warps": 8,
              "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8, "split_k": 1, "persistent": 0}
+    s["block_k"] = max(s["block_k"], min_block_k(wl))
     for key in ("block_m", "block_n", "block_k"):
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]
     while why_invalid(wl, target, s):
         if s["num_stages"] > kn["num_stages"][0]:
             s["num_stages"] -= 1
-        elif s["block_k"] > kn["block_k"][0]:
+        elif s["block_k"] > max(kn["block_k"][0], min_block_k(wl)):
             s["block_k"] //= 2
         elif s["num_warps"] < 8 and s["block_m"] * s["block_n"] > s["num_warps"] * target.warp_size * MAX_ACC_PER_THREAD:
             s["num_warps"] *= 2

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,19 +14,26 @@ from flashgen.quant import pack_int4, quantize_rtn, unpack_int4
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 
-W4 = [dict(G=32), dict(G=64, zp="asym"), dict(G=128), dict(G=256, group="channel", zp="asym")]
+W4 = [dict(G=32), dict(G=64, zp="asym"), dict(G=128), dict(G=320, group="channel", zp="asym")]
 CASES = [("gemm", {}), ("gemm_w8a16", {})] + [("gemm_w4a16", kw) for kw in W4] + [("gemm_w8a8", {})]
 
 
 def test_pack_round_trip():
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (24, 64), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 16, (24, 200), generator=g, dtype=torch.uint8)  # K pads to 256
     packed = pack_int4(codes)
-    assert packed.dtype == torch.int32 and packed.shape == (24, 8)
-    assert torch.equal(unpack_int4(packed), codes)
+    assert packed.dtype == torch.int32 and packed.shape == (24, 32)
+    assert torch.equal(unpack_int4(packed, 200), codes)
     assert (packed < 0).any()  # code 8..15 in the top nibble: the word's sign bit is data
-    with pytest.raises(FlashgenError, match="multiple of 8"):
-        pack_int4(codes[:, :7])
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    for k in (0, 15, 16, 127, 128, 150, 199):  # word 16*b + i, nibble j holds k = 128*b + 16*j + i
+        b, j, i = k // 128, k % 128 // 16, k % 16
+        assert torch.equal((words[:, 16 * b + i] >> (4 * j)) & 15, codes[:, k].to(torch.int64))
+    assert not (words[:, 16:] >> 4 * 5).any()  # codes 5-7 of block 1 are k >= 208: zero padding
+    with pytest.raises(FlashgenError, match="do not pack K=100"):
+        unpack_int4(packed, 100)
+    with pytest.raises(FlashgenError, match="0..15"):
+        pack_int4(codes.to(torch.int16) + 1)
 
 
 @pytest.mark.parametrize("bits, group, symmetric", [(4, 32, True), (4, 128, False), (4, None, True), (8, None, True)])
@@ -48,24 +57,28 @@ def test_rtn_quantizer_rejects_bad_shapes():
 @pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("op, kw", CASES, ids=[f"{o}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for o, kw in CASES])
 def test_interpreter_numerics(interpreter, op, kw, m):
-    """fp16 (bf16 tl.dot is wrong in Triton's interpreter: bf16 numerics run on the GPU); N and K tails."""
-    wl = flashgen.workload(op, M=m, N=40, K=256 if "G" in kw else 200, dtype="fp16", **kw)
-    s = {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 8}
+    """fp16 (bf16 tl.dot is wrong in Triton's interpreter: bf16 numerics run on the GPU); N and K tails
+    (int4 weights: K=320 pads the last block of 128 k, and the k tile of 128 runs past K)."""
+    k = 200 if "G" not in kw else 384 if kw["G"] == 128 else 320
+    wl = flashgen.workload(op, M=m, N=40, K=k, dtype="fp16", **kw)
+    s = {"block_m": 16, "block_n": 32, "block_k": 128 if "G" in kw else 64, "num_warps": 4, "num_stages": 2,
+         "group_m": 8}
     assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
     for c in interpreter.check(wl, s, "h200", seed=m):
         assert c.ok, c
 
 
-GEMV = [("gemm_w4a16", dict(G=64), 1, 64), ("gemm_w4a16", dict(G=64, zp="asym"), 2, 32),
-        ("gemm_w4a16", dict(G=256, group="channel", zp="asym"), 4, 64), ("gemm_w4a16", dict(G=32), 2, 64),
-        ("gemm", {}, 2, 64), ("gemm_w8a8", {}, 4, 32)]
+GEMV = [("gemm_w4a16", dict(G=64), 1, 128), ("gemm_w4a16", dict(G=64, zp="asym"), 2, 256),
+        ("gemm_w4a16", dict(G=256, group="channel", zp="asym"), 4, 128), ("gemm_w4a16", dict(G=32), 2, 128),
+        ("gemm_w4a16", dict(G=128), 1, 256), ("gemm", {}, 2, 64), ("gemm_w8a8", {}, 4, 32)]
 
 
 @pytest.mark.parametrize("op, kw, block_m, block_k", GEMV, ids=[f"{o}-{'-'.join(map(str, kw.values()))}-m{bm}-k{bk}" for o, kw, bm, bk in GEMV])
 def test_gemv_tiles_numerics(interpreter, op, kw, block_m, block_k):
-    """Tiles of fewer than 16 rows sum products on the ALUs; int4 codes with a zero point and scale
-    constant over the k tile take the reshape-free path (the scale once per word), others (G=32 under a
-    64-deep k tile) the general one. M=3 leaves a partial row tile, N=40 a partial column tile."""
+    """Tiles of fewer than 16 rows sum products on the ALUs; int4 codes take the reshape-free path,
+    the scale once per segment of codes sharing a group (eight codes of a word for G >= 128, fewer for
+    G=32 and 64). M=3 leaves a partial row tile, N=40 a partial column tile, G=128 under a 256-deep
+    k tile a partial k tile."""
     k = 256 if "G" in kw else 200
     wl = flashgen.workload(op, M=3, N=40, K=k, dtype="fp16", **kw)
     s = {"block_m": block_m, "block_n": 32, "block_k": block_k, "num_warps": 2, "num_stages": 2, "group_m": 1}
@@ -74,17 +87,17 @@ def test_gemv_tiles_numerics(interpreter, op, kw, block_m, block_k):
         assert c.ok, c
 
 
-SPLITS = [("gemm", {}, 16, 32, 2), ("gemm_w8a8", {}, 16, 32, 4), ("gemm_w4a16", dict(G=64, zp="asym"), 1, 64, 2),
-          ("gemm_w4a16", dict(G=32), 16, 32, 2), ("gemm", dict(with_bias="yes", act="silu", with_residual="yes"), 2, 32, 4)]
+SPLITS = [("gemm", {}, 16, 32, 2), ("gemm_w8a8", {}, 16, 32, 4), ("gemm_w4a16", dict(G=64, zp="asym"), 1, 128, 2),
+          ("gemm_w4a16", dict(G=32), 16, 128, 2), ("gemm", dict(with_bias="yes", act="silu", with_residual="yes"), 2, 32, 4)]
 
 
 @pytest.mark.parametrize("op, kw, block_m, block_k, split_k", SPLITS,
                          ids=[f"{o}-{'-'.join(map(str, kw.values()))}-m{bm}-s{sk}" for o, kw, bm, _, sk in SPLITS])
 def test_split_k_numerics(interpreter, op, kw, block_m, block_k, split_k):
     """Splits of K merged by the last split of each tile, in matrix and ALU tiles, int32 partials for
-    int8 operands, the epilogue applied once to the merged sum; K=248 (a partial k tile) or 256, and
+    int8 operands, the epilogue applied once to the merged sum; K=248 (a partial k tile) or 512, and
     M=17 or 5 (partial row tiles)."""
-    k = 256 if "G" in kw else 248
+    k = 512 if "G" in kw else 248
     wl = flashgen.workload(op, M=17 if block_m == 16 else 5, N=40, K=k, dtype="fp16", **kw)
     s = {"block_m": block_m, "block_n": 32, "block_k": block_k, "num_warps": 2, "num_stages": 2, "group_m": 1,
          "split_k": split_k}
@@ -182,7 +195,7 @@ def test_shared_memory_rule_counts_what_prologues_load():
     group when the k tile spans several groups (G=128: a tile of 256 k reads two scales per column)."""
     from flashgen.schedules.contraction_space import load_bytes
     wl = flashgen.workload("gemm_w4a16", M=1, N=8192, K=8192, G=128, dtype="fp16")
-    assert load_bytes(wl, 64) == (2, 0.5)
+    assert load_bytes(wl, 128) == (2, 0.5)
     assert load_bytes(wl, 256) == (2, 0.5 + 2 / 128)
     space = ScheduleSpace(flashgen.workload("gemm_w4a16", M=256, N=8192, K=8192, G=128, dtype="fp16"),
                           get_target("h200"))
@@ -191,18 +204,40 @@ def test_shared_memory_rule_counts_what_prologues_load():
     assert space.is_valid(space.default())
 
 
-def test_int4_prologue_becomes_tile_loads():
-    """The generated W4A16 kernel loads each packed word once per tile and one scale row per tile."""
+def test_int4_matrix_tiles_unpack_in_the_operand_layout():
+    """A W4A16 matrix tile computes W x^T: one dot per run of 16 k (code j of 16 words), codes made
+    16-bit floats by an AND-OR with the exponent, the scale applied once per group, no reshape. On sm_90
+    the weight is wgmma's register operand: shared memory holds packed words, and no dequantized tile
+    is stored to it 2 bytes at a time."""
     from flashgen.targets.triton.codegen import generate
-    wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=512, G=128, dtype="fp16")
-    src = generate(wl, {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 2,
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import opcodes, summary
+    wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=512, G=64, dtype="bf16")
+    s = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "group_m": 1}
+    src = generate(wl, s).source
+    assert "tl.reshape" not in src and src.count("tl.dot(") == 256 // 16 and "tl.trans(" in src
+    assert src.count("| 17152).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0") == 16
+    assert src.count("seg = tl.zeros") == 256 // 64  # one segment per group of 64 k
+    sass = summary(opcodes(flashgen.compile(wl, "sm_90", schedule=s).binary))
+    assert sass["wgmma"] > 0 and sass["sts_16bit"] <= 2, sass
+
+
+def test_int4_generic_prologue_unpacks_tiles():
+    """A group size that is no multiple of 16 leaves the fused path: the tile's words are loaded once,
+    unpacked by a reshape in k order, and each group's scale row is loaded per k (K=200 also pads)."""
+    from flashgen.targets.triton.codegen import generate
+    wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=200, G=40, dtype="fp16")
+    src = generate(wl, {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2,
                         "group_m": 1}).source
-    assert "tl.reshape(((words_w_packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15)" in src
-    assert "| 0x4B000000" in src and ".to(tl.float32, bitcast=True)" in src  # no int-to-float conversion
-    assert "(k0 // G)" in src and "kb // 8" not in src
-    deep = generate(wl, {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 2,
-                         "group_m": 1}).source  # two groups per k tile: their scale rows, loaded once each
-    assert "tl.arange(0, BLOCK_K // G) * G" in deep and "groups_scales" in deep and "kb // G" not in deep
+    assert "tl.reshape(words_w_packed, [BLOCK_K // 128, 1, 16, BLOCK_N])" in src and "tl.trans(" not in src
+
+
+def test_int4_generic_prologue_numerics(interpreter):
+    wl = flashgen.workload("gemm_w4a16", M=5, N=40, K=200, G=40, dtype="fp16", zp="asym")
+    for bm in (2, 16):
+        s = {"block_m": bm, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 2, "group_m": 1}
+        for c in interpreter.check(wl, s, "h200", seed=bm):
+            assert c.ok, c
 
 
 EPILOGUES = [("gemm", dict(with_bias="yes", act="silu", with_residual="yes")), ("gemm_w8a16", dict(act="gelu")),
@@ -216,7 +251,8 @@ def test_fused_epilogues(interpreter, op, kw):
     wl = flashgen.workload(op, M=5, N=48, K=128, dtype="fp16", **kw)
     names = {t.name for t in wl.inputs + wl.outputs}
     assert ("bias" in names) == (kw.get("with_bias") == "yes") and ("y_q" in names) == (kw.get("out") == "int8")
-    s = {"block_m": 16, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 1}
+    s = {"block_m": 16, "block_n": 32, "block_k": 128 if op == "gemm_w4a16" else 64, "num_warps": 4,
+         "num_stages": 2, "group_m": 1}
     checks = interpreter.check(wl, s, "h200", seed=4)
     assert {c.tensor for c in checks} == {t.name for t in wl.outputs}
     for c in checks:

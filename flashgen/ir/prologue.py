@@ -3,20 +3,26 @@
 Written per element, a prologue reads the same memory many times over: each of the eight 4-bit codes
 of a packed int32 loads its whole word, and a group scale is loaded for every k although a whole
 k tile shares it. These rewrites keep the IR simple and make the generated loads tile-shaped:
-- `(w[c, k // 8] >> ((k % 8) * 4)) & 15` becomes one load of the [block_k / 8, block_n] words of the
-  tile, unpacked in registers by broadcasting shifts and reshaping to [block_k, block_n];
+- an int4 code of the packed layout (`int4_code`, flashgen/quant.py) becomes one load of the
+  [block_k / 8, block_n] words of the tile, unpacked in registers by broadcasting shifts and reshaping
+  to [block_k, block_n];
 - `k // G` with G a multiple of block_k becomes `k0 // G`: one scale (or zero point) row per tile;
 - a load at `[c, k // G]` with block_k a multiple of a power-of-two G becomes a Ref to the tile's
   [block_k / G, block_n] rows, loaded once and broadcast over each group (named in `grouped`).
-`affine_codes` recognises `(code - zero) * scale` with zero and scale constant over each word's eight
-codes, which GEMV tiles evaluate without reshaping the words (targets/triton/contraction.py).
+`affine_codes` recognises `(code - zero) * scale` with zero and scale constant over each run of sixteen
+consecutive k, which GEMV and matrix tiles evaluate without reshaping the words, code j of sixteen
+words at a time (targets/triton/contraction.py); the reshape above serves other int4 prologues.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from flashgen.ir import expr as E
 from flashgen.ir.op import eval_int
+from flashgen.quant import INT4_PERIOD
+
+RUN = INT4_PERIOD // 8  # consecutive k held by one code position of consecutive words
 
 K_TILE_START = E.Index("k0")
 
@@ -25,17 +31,19 @@ def _is(e: E.Expr, op: str) -> bool:
     return isinstance(e, E.Binary) and e.op == op
 
 
+def int4_code(tensor: str) -> E.Expr:
+    """The code at (c, k) of an int4 weight packed by `pack_int4`: word 16*(k // 128) + k % 16,
+    bits 4*((k % 128) // 16) and up."""
+    k = E.Index("k")
+    word = E.Load(tensor, (E.Index("c"), k // INT4_PERIOD * RUN + k % RUN))
+    return (word >> (k % INT4_PERIOD // RUN * 4)) & 15
+
+
 def packed_int4(e: E.Expr) -> E.Load | None:
-    """The packed-word Load of an int4 unpack pattern over (c, k), or None."""
-    if not (_is(e, "and") and e.b == E.Const(15) and _is(e.a, "shr")):
+    """The packed-word Load of an int4 code over (c, k), or None."""
+    if not (_is(e, "and") and _is(e.a, "shr") and isinstance(e.a.a, E.Load)):
         return None
-    word, shift = e.a.a, e.a.b
-    if not (isinstance(word, E.Load) and len(word.indices) == 2 and word.indices[0] == E.Index("c")
-            and word.indices[1] == E.Binary("floordiv", E.Index("k"), E.Const(8)) and word.mask is None):
-        return None
-    if shift != E.Binary("mul", E.Binary("mod", E.Index("k"), E.Const(8)), E.Const(4)):
-        return None
-    return word
+    return e.a.a if e == int4_code(e.a.a.tensor) else None
 
 
 def group_size(e: E.Load, dims: Mapping[str, int]) -> int | None:
@@ -59,7 +67,7 @@ def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.L
 
     def unpack(n: E.Expr) -> E.Expr:
         word = packed_int4(n)
-        if word is not None and block_k % 8 == 0:
+        if word is not None and block_k % INT4_PERIOD == 0:
             unpacked.setdefault(word, f"codes_{word.tensor}")
             return E.Ref(unpacked[word])
         return n
@@ -78,31 +86,44 @@ def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.L
                 return E.Binary("floordiv", K_TILE_START, n.b)
         return n
 
-    return E.transform(E.transform(e, unpack), f)  # packed words first: they too are loaded at [c, k // 8]
+    return E.transform(E.transform(e, unpack), f)  # packed words first: their index divides k too
 
 
-def word_constant(e: E.Expr, dims: Mapping[str, int]) -> bool:
-    """Whether `e` has one value for the eight k of each packed word: k only appears as k // G with G
-    a multiple of 8."""
+def k_period(e: E.Expr, dims: Mapping[str, int]) -> int | None:
+    """The longest aligned run of k over which `e` keeps one value: the gcd of every G in `k // G`
+    (None when k does not appear; 1 when k appears otherwise)."""
     if _is(e, "floordiv") and e.a == E.Index("k"):
         try:
-            return eval_int(e.b, dims) % 8 == 0
+            return eval_int(e.b, dims)
         except ValueError:
-            return False
+            return 1
     if isinstance(e, E.Index):
-        return e.axis != "k"
-    return all(word_constant(x, dims) for x in E.children(e))
+        return 1 if e.axis == "k" else None
+    periods = [p for p in (k_period(x, dims) for x in E.children(e)) if p is not None]
+    return math.gcd(*periods) if periods else None
 
 
 def affine_codes(e: E.Expr, dims: Mapping[str, int]) -> tuple[E.Load, E.Expr, E.Expr | None] | None:
     """(packed word load, zero, scale) when a prologue is `(code - zero) * scale` (or without the
-    scale) with zero and scale constant over each packed word's eight codes, else None. A GEMV then
-    subtracts the zero point per code and scales sums of eight codes."""
+    scale) with zero and scale constant over each aligned run of RUN consecutive k, else None. Tiles
+    then subtract the zero point and apply the scale once per run of codes, not per code."""
+    def run_constant(x: E.Expr) -> bool:
+        p = k_period(x, dims)
+        return p is None or p % RUN == 0
+
     scale = None
-    if _is(e, "mul") and word_constant(e.b, dims):
+    if _is(e, "mul") and run_constant(e.b):
         e, scale = e.a, e.b
-    if _is(e, "sub") and word_constant(e.b, dims):
+    if _is(e, "sub") and run_constant(e.b):
         word = packed_int4(e.a)
         if word is not None:
             return word, e.b, scale
     return None
+
+
+def segment_sums(affine: tuple[E.Load, E.Expr, E.Expr | None]) -> bool:
+    """Whether a matrix tile of these codes sums each group's dots apart before applying its scale or
+    zero point (a second accumulator tile), rather than accumulating in place (per-channel scales and
+    the symmetric zero point 8)."""
+    _, zero, scale = affine
+    return scale is not None or zero != E.Const(8)

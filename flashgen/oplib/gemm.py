@@ -13,7 +13,8 @@ from flashgen.ir import expr as E
 from flashgen.ir.expr import Const, Dim, Index, Load, Ref, clamp, erf, rint, sigmoid
 from flashgen.ir.op import DTYPE, Contract, Op, Store, TensorSpec
 from flashgen.oplib._common import M, N, c, f64, r, randn
-from flashgen.quant import pack_int4, quantize_rtn
+from flashgen.ir.prologue import int4_code
+from flashgen.quant import INT4_PERIOD, pack_int4, quantize_rtn, unpack_int4
 
 K = Dim("K")
 k = Index("k")
@@ -115,7 +116,7 @@ W8A16 = _contraction_op(
 
 
 def _w4_prologue(a) -> tuple:
-    code = (Load("w_packed", (c, k // 8)) >> ((k % 8) * 4)) & 15
+    code = int4_code("w_packed")
     zero = Const(8) if a["zp"] == "sym" else Load("zeros", (c, k // Dim("G")))
     if a["group"] == "channel":
         return Contract("acc", Load("x", (r, k)), code - zero, K, DTYPE), Ref("acc") * Load("scales", (c, 0))
@@ -133,8 +134,7 @@ def _w4_inputs(d, a, g) -> dict:
 
 
 def _w4_reference(t, p, d, a) -> torch.Tensor:
-    codes = torch.stack([(t["w_packed"].to(torch.int64) >> (4 * j)) & 15 for j in range(8)], -1)
-    codes = codes.reshape(d["N"], d["K"]).to(torch.float64)
+    codes = unpack_int4(t["w_packed"], d["K"]).to(torch.float64)
     zeros = f64(t["zeros"]) if a["zp"] == "asym" else torch.full_like(f64(t["scales"]), 8.0)
     w = (codes - zeros.repeat_interleave(d["G"], 1)) * f64(t["scales"]).repeat_interleave(d["G"], 1)
     return f64(t["x"]) @ w.T
@@ -143,21 +143,21 @@ def _w4_reference(t, p, d, a) -> torch.Tensor:
 def _w4_dims(d, a) -> str | None:
     if a["group"] == "channel" and d["G"] != d["K"]:
         return f"per-channel scales need G=K (got G={d['G']}, K={d['K']})"
-    if d["K"] % 8:
-        return f"K={d['K']} must be a multiple of 8 (eight 4-bit codes per int32)"
     if d["K"] % d["G"]:
         return f"K={d['K']} must be a multiple of the group size G={d['G']}"
     return None
 
 
 W4A16 = _contraction_op(
-    "gemm_w4a16", "y = epilogue(x @ dequant(w_int4).T): 4-bit weights packed 8 per int32, group or "
-    "per-channel scales, symmetric or with zero points", ("M", "N", "K", "G"),
-    (TensorSpec("x", (M, K), DTYPE), TensorSpec("w_packed", (N, K // 8), "int32"),
+    "gemm_w4a16", "y = epilogue(x @ dequant(w_int4).T): 4-bit weights packed 8 per int32 (interleaved, "
+    "flashgen/quant.py), group or per-channel scales, symmetric or with zero points", ("M", "N", "K", "G"),
+    (TensorSpec("x", (M, K), DTYPE),
+     TensorSpec("w_packed", (N, (K + INT4_PERIOD - 1) // INT4_PERIOD * (INT4_PERIOD // 8)), "int32"),
      TensorSpec("scales", (N, K // Dim("G")), DTYPE),
      TensorSpec("zeros", (N, K // Dim("G")), "int8", when=(("zp", ("asym",)),))),
     # group: scales per G consecutive k (applied in the k loop), or channel: G=K, applied to the sum.
-    {"dtype": HALF, "zp": ("sym", "asym"), "group": ("group", "channel")},
+    # pack: the packed layout the kernels read (a new layout is a new workload, with records of its own).
+    {"dtype": HALF, "zp": ("sym", "asym"), "group": ("group", "channel"), "pack": ("k128",)},
     _w4_prologue, _w4_reference, _w4_inputs, _w4_dims)
 
 

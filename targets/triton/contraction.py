@@ -12,17 +12,28 @@ stores) runs on the accumulator tile.
 """
 from __future__ import annotations
 
+import math
+
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.schedules.contraction_space import MMA_MIN_ROWS
 from flashgen.schedules.space import Schedule
 from flashgen.ir import prologue
+from flashgen.quant import INT4_PERIOD
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, Scratch, kernel_args, module_header
 from flashgen.workload import Workload
 
 ACC = {"fp32": "tl.float32", "int32": "tl.int32"}
 MAGIC = 8388608.0  # 2^23: an fp32 with 2^23's exponent holds a small integer in its low mantissa bits
+# A 16-bit float's bits, and its value, whose low mantissa bits hold a 4-bit code exactly.
+INT4_MAGIC = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}
+RUN = prologue.RUN
+
+
+def _operand(con: Contract, attrs: dict) -> str:
+    """The dtype a contraction's operands meet the matrix instruction in."""
+    return attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
 
 
 def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
@@ -35,53 +46,65 @@ def _load_words(em: Emitter, scope: Scope, word: E.Load, kmask: bool) -> str:
     """Load the tile's packed words once, [block_k / 8, block_n]."""
     t = word.tensor
     scope.line(f"kw_{t} = k0 // 8 + tl.arange(0, BLOCK_K // 8)[:, None]")
-    mask = " & ".join(m for m in (scope.axes["c"][1], f"(kw_{t} < {em.emit(E.Dim('K'), scope)} // 8)" if kmask else None) if m)
+    bound = f"(kw_{t} < {em.emit(em.op.tensors[t].shape[1], scope)})" if kmask else None
+    mask = " & ".join(m for m in (scope.axes["c"][1], bound) if m)
     load = f"tl.load({t}_ptr + c.to(tl.int64) * {t}_s0 + kw_{t}" + (f", mask={mask}, other=0)" if mask else ")")
     scope.line(f"words_{t} = {load}")
     return f"words_{t}"
 
 
 def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool) -> None:
-    """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile (as fp32
-    values: they only ever meet the float dequantization arithmetic)."""
+    """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile in k order
+    (as fp32 values: they only ever meet the float dequantization arithmetic)."""
     words = _load_words(em, scope, word, kmask)
     # Codes become exact fp32 values without an int-to-float conversion (a quarter-rate instruction):
     # 2^23 + code has the code in its low mantissa bits, so OR in 2^23's exponent and subtract 2^23.
-    scope.line(f"{var} = tl.reshape((({words}[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15) "
-               f"| 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True) - {MAGIC}")
+    scope.line(f"{var} = tl.reshape(((tl.reshape({words}, [BLOCK_K // {INT4_PERIOD}, 1, {RUN}, BLOCK_N]) "
+               f">> (tl.arange(0, 8) * 4)[None, :, None, None]) & 15) | 0x4B000000, [BLOCK_K, BLOCK_N])"
+               f".to(tl.float32, bitcast=True) - {MAGIC}")
     em.named[var] = var
 
 
-def _int4_terms(em: Emitter, con: Contract, word: E.Load, zero: E.Expr, scale: E.Expr | None, b_scope: Scope,
-                kmask: bool) -> tuple[list[tuple[str, str | None, str, float]], str | None]:
-    """A GEMV k step's weights for int4 codes `(code - zero) * scale`, zero and scale constant over each
-    word's eight codes: eight [block_k / 8, block_n] tiles, code j of every word, which meets x at
-    k = 8 * word + j. The words are never reshaped, so they stay in the registers and layout they were
-    loaded in. A code costs three instructions: an AND-OR that puts code * 16^j' in an fp32 mantissa
-    (j' = j, or j - 3 after one shift of the word by 12 for j >= 5), one add that removes
-    2^23 + zero * 16^j', and the FMA with x * 16^-j'; the scale multiplies each word's sum once.
-    Returns (k, k mask, weight tile, x factor) per code position, and the scale."""
+def segment_runs(affine: tuple, dims: dict[str, int], block_k: int) -> int:
+    """How many consecutive runs of RUN k share one zero point and scale (within a k step)."""
+    _, zero, scale = affine
+    periods = [p for p in (prologue.k_period(e, dims) for e in (zero, scale) if e is not None) if p is not None]
+    return min(math.gcd(*periods) if periods else block_k, block_k) // RUN
+
+
+def _int4_terms(em: Emitter, con: Contract, affine: tuple, per_segment: int, b_scope: Scope,
+                kmask: bool) -> list[tuple[str | None, list[tuple[str, str | None, str, float]]]]:
+    """A GEMV k step's weights for int4 codes `(code - zero) * scale`: eight [block_k / 8, block_n]
+    tiles, code j of every word, which meets x at k = 128 * (word // 16) + 16 * j + word % 16. The
+    words are never reshaped, so they stay in the registers and layout they were loaded in. A code
+    costs three instructions: an AND-OR that puts code * 16^j' in an fp32 mantissa (j' = j, or j - 3
+    after one shift of the word by 12 for j >= 5), one add that removes 2^23 + zero * 16^j', and the
+    FMA with x * 16^-j'; the scale multiplies each segment's sum (codes sharing a group) once.
+    Returns, per segment, its scale and (k, k mask, weight tile, x factor) per code position."""
+    word, zero, scale = affine
     words = _load_words(em, b_scope, word, kmask)
     b_scope.line(f"{words}_hi = {words} >> 12")
-    b_scope.line("kw8 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8")
-    per_word = b_scope.child(axes={"c": b_scope.axes["c"], "k": ("kw8", "kmask_w" if kmask else None)}, fresh=True)
-    if kmask:
-        per_word.line(f"kmask_w = kw8 < {em.emit(con.extent, per_word)}")
-    z = em.emit(zero, per_word)
-    terms = []
+    b_scope.line(f"kw0 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] // {RUN} * {INT4_PERIOD} "
+                 f"+ tl.arange(0, BLOCK_K // 8)[:, None] % {RUN}")
+    segments = []
     for j in range(8):
-        src, jj = (words, j) if j < 5 else (f"{words}_hi", j - 3)
-        b_scope.line(f"ka{j} = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + {j}")
+        b_scope.line(f"ka{j} = kw0 + {RUN * j}")
         if kmask:
             b_scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, b_scope)}")
+        if j % per_segment == 0:
+            seg = b_scope.child(axes={"c": b_scope.axes["c"], "k": (f"ka{j}", f"kmask{j}" if kmask else None)},
+                                fresh=True)
+            z = em.emit(zero, seg)
+            segments.append((em.emit(scale, seg) if scale is not None else None, []))
+        src, jj = (words, j) if j < 5 else (f"{words}_hi", j - 3)
         b_scope.line(f"w{j} = (({src} & {15 << 4 * jj}) | magic).to(tl.float32, bitcast=True) "
                      f"- ({MAGIC} + {z} * {16.0 ** jj})")
-        terms.append((f"ka{j}", f"kmask{j}" if kmask else None, f"w{j}", 16.0 ** -jj))
-    return terms, em.emit(scale, per_word) if scale is not None else None
+        segments[-1][1].append((f"ka{j}", f"kmask{j}" if kmask else None, f"w{j}", 16.0 ** -jj))
+    return segments
 
 
 def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: dict, affine: tuple | None,
-          top: Scope, b_scope: Scope, block_m: int, stages: int, kmask: bool, acc: str) -> None:
+          per_segment: int, top: Scope, b_scope: Scope, s: Schedule, kmask: bool, acc: str) -> None:
     """The k loop of a tile of fewer rows than a matrix instruction takes, on the ALUs (`top` is the
     scope around the loop, `b_scope` its body): the weight tile is multiplied, in the layout it was
     loaded in, by a column of x per row, into a tile of partial sums per row that is summed over k only
@@ -89,6 +112,7 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     codes take `_int4_terms`' route when their zero point and scale allow it."""
     rows = em.emit(em.op.domain[0], top)
     acc_t = ACC[con.acc]
+    block_m = s["block_m"]
     for i in range(block_m):
         top.line(f"r{i} = pid_m * BLOCK_M + {i}")
         top.line(f"part{i} = tl.zeros([BLOCK_K{' // 8' if affine else ''}, BLOCK_N], dtype={acc_t})")
@@ -97,23 +121,98 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
         # register, it lets one LOP3 do both the AND and the OR of each code.
         top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
     # Loads that feed no matrix instruction are software-pipelined only when the loop asks.
-    top.line(f"for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages={stages}):")
+    top.line(f"for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages={s['num_stages']}):")
     if affine:
-        terms, scale = _int4_terms(em, con, *affine, b_scope, kmask)
+        segments = _int4_terms(em, con, affine, per_segment, b_scope, kmask)
     else:
         _b_tile_values(em, con, unpacked, grouped, b_scope, kmask)
         w = em.temp(b_scope, f"{em.emit(b_expr, b_scope)}.to({acc_t})")
-        terms, scale = [("kb", "kmask_b" if kmask else None, w, 1.0)], None
+        segments = [(None, [("kb", "kmask_b" if kmask else None, w, 1.0)])]
     for i in range(block_m):
         b_scope.line(f"rmask{i} = r{i} < {rows}")
-        products = []
-        for k, kmask_k, w, factor in terms:
-            x = em.emit(con.a, b_scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True))
-            products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
-        b_scope.line(f"part{i} += " + (f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products)))
+        sums = []
+        for scale, terms in segments:
+            products = []
+            for k, kmask_k, w, factor in terms:
+                x = em.emit(con.a, b_scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True))
+                products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
+            sums.append(f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products))
+        b_scope.line(f"part{i} += " + " + ".join(sums))
     top.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
     for i in range(block_m):
         top.line(f"{acc} = tl.where(row_ids == {i}, tl.sum(part{i}, axis=0)[None, :], {acc})")
+
+
+def _operand_tile(em: Emitter, e: E.Expr, scope: Scope, lets: dict, operand: str) -> str:
+    """An operand tile of a matrix instruction, loaded in the operand dtype when it is stored in it."""
+    load = _bare_load(e, lets)
+    raw = load is not None and em.op.dtype_of(load.tensor, em.attrs) == operand
+    v = em.emit(e, scope, raw=raw)
+    return v if raw else em.temp(scope, f"{v}.to({dtypes.TL[operand]})")
+
+
+def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment: int, top: Scope, body: Scope,
+              s: Schedule, kmask: bool, acc: str, operand: str) -> None:
+    """The k loop of a matrix tile of int4 codes `(code - zero) * scale`, computed transposed:
+    acc^T [block_n, block_m] = W x^T, so that the weight is the instruction's A operand, which Hopper's
+    warpgroup MMA reads from registers. Each k step loads [block_n, 16] words per 128 k and multiplies
+    code j of those words, a run of 16 consecutive k, by x at those k: the words go to the operand
+    layout as they are (shared memory holds packed words, never a dequantized tile), and a code costs
+    an AND-OR with a 16-bit float's exponent (1024 or 128 + code, exact) and a paired subtraction of
+    1032 or 136. Dots of code - 8 sum per segment (runs sharing a group) before the segment's scale;
+    a zero point other than 8 adds (8 - zero) times the segment's sum of x."""
+    word, zero, scale = affine
+    rows, cols = em.emit(em.op.domain[0], top), em.emit(em.op.domain[1], top)
+    t = word.tensor
+    cmask = "cmask_t" if top.axes["c"][1] else None
+    top.line("r_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
+    top.line(f"rmask_t = r_t < {rows}")
+    top.line("c_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]")
+    if cmask:
+        top.line(f"cmask_t = c_t < {cols}")
+    top.line(f"{acc}_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)")
+    top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
+    magic, base = INT4_MAGIC[operand]
+    k_extent = em.emit(con.extent, body)
+    offset = None if zero == E.Const(8) else zero
+    direct = not prologue.segment_sums(affine)
+    for q in range(s["block_k"] // RUN):
+        b, j = divmod(q, 8)
+        if j == 0:
+            body.line(f"kw{b} = k0 // 8 + {RUN * b} + tl.arange(0, {RUN})[None, :]")
+            bound = f"(kw{b} < {em.emit(em.op.tensors[t].shape[1], body)})" if kmask else None
+            mask = " & ".join(m for m in (cmask, bound) if m)
+            body.line(f"words{b} = tl.load({t}_ptr + c_t.to(tl.int64) * {t}_s0 + kw{b}"
+                      + (f", mask={mask}, other=0)" if mask else ")"))
+        body.line(f"kx{q} = k0 + {RUN * q} + tl.arange(0, {RUN})[:, None]")
+        if kmask:
+            body.line(f"kxm{q} = kx{q} < {k_extent}")
+        x_scope = body.child(axes={"r": ("r_t", "rmask_t"), "k": (f"kx{q}", f"kxm{q}" if kmask else None)}, fresh=True)
+        x = _operand_tile(em, con.a, x_scope, lets, operand)
+        shifted = f"words{b}" if j == 0 else f"(words{b} >> {4 * j})"
+        body.line(f"w{q} = (({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[operand]}, bitcast=True) "
+                  f"- {base + 8.0}")
+        if direct:
+            body.line(f"{acc}_t = tl.dot(w{q}, {x}, {acc}_t)")
+            continue
+        if q % per_segment == 0:
+            body.line("seg = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)")
+            if offset is not None:
+                body.line("xs = tl.zeros([1, BLOCK_M], dtype=tl.float32)")
+        body.line(f"seg = tl.dot(w{q}, {x}, seg)")
+        if offset is not None:
+            body.line(f"xs += tl.sum({x}.to(tl.float32), axis=0)[None, :]")
+        if q % per_segment == per_segment - 1:
+            first = q - per_segment + 1
+            body.line(f"kseg{first} = k0 + {RUN * first}")
+            seg_mask = None
+            if kmask:
+                body.line(f"ksegm{first} = kseg{first} < {k_extent}")
+                seg_mask = f"ksegm{first}"
+            seg_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"kseg{first}", seg_mask)}, fresh=True)
+            value = "seg" if offset is None else f"(seg + (8.0 - {em.emit(offset, seg_scope)}) * xs)"
+            body.line(f"{acc}_t += {value}" + (f" * {em.emit(scale, seg_scope)}" if scale is not None else ""))
+    top.line(f"{acc} = tl.trans({acc}_t)")
 
 
 def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.Expr | None) -> None:
@@ -153,13 +252,8 @@ def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked
     if kmask:
         a_scope.line(f"kmask_a = ka < {em.emit(con.extent, a_scope)}")
     _b_tile_values(em, con, unpacked, grouped, b_scope, kmask)
-    operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
-    tiles = []
-    for expr, scope in ((con.a, a_scope), (b_expr, b_scope)):
-        load = _bare_load(expr, lets)
-        raw = load is not None and op.dtype_of(load.tensor, attrs) == operand
-        v = em.emit(expr, scope, raw=raw)
-        tiles.append(v if raw else em.temp(scope, f"{v}.to({dtypes.TL[operand]})"))
+    operand = _operand(con, attrs)
+    tiles = [_operand_tile(em, e, scope, lets, operand) for e, scope in ((con.a, a_scope), (b_expr, b_scope))]
     b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
 
 
@@ -243,9 +337,12 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     unpacked: dict[E.Load, str] = {}
     grouped: dict[E.Load, str] = {}
     b_expr = prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped)
+    affine = prologue.affine_codes(con.b, wl.dim) if s["block_k"] % INT4_PERIOD == 0 else None
+    per_segment = segment_runs(affine, wl.dim, s["block_k"]) if affine else 0
     if s["block_m"] < MMA_MIN_ROWS:
-        _gemv(em, con, b_expr, unpacked, grouped, prologue.affine_codes(con.b, wl.dim), top, b_scope,
-              s["block_m"], s["num_stages"], kmask, acc)
+        _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc)
+    elif affine and _operand(con, attrs) in INT4_MAGIC:
+        _mma_int4(em, con, lets, affine, per_segment, top, b_scope, s, kmask, acc, _operand(con, attrs))
     else:
         _k_loop(em, op, con, lets, b_expr, unpacked, grouped, top, b_scope, kmask, acc)
     em.named[con.name] = acc
