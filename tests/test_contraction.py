@@ -108,7 +108,7 @@ def test_split_k_numerics(interpreter, op, kw, block_m, block_k, split_k):
 
 def test_persistent_tiles_numerics(interpreter):
     """Persistent programs (one per SM: 132 on the h200 target) walking 200 tiles, some two each, with
-    partial row and column tiles and a fused epilogue."""
+    partial row and column tiles and a fused epilogue; and int4 matrix tiles walked the same way."""
     wl = flashgen.workload("gemm", M=150, N=312, K=64, dtype="fp16", with_bias="yes", act="silu")
     s = {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 2, "num_stages": 2, "group_m": 8, "split_k": 1,
          "persistent": 1}
@@ -121,6 +121,9 @@ def test_persistent_tiles_numerics(interpreter):
         assert c.ok, c
     for target in ("sm_90", "gfx942"):
         assert flashgen.compile(wl, target, schedule=s).binary[:4] == b"\x7fELF"
+    w4 = flashgen.workload("gemm_w4a16", M=150, N=220, K=128, G=64, dtype="fp16")  # 10 x 14 tiles
+    for c in interpreter.check(w4, {**s, "block_k": 128}, "h200", seed=10):
+        assert c.ok, c
 
 
 def test_split_k_rules_and_older_records():

@@ -55,7 +55,8 @@ def test_row_count_differs_from_compiled():
 GEMM_CASES = [flashgen.workload(op, M=m, N=320, K=512, dtype=dt, **kw)
               for m in (1, 17, 256) for dt in ("bf16", "fp16")
               for op, kw in (("gemm", {}), ("gemm_w8a16", {}), ("gemm_w4a16", {"G": 128}),
-                             ("gemm_w4a16", {"G": 512, "group": "channel", "zp": "asym"}), ("gemm_w8a8", {}),
+                             ("gemm_w4a16", {"G": 512, "group": "channel", "zp": "asym"}),
+                             ("gemm_w4a16", {"G": 64, "zp": "asym"}), ("gemm_w8a8", {}),
                              ("gemm_fp8", {}), ("gemm", {"with_bias": "yes", "act": "silu", "with_residual": "yes"}))
               if op != "gemm_fp8" or "fp8e4m3" in TARGET.dtypes]
 
@@ -82,7 +83,7 @@ def test_gemv_tiles_on_gpu(wl, block_m, block_k):
         assert c.ok, (c, s)
 
 
-SPLIT_CASES = [(flashgen.workload(op, M=m, N=330, K=1024, dtype="bf16", **kw), bm, split)
+SPLIT_CASES = [(flashgen.workload(op, M=m, N=330, K=2048, dtype="bf16", **kw), bm, split)
                for op, kw in (("gemm", {"with_bias": "yes", "act": "silu"}), ("gemm_w4a16", {"G": 128}), ("gemm_w8a8", {}))
                for m, bm, split in ((1, 1, 4), (17, 16, 2), (256, 64, 8)) if op != "gemm_w8a8" or bm >= 16]
 
@@ -91,20 +92,21 @@ SPLIT_CASES = [(flashgen.workload(op, M=m, N=330, K=1024, dtype="bf16", **kw), b
 def test_split_k_on_gpu(wl, block_m, split_k):
     """Split-K tiles, run twice with the same kernel: the last split of each tile merges and resets
     its counter, so the second call starts clean."""
-    s = {"block_m": block_m, "block_n": 32, "block_k": 64, "num_warps": 4 if block_m >= 16 else 2,
-         "num_stages": 3, "group_m": 8, "split_k": split_k}
+    s = {"block_m": block_m, "block_n": 32, "block_k": 128 if wl.op_name == "gemm_w4a16" else 64,
+         "num_warps": 4 if block_m >= 16 else 2, "num_stages": 3, "group_m": 8, "split_k": split_k}
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for seed in (4, 5):
         for c in check(wl, _run(kernel), seed, DEVICE):
             assert c.ok, (c, s, seed)
 
 
-@pytest.mark.parametrize("op, kw", [("gemm", {"with_residual": "yes"}), ("gemm_w8a8", {})], ids=["gemm", "w8a8"])
+@pytest.mark.parametrize("op, kw", [("gemm", {"with_residual": "yes"}), ("gemm_w8a8", {}), ("gemm_w4a16", {"G": 128})],
+                         ids=["gemm", "w8a8", "w4a16"])
 def test_persistent_tiles_on_gpu(op, kw):
     """Persistent programs, one per SM, walking more tiles than there are SMs; run twice."""
     wl = flashgen.workload(op, M=1000, N=1000, K=512, dtype="bf16", **kw)
-    s = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8, "split_k": 1,
-         "persistent": 1}
+    s = {"block_m": 64, "block_n": 64, "block_k": 128 if op == "gemm_w4a16" else 64, "num_warps": 4, "num_stages": 3,
+         "group_m": 8, "split_k": 1, "persistent": 1}
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for seed in (6, 7):
         for c in check(wl, _run(kernel), seed, DEVICE):
