@@ -17,6 +17,7 @@ products each thread holds per k step.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from flashgen.ir import dtypes
@@ -39,6 +40,7 @@ ADDED_KNOBS = {"split_k": 1, "persistent": 0}
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 
 
+@functools.lru_cache(maxsize=256)
 def _extents(wl: Workload) -> tuple[int, int, int, Contract]:
     [con] = [s for s in wl.op.body(wl.attr) if isinstance(s, Contract)]
     m, n = (eval_int(e, wl.dim) for e in wl.op.domain)
@@ -73,6 +75,7 @@ def operand_bytes(wl: Workload) -> int:
     return dtypes.BYTES[_operand(wl)]
 
 
+@functools.lru_cache(maxsize=1024)
 def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
     """Bytes loaded per element of the A and B tiles, after the prologue is made tile-shaped
     (flashgen/ir/prologue.py): a packed int4 word serves eight elements, a group's scale G elements,
@@ -103,12 +106,20 @@ def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
     return total(con.a), total(con.b)
 
 
+@functools.lru_cache(maxsize=256)
 def min_block_k(wl: Workload) -> int:
     """The shallowest k step: packed int4 words interleave INT4_PERIOD k (flashgen/quant.py), and a
     k step takes whole blocks of them."""
     _, _, _, con = _extents(wl)
     packed = any(prologue.packed_int4(e) for e in E.walk(con.b))
     return INT4_PERIOD if packed else 32
+
+
+@functools.lru_cache(maxsize=256)
+def accumulator_tiles(wl: Workload) -> int:
+    """Accumulator tiles a matrix tile keeps: two when int4 groups sum apart before their scale."""
+    affine = prologue.affine_codes(_extents(wl)[3].b, wl.dim)
+    return 2 if affine and prologue.segment_sums(affine) else 1
 
 
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
@@ -135,8 +146,7 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         if products < threads * MIN_PRODUCTS_PER_THREAD:
             return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile leaves some of {threads} threads idle"
         return None
-    affine = prologue.affine_codes(_extents(wl)[3].b, wl.dim)
-    tiles = 2 if affine and prologue.segment_sums(affine) else 1  # int4 groups sum apart before their scale
+    tiles = accumulator_tiles(wl)
     if tiles * s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
         return f"{tiles} {s['block_m']}x{s['block_n']} accumulator tile(s) do not fit {threads} threads' registers"
     if s["block_m"] * s["block_n"] < threads * 4 and s["num_warps"] > 2:

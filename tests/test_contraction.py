@@ -208,19 +208,20 @@ def test_shared_memory_rule_counts_what_prologues_load():
 
 
 def test_int4_matrix_tiles_unpack_in_the_operand_layout():
-    """A W4A16 matrix tile computes W x^T: one dot per run of 16 k (code j of 16 words), codes made
-    16-bit floats by an AND-OR with the exponent, the scale applied once per group, no reshape. On sm_90
-    the weight is wgmma's register operand: shared memory holds packed words, and no dequantized tile
-    is stored to it 2 bytes at a time."""
+    """A W4A16 matrix tile computes W x^T: code j of 16 words is a run of 16 k, made a 16-bit float by
+    an AND-OR with the exponent; the runs of one group (G=64: four) are joined into one operand tile,
+    one dot per group, the scale applied once per group, no reshape of loaded data through shared
+    memory. On sm_90 the weight is wgmma's register operand: shared memory holds packed words, and no
+    dequantized tile is stored to it 2 bytes at a time."""
     from flashgen.targets.triton.codegen import generate
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from disasm import opcodes, summary
     wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=512, G=64, dtype="bf16")
     s = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "group_m": 1}
     src = generate(wl, s).source
-    assert "tl.reshape" not in src and src.count("tl.dot(") == 256 // 16 and "tl.trans(" in src
-    assert src.count("| 17152).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0") == 16
-    assert src.count("seg = tl.zeros") == 256 // 64  # one segment per group of 64 k
+    assert src.count("| 17152).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0") == 256 // 16
+    assert src.count("tl.dot(") == src.count("seg = tl.zeros") == 256 // 64 and "tl.trans(" in src
+    assert src.count("tl.reshape(tl.permute(tl.join(tl.join(c") == 256 // 64
     sass = summary(opcodes(flashgen.compile(wl, "sm_90", schedule=s).binary))
     assert sass["wgmma"] > 0 and sass["sts_16bit"] <= 2, sass
 

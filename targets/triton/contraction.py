@@ -151,16 +151,32 @@ def _operand_tile(em: Emitter, e: E.Expr, scope: Scope, lets: dict, operand: str
     return v if raw else em.temp(scope, f"{v}.to({dtypes.TL[operand]})")
 
 
+def _joined(tiles: list[str]) -> str:
+    """Tiles of 16 k (code positions j, j+1, ...) as one [block_n, 16 * n] tile in k order: joined in
+    a tree (each join appends a dimension held in registers: the last one is the position's highest
+    bit), the position's bits moved before the 16 words, highest first, and reshaped. Triton's layouts make all of it a renaming of registers into the
+    matrix instruction's operand layout."""
+    if len(tiles) == 1:
+        return tiles[0]
+
+    def tree(ts: list[str]) -> str:
+        return ts[0] if len(ts) == 1 else f"tl.join({tree(ts[:len(ts) // 2])}, {tree(ts[len(ts) // 2:])})"
+
+    bits = len(tiles).bit_length() - 1
+    order = (0, *range(bits + 1, 1, -1), 1)
+    return f"tl.reshape(tl.permute({tree(tiles)}, {order}), [BLOCK_N, {RUN * len(tiles)}])"
+
+
 def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment: int, top: Scope, body: Scope,
               s: Schedule, kmask: bool, acc: str, operand: str) -> None:
     """The k loop of a matrix tile of int4 codes `(code - zero) * scale`, computed transposed:
     acc^T [block_n, block_m] = W x^T, so that the weight is the instruction's A operand, which Hopper's
-    warpgroup MMA reads from registers. Each k step loads [block_n, 16] words per 128 k and multiplies
-    code j of those words, a run of 16 consecutive k, by x at those k: the words go to the operand
-    layout as they are (shared memory holds packed words, never a dequantized tile), and a code costs
-    an AND-OR with a 16-bit float's exponent (1024 or 128 + code, exact) and a paired subtraction of
-    1032 or 136. Dots of code - 8 sum per segment (runs sharing a group) before the segment's scale;
-    a zero point other than 8 adds (8 - zero) times the segment's sum of x."""
+    warpgroup MMA reads from registers. Each k step loads [block_n, 16] words per 128 k; code j of
+    those words is a run of 16 consecutive k. A code costs an AND-OR with a 16-bit float's exponent
+    (1024 or 128 + code, exact) and a paired subtraction of 1032 or 136; the runs of a dot are joined
+    into one operand tile (`_joined`) without moving data, so shared memory holds packed words, never
+    a dequantized tile. Dots span the runs sharing a group (up to 128 k) and sum per segment before the
+    segment's scale; a zero point other than 8 adds (8 - zero) times the segment's sum of x."""
     word, zero, scale = affine
     rows, cols = em.emit(em.op.domain[0], top), em.emit(em.op.domain[1], top)
     t = word.tensor
@@ -176,7 +192,8 @@ def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment
     k_extent = em.emit(con.extent, body)
     offset = None if zero == E.Const(8) else zero
     direct = not prologue.segment_sums(affine)
-    for q in range(s["block_k"] // RUN):
+    per_dot = min(per_segment, 8) & -min(per_segment, 8)  # runs per dot: a power of two within one block
+    for q in range(0, s["block_k"] // RUN, per_dot):
         b, j = divmod(q, 8)
         if j == 0:
             body.line(f"kw{b} = k0 // 8 + {RUN * b} + tl.arange(0, {RUN})[None, :]")
@@ -184,14 +201,18 @@ def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment
             mask = " & ".join(m for m in (cmask, bound) if m)
             body.line(f"words{b} = tl.load({t}_ptr + c_t.to(tl.int64) * {t}_s0 + kw{b}"
                       + (f", mask={mask}, other=0)" if mask else ")"))
-        body.line(f"kx{q} = k0 + {RUN * q} + tl.arange(0, {RUN})[:, None]")
+        body.line(f"kx{q} = k0 + {RUN * q} + tl.arange(0, {RUN * per_dot})[:, None]")
         if kmask:
             body.line(f"kxm{q} = kx{q} < {k_extent}")
         x_scope = body.child(axes={"r": ("r_t", "rmask_t"), "k": (f"kx{q}", f"kxm{q}" if kmask else None)}, fresh=True)
         x = _operand_tile(em, con.a, x_scope, lets, operand)
-        shifted = f"words{b}" if j == 0 else f"(words{b} >> {4 * j})"
-        body.line(f"w{q} = (({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[operand]}, bitcast=True) "
-                  f"- {base + 8.0}")
+        runs = []
+        for jj in range(j, j + per_dot):
+            shifted = f"words{b}" if jj == 0 else f"(words{b} >> {4 * jj})"
+            body.line(f"c{jj} = (({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[operand]}, bitcast=True) "
+                      f"- {base + 8.0}")
+            runs.append(f"c{jj}")
+        body.line(f"w{q} = {_joined(runs)}")
         if direct:
             body.line(f"{acc}_t = tl.dot(w{q}, {x}, {acc}_t)")
             continue
@@ -202,8 +223,8 @@ def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment
         body.line(f"seg = tl.dot(w{q}, {x}, seg)")
         if offset is not None:
             body.line(f"xs += tl.sum({x}.to(tl.float32), axis=0)[None, :]")
-        if q % per_segment == per_segment - 1:
-            first = q - per_segment + 1
+        if (q + per_dot) % per_segment == 0:
+            first = q + per_dot - per_segment
             body.line(f"kseg{first} = k0 + {RUN * first}")
             seg_mask = None
             if kmask:
