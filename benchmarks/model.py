@@ -58,13 +58,14 @@ def main() -> None:
     ap.add_argument("--peer-batch", default=None,
                     help="batches for the transformers peers (default: --batch; 'none': no peers)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="model", help="result files: <out-dir>/<name>.json and .md")
     args = ap.parse_args()
     bw = copy_gbs()
     batches = [int(b) for b in args.batch.split(",")]
     rows: list[list] = []
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
-        write_results("model", ("system", "batch", "ttft_s", "tokens_per_s", "limit_tokens_per_s", "of_limit",
+        write_results(args.name, ("system", "batch", "ttft_s", "tokens_per_s", "limit_tokens_per_s", "of_limit",
                                 "decode_gemm_schedules"), rows,
                       {**environment(), "copy_gbs": bw}, args.out_dir,
                       f"Llama-3-8B-shaped random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
