@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=6)
     ap.add_argument("--part", default="decode,prefill")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--name", default="attention", help="result files: <out-dir>/<name>.json and .md")
     args = ap.parse_args()
     dev = torch.device("cuda")
     target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
@@ -112,7 +113,7 @@ def main() -> None:
                          roof / t["flashgen"], str(kern.schedule)])
             print(f"{kind:8s} {name:18s} flashgen {t['flashgen']:9.1f} us  {best_peer[1]} {best_peer[0]:9.1f}  "
                   f"roof {roof:8.1f}", flush=True)
-            write_results("attention", ("kind", "shape", "flashgen_us", "best_sdpa", "sdpa_us", "vs_sdpa",
+            write_results(args.name, ("kind", "shape", "flashgen_us", "best_sdpa", "sdpa_us", "vs_sdpa",
                                         "roofline_us", "of_roofline", "schedule"), rows,
                           {**environment(), "target": target.id, "copy_gbs": bw}, args.out_dir,
                           "vs_sdpa = fastest SDPA backend's time / flashgen time. Decode roofline: KV bytes / "
