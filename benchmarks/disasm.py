@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen.workload import Workload  # noqa: E402
+from flashgen.workload import Workload, recorded_workload  # noqa: E402
 
 SHAPES = {(8192, 8192): "8192x8192", (6144, 4096): "qkv", (28672, 4096): "gate_up", (4096, 14336): "down"}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -54,7 +54,8 @@ def summary(ops: collections.Counter) -> dict[str, int]:
         "loads_narrow": count(lambda o: o.startswith(("LDG.", "LDGSTS.")) and ".128" not in o),
         "tma": count(lambda o: o.startswith("UTMALDG")),
         "sts": count(lambda o: o.startswith("STS")),
-        "sts_16bit": count(lambda o: o.startswith("STS") and (".U16" in o or ".16" in o)),
+        # 2-byte stores; STSM (stmatrix, an epilogue's 16-byte matrix rows) is not one
+        "sts_16bit": count(lambda o: o.startswith("STS.") and (".U16" in o or ".16" in o)),
     }
 
 
@@ -67,7 +68,8 @@ def main() -> None:
     args = ap.parse_args()
     ops = args.ops.split(",")
     with replayed_records(args.records) as (db, _):
-        best = [r for r in db.best_all(args.target) if r.workload.get("op") in ops]
+        best = [r for r in db.best_all(args.target)
+                if r.workload.get("op") in ops and recorded_workload(r.workload, r.workload_key)]
     best.sort(key=lambda r: (ops.index(r.workload["op"]), SHAPES.get((r.workload["dims"]["N"], r.workload["dims"]["K"]), ""),
                              r.workload["dims"]["M"]))
     rows = []

@@ -78,6 +78,17 @@ class Workload:
             raise FlashgenError(f"not a workload JSON object ({e}): {d}") from None
 
 
+def recorded_workload(workload_json: Mapping[str, Any], workload_key: str) -> Workload | None:
+    """The workload a tuning record measured, as flashgen defines it today: None when its op is unknown
+    or has changed since (an attribute added, such as a new weight layout, gives another key: the
+    record measured another kernel)."""
+    try:
+        wl = Workload.from_json(workload_json)
+    except FlashgenError:
+        return None
+    return wl if wl.key == workload_key else None
+
+
 def workload(op: str, **kw: Any) -> Workload:
     """Bind an op's dims and attrs, validating each: `workload("rmsnorm", M=4096, N=8192, dtype="bf16")`."""
     o = get_op(op)

@@ -39,7 +39,7 @@ from flashgen.roofline import roofline_us
 from flashgen.ir.op import KERNEL_CLASSES
 from flashgen.schedules.features import analytic_latency_us, feature_matrix, feature_names
 from flashgen.targets.descriptor import Target
-from flashgen.workload import Workload
+from flashgen.workload import Workload, recorded_workload
 
 Schedule = Mapping[str, Any]
 Sample = tuple[Workload, Schedule, Target, float]   # an ok measurement and its latency_us
@@ -239,7 +239,9 @@ class XGBCostModel:
 
 def samples_from_records(records: Iterable[Any], kclass: str | None = None) -> list[Sample]:
     """(Workload, schedule, Target, latency_us) of the ok records, of one kernel class if given. Records
-    of ops or targets this flashgen does not know are skipped."""
+    of ops or targets this flashgen does not know are skipped, and so are records whose workload has
+    another key today (its op gained an attribute, such as a new weight layout, since: they measured
+    another kernel)."""
     from flashgen.targets.descriptor import load_targets
 
     targets = load_targets()
@@ -252,12 +254,9 @@ def samples_from_records(records: Iterable[Any], kclass: str | None = None) -> l
         target = by_id.get(r.target_key)
         if target is None:
             continue
-        text = canonical_json(r.workload)
+        text = canonical_json(r.workload) + r.workload_key
         if text not in workloads:
-            try:
-                workloads[text] = Workload.from_json(r.workload)
-            except FlashgenError:
-                workloads[text] = None
+            workloads[text] = recorded_workload(r.workload, r.workload_key)
         wl = workloads[text]
         if wl is None or (kclass is not None and wl.op.kclass != kclass):
             continue

@@ -17,7 +17,7 @@ from flashgen.ir.op import Reduce
 from flashgen.roofline import bytes_moved
 from flashgen.schedules.cost_model import (DEFAULT_OBJECTIVE, AnalyticPrior, CostModel, XGBCostModel,
                                            compare_objectives, model_path, needs_retrain,
-                                           samples_from_database, sidecar_path)
+                                           samples_from_database, samples_from_records, sidecar_path)
 from flashgen.schedules.features import FEATURE_NAMES, feature_matrix, features
 from flashgen.schedules.space import ScheduleSpace, domain
 from flashgen.targets import get_target, load_targets
@@ -283,3 +283,17 @@ def test_retrain_rule():
     assert not needs_retrain(1000, 1063) and needs_retrain(1000, 1064)   # 64 records before 20%
     assert needs_retrain(32, 39) and not needs_retrain(32, 38)
     assert needs_retrain(100, 90)                                          # not the database it knew
+
+
+def test_records_of_a_workload_whose_key_changed_are_not_samples():
+    """A record measured before its op gained an attribute (W4A16's packed layout) has another workload
+    key than its JSON gives today: it measured another kernel, and no model trains on it."""
+    wl = workload("gemm_w4a16", M=16, N=256, K=512, G=128, dtype="fp16")
+    s = ScheduleSpace(wl, H200).default()
+    old_json = {**wl.to_json(), "attrs": {k: v for k, v in wl.attr.items() if k != "pack"}}
+    now = Record(workload_key=wl.key, workload=wl.to_json(), target_key=H200.id, schedule=s, status="ok",
+                 latency_us=10.0, device="NVIDIA H200")
+    before = Record(workload_key="gemm_w4a16-0123456789abcdef", workload=old_json, target_key=H200.id, schedule=s,
+                    status="ok", latency_us=20.0, device="NVIDIA H200")
+    samples = samples_from_records([now, before], "contraction")
+    assert [lat for _, _, _, lat in samples] == [10.0]

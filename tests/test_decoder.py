@@ -177,6 +177,10 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
             wl = flashgen.workload(op, M=m, N=4096, K=4096, dtype="fp16", **kw)
             d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200",
                          schedule={"s": 1}, status="ok", latency_us=lat, device="NVIDIA H200"))
+        old = flashgen.workload("gemm_w4a16", M=256, N=4096, K=4096, G=128, dtype="fp16").to_json()
+        del old["attrs"]["pack"]  # measured before the interleaved layout: another kernel, not counted
+        d.add(Record(workload_key="gemm_w4a16-00000000000000ff", workload=old, target_key="cuda:sm_90/h200",
+                     schedule={"s": 1}, status="ok", latency_us=1.0, device="NVIDIA H200"))
     assert choose(db, 4096, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # bandwidth-bound: 4-bit weights
     assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200") == "w8a8"     # compute-bound: int8 tensor cores
     assert choose(db, 4096, 4096, 9999, "cuda:sm_90/h200") == "w8a8"
