@@ -18,17 +18,19 @@ from common import RESULTS, environment, print_table, replayed_records, write_re
 
 from flashgen.db import Database  # noqa: E402
 from flashgen.runtime.linear import choose  # noqa: E402
+from flashgen.workload import recorded_workload  # noqa: E402
 
 SHAPE_NAMES = {(8192, 8192): "8192x8192", (6144, 4096): "qkv", (28672, 4096): "gate_up", (4096, 14336): "down",
                (4096, 4096): "o"}
 
 
 def best_by_shape(db: Database, target: str) -> dict[tuple[int, int], dict[int, dict[str, float]]]:
-    """{(N, K): {M: {"w4a16": us, "w8a8": us}}} from the database's fastest correct records."""
+    """{(N, K): {M: {"w4a16": us, "w8a8": us}}} from the database's fastest correct records (of workloads
+    defined today: W4A16 records of an older weight layout measured another kernel)."""
     out: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
     for r in db.best_all(target):
         mode = {"gemm_w4a16": "w4a16", "gemm_w8a8": "w8a8"}.get(r.workload.get("op"))
-        if mode is None:
+        if mode is None or recorded_workload(r.workload, r.workload_key) is None:
             continue
         d = r.workload["dims"]
         per_m = out.setdefault((d["N"], d["K"]), {}).setdefault(d["M"], {})
