@@ -5,7 +5,8 @@ pipelining buffers), group_m (row tiles launched together so they share weight t
 split_k (programs sharing one tile's k range when the tiles alone leave SMs idle; the last of them
 to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilogue), persistent
 (0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
-tiles start while earlier tiles' epilogues finish).
+tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
+tiles copied by TMA descriptors instead of per-thread loads).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
@@ -36,7 +37,8 @@ MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
 GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row: the default up to 4 rows
 SPLIT_K_MIN_STEPS = 2  # k steps per split, at least: fewer only adds partial sums to merge
 # Knobs added after records existed, and the value a record without them was measured with.
-ADDED_KNOBS = {"split_k": 1, "persistent": 0}
+ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0}
+MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 
 
@@ -63,7 +65,26 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "num_stages": (1, 2) if amd else (2, 3, 4, 5),
             "group_m": (1, 8),
             "split_k": (1, 2, 4, 8),
-            "persistent": (0, 1, 2)}
+            "persistent": (0, 1, 2),
+            "tma": (0, 1) if tma_operands(wl) and target.vendor == "nvidia" and _sm(target) >= 90 else (0,)}
+
+
+def _sm(target: Target) -> int:
+    return int(target.arch.removeprefix("sm_")) if target.arch.startswith("sm_") else 0
+
+
+@functools.lru_cache(maxsize=256)
+def tma_operands(wl: Workload) -> tuple[str, str] | None:
+    """The A and B tensors when both operands are plain loads of the operand dtype at (r, k) and (c, k)
+    with rows a multiple of 16 elements apart: tiles that a TMA descriptor copies to shared memory
+    (zero-filled past the tensor's edges), with no prologue to apply on the way."""
+    _, _, k, con = _extents(wl)
+    operand = _operand(wl)
+    a, b = con.a, con.b
+    plain = (isinstance(a, E.Load) and isinstance(b, E.Load) and a.mask is None and b.mask is None
+             and a.indices == (E.Index("r"), E.Index("k")) and b.indices == (E.Index("c"), E.Index("k"))
+             and wl.tensor_dtype(a.tensor) == operand == wl.tensor_dtype(b.tensor))
+    return (a.tensor, b.tensor) if plain and k % 16 == 0 else None
 
 
 def _operand(wl: Workload) -> str:
@@ -137,6 +158,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return "persistent programs walk whole tiles: split_k must be 1"
     if s["split_k"] > 1 and -(-_extents(wl)[2] // s["block_k"]) < s["split_k"] * SPLIT_K_MIN_STEPS:
         return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {SPLIT_K_MIN_STEPS} k steps of {s['block_k']} each"
+    if s["tma"] and (s["block_m"] < MMA_MIN_ROWS or s["block_k"] > MAX_TMA_BOX):
+        return f"TMA copies serve matrix tiles of at least {MMA_MIN_ROWS} rows, at most {MAX_TMA_BOX} deep"
     if s["block_k"] > MAX_MMA_BLOCK_K and s["block_m"] >= MMA_MIN_ROWS:
         return f"k tiles deeper than {MAX_MMA_BLOCK_K} are for GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
     if s["block_m"] < MMA_MIN_ROWS:
@@ -193,6 +216,7 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
                 and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
         s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 64, "num_warps": 8,
              "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8, "split_k": 1, "persistent": 0}
+    s = {**ADDED_KNOBS, **s}
     s["block_k"] = max(s["block_k"], min_block_k(wl))
     for key in ("block_m", "block_n", "block_k"):
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]

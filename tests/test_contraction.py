@@ -126,11 +126,47 @@ def test_persistent_tiles_numerics(interpreter):
         assert c.ok, c
 
 
+TMA = [("gemm", {}, 1, 0), ("gemm", dict(with_bias="yes", act="silu"), 2, 0), ("gemm", {}, 1, 1), ("gemm_w8a8", {}, 1, 0)]
+
+
+@pytest.mark.parametrize("op, kw, split_k, persistent", TMA, ids=[f"{o}-{len(kw)}-s{sk}-p{p}" for o, kw, sk, p in TMA])
+def test_tma_tiles_numerics(interpreter, op, kw, split_k, persistent):
+    """A and W tiles copied by TMA descriptors (zero-filled past M, N and K: M=37, N=40, K=144 leave
+    partial tiles on every side), with split-K, persistent programs and a fused epilogue."""
+    wl = flashgen.workload(op, M=37, N=40, K=144, dtype="fp16", **kw)
+    s = {"block_m": 16, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 8,
+         "split_k": split_k, "persistent": persistent, "tma": 1}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    for c in interpreter.check(wl, s, "h200", seed=11):
+        assert c.ok, c
+
+
+def test_tma_rules_and_build():
+    """TMA tiles are offered on sm_90 for operands without a prologue, copied by UTMALDG; never on
+    sm_80 or AMD, nor for int4 weights or ALU tiles."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import opcodes, summary
+    wl = flashgen.workload("gemm", M=256, N=512, K=512, dtype="bf16")
+    assert ScheduleSpace(wl, get_target("h200")).knobs()["tma"] == (0, 1)
+    assert ScheduleSpace(wl, get_target("a100")).knobs()["tma"] == (0,)
+    assert ScheduleSpace(wl, get_target("mi300x")).knobs()["tma"] == (0,)
+    w4 = flashgen.workload("gemm_w4a16", M=256, N=512, K=512, G=128, dtype="bf16")
+    assert ScheduleSpace(w4, get_target("h200")).knobs()["tma"] == (0,)
+    s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": 1}
+    gemv = flashgen.workload("gemm", M=1, N=512, K=512, dtype="bf16")
+    assert "TMA" in ScheduleSpace(gemv, get_target("h200")).why_invalid({**s, "block_m": 1, "block_n": 64})
+    k = flashgen.compile(wl, "sm_90", schedule=s)
+    sass = summary(opcodes(k.binary))
+    assert sass["tma"] > 0 and sass["wgmma"] > 0 and sass["loads_16B"] == 0, sass
+    assert k.metadata["global_scratch_bytes"] > 0
+
+
 def test_split_k_rules_and_older_records():
     """A schedule recorded before split_k existed is read as split_k=1; splits need k steps to share."""
     space = ScheduleSpace(flashgen.workload("gemm", M=256, N=4096, K=1024), get_target("h200"))
     old = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8}
     assert space.is_valid(old) and space.complete(old)["split_k"] == 1 and space.complete(old)["persistent"] == 0
+    assert space.complete(old)["tma"] == 0
     assert "k steps" in space.why_invalid({**old, "block_k": 128, "split_k": 8})
     assert space.is_valid({**old, "split_k": 8})
     k = flashgen.compile(space.workload, "sm_90", schedule={**old, "split_k": 4})

@@ -34,7 +34,8 @@ def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     if files is None:
         ck = compile_aot(ks, wl, schedule, target)
         group = {Path(p).name: Path(p).read_bytes() for p in ck.metadata_group.values()}
-        info = {"binary_symbol": ck.metadata.name, "shared_bytes": ck.metadata.shared, "triton_hash": ck.hash}
+        info = {"binary_symbol": ck.metadata.name, "shared_bytes": ck.metadata.shared, "triton_hash": ck.hash,
+                "global_scratch_bytes": getattr(ck.metadata, "global_scratch_size", 0)}
         files = artifacts.store(key, {**group, "flashgen.json": json.dumps(info).encode()})
     info = json.loads(files["flashgen.json"].read_text())
     ck = load_compiled(ast_source(ks, wl), {n: str(p) for n, p in files.items() if n != "flashgen.json"},
@@ -43,6 +44,8 @@ def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     asm = {text_kind: ck.asm[text_kind], "ttgir": ck.asm["ttgir"]}
     meta = {"kernel_name": ks.name, "binary_symbol": info["binary_symbol"], "backend": "triton",
             "num_warps": schedule["num_warps"], "shared_bytes": info["shared_bytes"], "cache_key": key,
+            # per program: a launch provides grid x this many bytes of global scratch (TMA descriptors)
+            "global_scratch_bytes": info.get("global_scratch_bytes", 0),
             "signature": [a.name for a in ks.args],
             "constexprs": {a.name: a.value for a in ks.args if a.kind == "constexpr"},
             "tools": {"triton": triton.__version__, "torch": torch.__version__}}

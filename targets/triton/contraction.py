@@ -7,7 +7,8 @@ the L2. For tiles of 16 rows or more, the k loop loads an A tile [block_m, block
 the operand dtype and accumulates `tl.dot` in fp32 (or int32 for int8 operands); Triton pipelines the
 loop over `num_stages` buffers. Tiles of fewer rows are GEMVs on the ALUs (`_gemv`). With `split_k`,
 a third grid axis shares each tile's k range, and the last split to finish merges (`_merge_splits`).
-With `persistent`, a fixed number of programs per SM walk the tiles in turn. The epilogue (scales,
+With `persistent`, a fixed number of programs per SM walk the tiles in turn. With `tma` (sm_90,
+operands without a prologue), TMA descriptors copy the A and W tiles. The epilogue (scales,
 stores) runs on the accumulator tile.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, Let, Store, eval_int
-from flashgen.schedules.contraction_space import MMA_MIN_ROWS
+from flashgen.schedules.contraction_space import MMA_MIN_ROWS, tma_operands
 from flashgen.schedules.space import Schedule
 from flashgen.ir import prologue
 from flashgen.quant import INT4_PERIOD
@@ -263,6 +264,19 @@ def _b_tile_values(em: Emitter, con: Contract, unpacked: dict, grouped: dict, b_
         _group_rows(em, b_scope, load, var, con.extent if kmask else None)
 
 
+def _tma_k_loop(em: Emitter, con: Contract, tensors: tuple[str, str], top: Scope, body: Scope, acc: str) -> None:
+    """The k loop of a tile whose A and W tiles TMA descriptors copy (built on the device, in global
+    scratch the launcher provides): no address arithmetic or masks per thread, zeros past the edges."""
+    for t, rows, block in zip(tensors, ("pid_m * BLOCK_M", "pid_n * BLOCK_N"), ("BLOCK_M", "BLOCK_N")):
+        shape = ", ".join(em.emit(d, top) for d in em.op.tensors[t].shape)
+        top.line(f"{t}_desc = tl.make_tensor_descriptor({t}_ptr, shape=[{shape}], strides=[{t}_s0, 1], "
+                 f"block_shape=[{block}, BLOCK_K])")
+    top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
+    a, b = tensors
+    body.line(f"{acc} = tl.dot({a}_desc.load([pid_m * BLOCK_M, k0]), {b}_desc.load([pid_n * BLOCK_N, k0]).T, {acc}, "
+              f"out_dtype={ACC[con.acc]})")
+
+
 def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked: dict, grouped: dict,
             top: Scope, b_scope: Scope, kmask: bool, acc: str) -> None:
     """The k loop of a tile: A and B tiles through their prologues, then `tl.dot`."""
@@ -364,6 +378,8 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc)
     elif affine and _operand(con, attrs) in INT4_MAGIC:
         _mma_int4(em, con, lets, affine, per_segment, top, b_scope, s, kmask, acc, _operand(con, attrs))
+    elif s.get("tma"):
+        _tma_k_loop(em, con, tma_operands(wl), top, b_scope, acc)
     else:
         _k_loop(em, op, con, lets, b_expr, unpacked, grouped, top, b_scope, kmask, acc)
     em.named[con.name] = acc

@@ -24,6 +24,21 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{props.major}{props.minor}"
 
 
+def _scratch_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for a launch, from torch's caching allocator (inside a CUDA graph capture, from
+    the graph's pool): kernels that build TMA descriptors on the device write them there."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Triton asks a per-context allocator for such scratch at launch; give it one if none is set."""
+    import triton
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch_allocator)
+
+
 class TritonLauncher:
     """Holds the compiled kernel and the argument recipe; a launch only gathers arguments."""
 
@@ -106,4 +121,6 @@ class TritonLauncher:
                 raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
                                     f"compile it for the running device's target")
             self._devices_ok.add(index)
+        if getattr(self.compiled.metadata, "global_scratch_size", 0):
+            _ensure_scratch_allocator()
         self.compiled[g](*args)
