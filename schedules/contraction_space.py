@@ -70,6 +70,7 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
 
 
 def _sm(target: Target) -> int:
+    """The NVIDIA compute capability as a number (90 for sm_90), 0 for other vendors."""
     return int(target.arch.removeprefix("sm_")) if target.arch.startswith("sm_") else 0
 
 
@@ -212,7 +213,7 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
              "num_stages": stages, "group_m": 8, "split_k": 1, "persistent": 0}
     else:
         # Wide tiles feed Hopper's warpgroup MMA best; older matrix units prefer square 128 tiles.
-        wide = (target.vendor == "nvidia" and int(target.arch.removeprefix("sm_")) >= 90
+        wide = (target.vendor == "nvidia" and _sm(target) >= 90
                 and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
         s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 64, "num_warps": 8,
              "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8, "split_k": 1, "persistent": 0}
