@@ -34,13 +34,29 @@ def nvdisasm() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
 
 
-def opcodes(cubin: bytes) -> collections.Counter:
-    """Opcode counts (with modifiers) of a cubin's SASS."""
+def sass_text(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(nvdisasm()), f.name], check=True, capture_output=True, text=True).stdout
-    return collections.Counter(OPCODE.findall(sass))
+        return subprocess.run([str(nvdisasm()), f.name], check=True, capture_output=True, text=True).stdout
+
+
+def opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode counts (with modifiers) of a cubin's SASS."""
+    return collections.Counter(OPCODE.findall(sass_text(cubin)))
+
+
+def loop_opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode counts of the longest loop (the widest backward branch): a GEMM's steady k loop, whose
+    count per k step says what a tile costs, apart from the pipeline's prologue and epilogue."""
+    lines = sass_text(cubin).splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)  # a branch to itself is no loop body
+             if (m := re.search(r"BRA `?\(?(\.L_x_\d+)", line)) and labels.get(m.group(1), i) < i - 1]
+    if not spans:
+        return collections.Counter()
+    first, last = max(spans, key=lambda sp: sp[1] - sp[0])
+    return collections.Counter(OPCODE.findall("\n".join(lines[first:last + 1])))
 
 
 def summary(ops: collections.Counter) -> dict[str, int]:
@@ -78,15 +94,17 @@ def main() -> None:
         d = wl.dim
         kernel = flashgen.compile(wl, args.target, schedule=rec.schedule)
         s = summary(opcodes(kernel.binary))
+        loop = sum(loop_opcodes(kernel.binary).values())
         rows.append([wl.op_name, SHAPES.get((d["N"], d["K"]), f"{d['N']}x{d['K']}"), d["M"], rec.latency_us,
-                     *s.values(), str(rec.schedule)])
+                     *s.values(), loop, str(rec.schedule)])
         print(f"[{i + 1}/{len(best)}] {wl.op_name} M={d['M']} N={d['N']} K={d['K']}: {s}", flush=True)
     meta = environment(f"{args.target} (AOT, no GPU)")
-    header = ("op", "shape", "M", "recorded_us", *summary(collections.Counter()), "schedule")
+    header = ("op", "shape", "M", "recorded_us", *summary(collections.Counter()), "k_loop_instructions", "schedule")
     write_results("disasm", header, rows, meta, args.out_dir,
                   "Counts over the whole SASS of each workload's fastest recorded schedule (static instructions, "
                   "not executions). wgmma: HGMMA/IGMMA/QGMMA (sm_90 warpgroup MMA); warp_mma: HMMA/IMMA; "
-                  "loads_16B: LDG.128 and LDGSTS.128 (cp.async); tma: UTMALDG; sts_16bit: 2-byte shared stores.")
+                  "loads_16B: LDG.128 and LDGSTS.128 (cp.async); tma: UTMALDG; sts_16bit: 2-byte shared stores. "
+                  "k_loop_instructions: static instructions of the widest loop (one k step per thread).")
     print_table(("op", "shape", "M", "us", "wgmma", "warp_mma", "loads_16B", "loads_narrow", "sts_16bit"),
                 [(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[10]) for r in rows])
 

@@ -262,6 +262,33 @@ def test_int4_matrix_tiles_unpack_in_the_operand_layout():
     assert sass["wgmma"] > 0 and sass["sts_16bit"] <= 2, sass
 
 
+def test_int4_ptx_unpack():
+    """ptx_unpack: two codes per AND-OR in inline PTX, on NVIDIA int4 matrix tiles only; fewer
+    instructions than the Triton expressions, still no 2-byte shared stores. (Triton's interpreter runs
+    no PTX: its numerics are checked on the GPU.)"""
+    from flashgen.targets.triton.codegen import generate
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import loop_opcodes, opcodes, summary
+    wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=4096, G=128, dtype="bf16")
+    assert ScheduleSpace(wl, get_target("h200")).knobs()["ptx_unpack"] == (0, 1)
+    assert ScheduleSpace(wl, get_target("mi300x")).knobs()["ptx_unpack"] == (0,)
+    assert ScheduleSpace(flashgen.workload("gemm", M=16, N=256, K=512), get_target("h200")).knobs()["ptx_unpack"] == (0,)
+    s = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 1}
+    gemv = ScheduleSpace(wl.with_dims(M=1), get_target("h200"))
+    assert "PTX" in gemv.why_invalid({**s, "block_m": 1, "block_n": 16, "ptx_unpack": 1})
+    src = generate(wl, {**s, "ptx_unpack": 1}).source
+    assert src.count("tl.inline_asm_elementwise(") == 8 and "fma.rn.bf16x2" in src and "pack=2" in src
+    counts = {}
+    for target in ("sm_90", "sm_80"):
+        for u in (0, 1):
+            binary = flashgen.compile(wl, target, schedule={**s, "ptx_unpack": u}).binary
+            assert summary(opcodes(binary))["sts_16bit"] == 0
+            loop = loop_opcodes(binary)  # the k loop: one step of 128 x 64 codes
+            assert any(op.startswith(("HGMMA", "HMMA")) for op in loop), (target, u, loop)
+            counts[target, u] = sum(loop.values())
+        assert counts[target, 1] < 0.85 * counts[target, 0], counts
+
+
 def test_int4_generic_prologue_unpacks_tiles():
     """A group size that is no multiple of 16 leaves the fused path: the tile's words are loaded once,
     unpacked by a reshape in k order, and each group's scale row is loaded per k (K=200 also pads)."""

@@ -83,6 +83,20 @@ def test_gemv_tiles_on_gpu(wl, block_m, block_k):
         assert c.ok, (c, s)
 
 
+PTX_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1024, dtype=dt, **kw)
+             for dt in ("bf16", "fp16") for kw in ({"G": 128}, {"G": 64, "zp": "asym"}) for m in (17, 100)]
+
+
+@pytest.mark.parametrize("wl", PTX_CASES, ids=case_id)
+def test_int4_ptx_unpack_on_gpu(wl):
+    """int4 matrix tiles unpacked by inline PTX (two codes per AND-OR), partial row and column tiles."""
+    s = {"block_m": 16 if wl.dim["M"] < 64 else 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3,
+         "group_m": 8, "ptx_unpack": 1}
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    for c in check(wl, _run(kernel), 15, DEVICE):
+        assert c.ok, (c, s)
+
+
 SPLIT_CASES = [(flashgen.workload(op, M=m, N=330, K=2048, dtype="bf16", **kw), bm, split)
                for op, kw in (("gemm", {"with_bias": "yes", "act": "silu"}), ("gemm_w4a16", {"G": 128}), ("gemm_w8a8", {}))
                for m, bm, split in ((1, 1, 4), (17, 16, 2), (256, 64, 8)) if op != "gemm_w8a8" or bm >= 16]

@@ -29,6 +29,21 @@ ACC = {"fp32": "tl.float32", "int32": "tl.int32"}
 MAGIC = 8388608.0  # 2^23: an fp32 with 2^23's exponent holds a small integer in its low mantissa bits
 # A 16-bit float's bits, and its value, whose low mantissa bits hold a 4-bit code exactly.
 INT4_MAGIC = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}
+# Per 16-bit float: the PTX type, 1.0 and -(magic + 8) as a pair of 16-bit values.
+PAIR = {"bf16": ("bf16x2", 0x3F803F80, 0xC308C308), "fp16": ("f16x2", 0x3C003C00, 0xE408E408)}
+
+
+def _ptx_codes(operand: str, j: int) -> str:
+    """Inline PTX for code j - 8 of two words at once (`pack=2`: the two 16-bit results share a
+    register): PRMT gathers the half-words holding code j of both words, a shift and one LOP3 put each
+    code under the 16-bit float's exponent, one paired FMA subtracts magic + 8."""
+    kind, one, minus = PAIR[operand]
+    magic = INT4_MAGIC[operand][0]
+    shift = f"shr.b32 t, t, {4 * (j % 4)}; " if j % 4 else ""
+    return ("{ .reg .b32 t, one, minus; "
+            f"prmt.b32 t, $1, $2, {0x5410 if j < 4 else 0x7632:#x}; {shift}"
+            f"lop3.b32 t, t, 0x000F000F, {magic << 16 | magic:#x}, 0xEA; "
+            f"mov.b32 one, {one:#x}; mov.b32 minus, {minus:#x}; fma.rn.{kind} $0, t, one, minus; }}")
 RUN = prologue.RUN
 
 
@@ -209,9 +224,13 @@ def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment
         x = _operand_tile(em, con.a, x_scope, lets, operand)
         runs = []
         for jj in range(j, j + per_dot):
-            shifted = f"words{b}" if jj == 0 else f"(words{b} >> {4 * jj})"
-            body.line(f"c{jj} = (({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[operand]}, bitcast=True) "
-                      f"- {base + 8.0}")
+            if s.get("ptx_unpack"):
+                body.line(f"c{jj} = tl.inline_asm_elementwise(\"{_ptx_codes(operand, jj)}\", \"=r,r,r\", [words{b}], "
+                          f"dtype={dtypes.TL[operand]}, is_pure=True, pack=2)")
+            else:
+                shifted = f"words{b}" if jj == 0 else f"(words{b} >> {4 * jj})"
+                body.line(f"c{jj} = (({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[operand]}, bitcast=True) "
+                          f"- {base + 8.0}")
             runs.append(f"c{jj}")
         body.line(f"w{q} = {_joined(runs)}")
         if direct:
