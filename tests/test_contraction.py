@@ -289,6 +289,16 @@ def test_int4_ptx_unpack():
         assert counts[target, 1] < 0.85 * counts[target, 0], counts
 
 
+@pytest.mark.parametrize("block_m", [2, 16])
+def test_int4_groups_not_dividing_the_k_tile(interpreter, block_m):
+    """G=48 (a multiple of 16 that does not divide a 128-deep k tile): the codes sharing a scale are
+    counted from group boundaries, not from each tile's start; ALU and matrix tiles."""
+    wl = flashgen.workload("gemm_w4a16", M=5, N=40, K=384, G=48, dtype="fp16", zp="asym")
+    s = {"block_m": block_m, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 2, "group_m": 1}
+    for c in interpreter.check(wl, s, "h200", seed=16):
+        assert c.ok, c
+
+
 def test_int4_generic_prologue_unpacks_tiles():
     """A group size that is no multiple of 16 leaves the fused path: the tile's words are loaded once,
     unpacked by a reshape in k order, and each group's scale row is loaded per k (K=200 also pads)."""

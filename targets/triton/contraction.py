@@ -82,10 +82,11 @@ def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool)
 
 
 def segment_runs(affine: tuple, dims: dict[str, int], block_k: int) -> int:
-    """How many consecutive runs of RUN k share one zero point and scale (within a k step)."""
+    """How many consecutive runs of RUN k share one zero point and scale, counted from a k step's start:
+    segments must divide both the groups and the k step (G=48 under 128-deep steps: one run each)."""
     _, zero, scale = affine
     periods = [p for p in (prologue.k_period(e, dims) for e in (zero, scale) if e is not None) if p is not None]
-    return min(math.gcd(*periods) if periods else block_k, block_k) // RUN
+    return math.gcd(*periods, block_k) // RUN
 
 
 def _int4_terms(em: Emitter, con: Contract, affine: tuple, per_segment: int, b_scope: Scope,
