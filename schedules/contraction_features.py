@@ -15,7 +15,7 @@ import numpy as np
 
 from flashgen.ir import dtypes
 from flashgen.roofline import bytes_moved
-from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, _operand, load_bytes
+from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, load_bytes, operand_dtype
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
@@ -34,7 +34,7 @@ STEP_LATENCY_US = 0.35  # one k step's load latency, hidden in proportion to the
 
 
 def _peak_tflops(wl: Workload, target: Target) -> float:
-    op = _operand(wl)
+    op = operand_dtype(wl)
     peaks = target.peak_tflops
     return float(peaks.get(op, peaks.get("bf16", peaks.get("fp32", 1.0))))
 
@@ -43,7 +43,7 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     m, n, k, _ = _extents(wl)
     kv = {name: np.asarray([float(s.get(name, ADDED_KNOBS.get(name))) for s in schedules]) for name in KNOBS}
     bm, bn, bk, split = kv["block_m"], kv["block_n"], kv["block_k"], kv["split_k"]
-    ob = dtypes.BYTES[_operand(wl)]
+    ob = dtypes.BYTES[operand_dtype(wl)]
     flops = 2.0 * m * n * k
     nbytes = float(bytes_moved(wl))
     peak = _peak_tflops(wl, target) * 1e6  # flop per us

@@ -68,12 +68,13 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "split_k": (1, 2, 4, 8),
             "persistent": (0, 1, 2),
             "tma": (0, 1) if tma_operands(wl) and target.vendor == "nvidia" and _sm(target) >= 90 else (0,),
-            "ptx_unpack": (0, 1) if target.vendor == "nvidia" and _int4_affine(wl) else (0,)}
+            "ptx_unpack": (0, 1) if target.vendor == "nvidia" and int4_affine(wl) else (0,)}
 
 
 @functools.lru_cache(maxsize=256)
-def _int4_affine(wl: Workload) -> bool:
-    return prologue.affine_codes(_extents(wl)[3].b, wl.dim) is not None
+def int4_affine(wl: Workload) -> tuple | None:
+    """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)."""
+    return prologue.affine_codes(_extents(wl)[3].b, wl.dim)
 
 
 def _sm(target: Target) -> int:
@@ -87,7 +88,7 @@ def tma_operands(wl: Workload) -> tuple[str, str] | None:
     with rows a multiple of 16 elements apart: tiles that a TMA descriptor copies to shared memory
     (zero-filled past the tensor's edges), with no prologue to apply on the way."""
     _, _, k, con = _extents(wl)
-    operand = _operand(wl)
+    operand = operand_dtype(wl)
     a, b = con.a, con.b
     plain = (isinstance(a, E.Load) and isinstance(b, E.Load) and a.mask is None and b.mask is None
              and a.indices == (E.Index("r"), E.Index("k")) and b.indices == (E.Index("c"), E.Index("k"))
@@ -95,13 +96,13 @@ def tma_operands(wl: Workload) -> tuple[str, str] | None:
     return (a.tensor, b.tensor) if plain and k % 16 == 0 else None
 
 
-def _operand(wl: Workload) -> str:
+def operand_dtype(wl: Workload) -> str:
     _, _, _, con = _extents(wl)
     return wl.attr[con.operand[1:]] if con.operand.startswith("$") else con.operand
 
 
 def operand_bytes(wl: Workload) -> int:
-    return dtypes.BYTES[_operand(wl)]
+    return dtypes.BYTES[operand_dtype(wl)]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -147,14 +148,14 @@ def min_block_k(wl: Workload) -> int:
 @functools.lru_cache(maxsize=256)
 def accumulator_tiles(wl: Workload) -> int:
     """Accumulator tiles a matrix tile keeps: two when int4 groups sum apart before their scale."""
-    affine = prologue.affine_codes(_extents(wl)[3].b, wl.dim)
+    affine = int4_affine(wl)
     return 2 if affine and prologue.segment_sums(affine) else 1
 
 
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     if s["block_k"] % min_block_k(wl):
         return f"int4 words interleave {INT4_PERIOD} k: block_k must be a multiple of {INT4_PERIOD}"
-    if operand_bytes(wl) == 1 and dtypes.is_float(_operand(wl)) and _extents(wl)[2] % s["block_k"]:
+    if operand_bytes(wl) == 1 and dtypes.is_float(operand_dtype(wl)) and _extents(wl)[2] % s["block_k"]:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
     a_bytes, b_bytes = load_bytes(wl, s["block_k"])
     smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
@@ -193,21 +194,21 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     kn = knobs(wl, target)
     stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
     sms = max(int(target.sm_count), 1)
-    if m <= GEMV_INT4_DEFAULT_M and prologue.affine_codes(con.b, wl.dim):
+    if m <= GEMV_INT4_DEFAULT_M and int4_affine(wl):
         # int4 codes summed on the ALUs (no dequantized tile for a matrix instruction): 16-column tiles
         # for many programs, and deep k steps of 4 warps, so that every SM has warps to issue from and
         # kilobytes of words in flight (measured on the H200: 512-deep k steps ran 2.4-2.7x faster than 128- or
         # 256-deep ones).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
              "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1, "persistent": 0}
-    elif m <= 64 and prologue.affine_codes(con.b, wl.dim):
+    elif m <= 64 and int4_affine(wl):
         # int4 codes unpacked into the weight operand of 64-row matrix tiles (one warpgroup), 128 k per
         # step, with K split until about two programs run per SM: the unpacking is the work.
         tiles = -(-n // 64) * -(-m // max(16, _p2(m)))
         split = max([sp for sp in (1, 2, 4) if tiles * sp <= 2 * sms and -(-k // 128) >= sp * SPLIT_K_MIN_STEPS] or [1])
         s = {"block_m": max(16, _p2(m)), "block_n": 64, "block_k": 128, "num_warps": 4,
              "num_stages": min(4, kn["num_stages"][-1]), "group_m": 8, "split_k": split, "persistent": 0}
-    elif prologue.affine_codes(con.b, wl.dim):
+    elif int4_affine(wl):
         # Large M: int4 matrix tiles of 128 x 128 (a group's sums and the tile's in registers), 8 warps.
         s = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
              "split_k": 1, "persistent": 0}

@@ -18,7 +18,7 @@ import math
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, Let, Store, eval_int
-from flashgen.schedules.contraction_space import MMA_MIN_ROWS, tma_operands
+from flashgen.schedules.contraction_space import MMA_MIN_ROWS, int4_affine, operand_dtype, tma_operands
 from flashgen.schedules.space import Schedule
 from flashgen.ir import prologue
 from flashgen.quant import INT4_PERIOD
@@ -31,6 +31,7 @@ MAGIC = 8388608.0  # 2^23: an fp32 with 2^23's exponent holds a small integer in
 INT4_MAGIC = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}
 # Per 16-bit float: the PTX type, 1.0 and -(magic + 8) as a pair of 16-bit values.
 PAIR = {"bf16": ("bf16x2", 0x3F803F80, 0xC308C308), "fp16": ("f16x2", 0x3C003C00, 0xE408E408)}
+RUN = prologue.RUN
 
 
 def _ptx_codes(operand: str, j: int) -> str:
@@ -44,12 +45,6 @@ def _ptx_codes(operand: str, j: int) -> str:
             f"prmt.b32 t, $1, $2, {0x5410 if j < 4 else 0x7632:#x}; {shift}"
             f"lop3.b32 t, t, 0x000F000F, {magic << 16 | magic:#x}, 0xEA; "
             f"mov.b32 one, {one:#x}; mov.b32 minus, {minus:#x}; fma.rn.{kind} $0, t, one, minus; }}")
-RUN = prologue.RUN
-
-
-def _operand(con: Contract, attrs: dict) -> str:
-    """The dtype a contraction's operands meet the matrix instruction in."""
-    return attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
 
 
 def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
@@ -297,17 +292,15 @@ def _tma_k_loop(em: Emitter, con: Contract, tensors: tuple[str, str], top: Scope
               f"out_dtype={ACC[con.acc]})")
 
 
-def _k_loop(em: Emitter, op, con: Contract, lets: dict, b_expr: E.Expr, unpacked: dict, grouped: dict,
-            top: Scope, b_scope: Scope, kmask: bool, acc: str) -> None:
+def _k_loop(em: Emitter, con: Contract, lets: dict, b_expr: E.Expr, unpacked: dict, grouped: dict,
+            top: Scope, b_scope: Scope, kmask: bool, acc: str, operand: str) -> None:
     """The k loop of a tile: A and B tiles through their prologues, then `tl.dot`."""
-    attrs = em.attrs
     top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
     a_scope = b_scope.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None)}, fresh=True)
     a_scope.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
     if kmask:
         a_scope.line(f"kmask_a = ka < {em.emit(con.extent, a_scope)}")
     _b_tile_values(em, con, unpacked, grouped, b_scope, kmask)
-    operand = _operand(con, attrs)
     tiles = [_operand_tile(em, e, scope, lets, operand) for e, scope in ((con.a, a_scope), (b_expr, b_scope))]
     b_scope.line(f"{acc} = tl.dot({tiles[0]}, {tiles[1]}, {acc}, out_dtype={ACC[con.acc]})")
 
@@ -392,16 +385,17 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     unpacked: dict[E.Load, str] = {}
     grouped: dict[E.Load, str] = {}
     b_expr = prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped)
-    affine = prologue.affine_codes(con.b, wl.dim) if s["block_k"] % INT4_PERIOD == 0 else None
+    affine = int4_affine(wl) if s["block_k"] % INT4_PERIOD == 0 else None
     per_segment = segment_runs(affine, wl.dim, s["block_k"]) if affine else 0
+    operand = operand_dtype(wl)
     if s["block_m"] < MMA_MIN_ROWS:
         _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc)
-    elif affine and _operand(con, attrs) in INT4_MAGIC:
-        _mma_int4(em, con, lets, affine, per_segment, top, b_scope, s, kmask, acc, _operand(con, attrs))
+    elif affine and operand in INT4_MAGIC:
+        _mma_int4(em, con, lets, affine, per_segment, top, b_scope, s, kmask, acc, operand)
     elif s.get("tma"):
         _tma_k_loop(em, con, tma_operands(wl), top, b_scope, acc)
     else:
-        _k_loop(em, op, con, lets, b_expr, unpacked, grouped, top, b_scope, kmask, acc)
+        _k_loop(em, con, lets, b_expr, unpacked, grouped, top, b_scope, kmask, acc, operand)
     em.named[con.name] = acc
     out = _merge_splits(top, acc, con.acc) if split_k > 1 else top
     for st in body[body.index(con) + 1:]:

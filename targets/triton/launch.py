@@ -49,6 +49,8 @@ class TritonLauncher:
         self._devices_ok: set[int] = set()  # GPUs whose architecture was checked against the target
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}  # (scratch name, device) -> buffer
         self._outgrown: list[torch.Tensor] = []  # kept alive: CUDA graphs captured earlier still use them
+        # TMA descriptors built on the device live in global scratch that Triton's launcher allocates
+        self._global_scratch = bool(getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0))
 
     def scratch(self, name: str, dims: Mapping[str, int], device: torch.device) -> torch.Tensor:
         """The kernel's scratch buffer on `device`, at least as large as these dims need. A buffer too
@@ -121,6 +123,6 @@ class TritonLauncher:
                 raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
                                     f"compile it for the running device's target")
             self._devices_ok.add(index)
-        if getattr(self.compiled.metadata, "global_scratch_size", 0):
+        if self._global_scratch:
             _ensure_scratch_allocator()
         self.compiled[g](*args)
