@@ -68,9 +68,10 @@ def quantize_rtn(w: torch.Tensor, bits: int, group: int | None = None, symmetric
 INT4_PERIOD = 128  # k per block of sixteen interleaved words
 
 
-def packed_words(k: int) -> int:
-    """Words per row of a packed [N, K] int4 weight (K padded to a multiple of INT4_PERIOD)."""
-    return -(-k // INT4_PERIOD) * (INT4_PERIOD // 8)
+def packed_words(k):
+    """Words per row of a packed [N, K] int4 weight (K padded to a multiple of INT4_PERIOD): of an int,
+    or of an IR dim expression (the op's tensor shape)."""
+    return (k + INT4_PERIOD - 1) // INT4_PERIOD * (INT4_PERIOD // 8)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from flashgen.ir.expr import Const, Dim, Index, Load, Ref, clamp, erf, rint, sig
 from flashgen.ir.op import DTYPE, Contract, Op, Store, TensorSpec
 from flashgen.oplib._common import M, N, c, f64, r, randn
 from flashgen.ir.prologue import int4_code
-from flashgen.quant import INT4_PERIOD, pack_int4, quantize_rtn, unpack_int4
+from flashgen.quant import pack_int4, packed_words, quantize_rtn, unpack_int4
 
 K = Dim("K")
 k = Index("k")
@@ -152,7 +152,7 @@ W4A16 = _contraction_op(
     "gemm_w4a16", "y = epilogue(x @ dequant(w_int4).T): 4-bit weights packed 8 per int32 (interleaved, "
     "flashgen/quant.py), group or per-channel scales, symmetric or with zero points", ("M", "N", "K", "G"),
     (TensorSpec("x", (M, K), DTYPE),
-     TensorSpec("w_packed", (N, (K + INT4_PERIOD - 1) // INT4_PERIOD * (INT4_PERIOD // 8)), "int32"),
+     TensorSpec("w_packed", (N, packed_words(K)), "int32"),
      TensorSpec("scales", (N, K // Dim("G")), DTYPE),
      TensorSpec("zeros", (N, K // Dim("G")), "int8", when=(("zp", ("asym",)),))),
     # group: scales per G consecutive k (applied in the k loop), or channel: G=K, applied to the sum.
