@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+import triton
+from triton.runtime import _allocation
 
 from flashgen.errors import FlashgenError
 from flashgen.ir.op import eval_int
@@ -32,9 +34,6 @@ def _scratch_allocator(size: int, alignment: int, stream: int | None) -> torch.T
 
 def _ensure_scratch_allocator() -> None:
     """Triton asks a per-context allocator for such scratch at launch; give it one if none is set."""
-    import triton
-    from triton.runtime import _allocation
-
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_scratch_allocator)
 
