@@ -4,7 +4,7 @@ plus the prior's best few schedules, every candidate checked against the float64
 database's best is what is timed.
 
     python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
-        [--shapes 8192x8192,qkv,gate_up,down] [--name gemm]
+        [--shapes 8192x8192,qkv,o,gate_up,down] [--name gemm] [--fix tma=1 ...]
 
 Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
 dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
@@ -31,7 +31,8 @@ from flashgen.schedules.tuner import tune  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
 from flashgen.targets.triton.launch import device_arch  # noqa: E402
 
-SHAPES = {"8192x8192": (8192, 8192), "qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"8192x8192": (8192, 8192), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}
 OPS = ("gemm", "gemm_w4a16", "gemm_w8a8", "gemm_fp8")
 
 
@@ -78,7 +79,10 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="gemm", help="result files: <out-dir>/<name>.json and .md")
+    ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
+                    help="tune only schedules with this knob value (repeatable); the database's best is timed")
     args = ap.parse_args()
+    fixed = {k: int(v) for k, _, v in (f.partition("=") for f in args.fix)}
     dev = torch.device("cuda")
     target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
     bw = copy_gbs()
@@ -92,7 +96,8 @@ def main() -> None:
                 n, k = SHAPES[shape]
                 for m in map(int, args.ms.split(",")):
                     wl = make_workload(op, m, n, k)
-                    res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, **session)
+                    res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, fixed=fixed,
+                               **session)
                     if res.best is None:
                         print(f"{wl}: no correct schedule", flush=True)
                         continue

@@ -102,21 +102,36 @@ def _workloads(args: argparse.Namespace) -> list:
     return [flashgen.workload(args.op, **kw)]
 
 
+def _fixed_knobs(pairs: list[tuple[str, str]]) -> dict[str, int]:
+    """--fix NAME=VALUE pairs as knob values (every knob is an integer)."""
+    out = {}
+    for name, value in pairs:
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise FlashgenError(f"--fix {name}={value}: knob values are integers") from None
+    return out
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.db import Database
+    from flashgen.schedules.space import ScheduleSpace
     from flashgen.schedules.tuner import plot_history, tune
 
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
     target = resolve_target(args.target, args.targets_dir)
     wls = _workloads(args)
+    fixed = _fixed_knobs(args.fix)
     for wl in wls:
         check_supported(wl, target)
+        ScheduleSpace(wl, target, tuple(sorted(fixed.items()))).knobs()  # unknown knob or value: stop before tuning
     results = []
     with Database(args.db) as db:
         for wl in wls:
-            res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr)
+            res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr,
+                       fixed=fixed)
             results.append(res)
             if res.best is None:
                 print(f"{wl}: no schedule ran correctly ({res.measured} measured)")
@@ -259,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=64, help="new measurements per workload (default 64)")
     t.add_argument("--strategy", default="evolutionary", choices=("evolutionary", "random", "exhaustive"))
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--fix", type=_pair, action="append", default=[], metavar="KNOB=VALUE",
+                   help="propose only schedules with this knob value, e.g. --fix tma=1 (repeatable)")
     t.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
     t.add_argument("--plot", help="write best-so-far against trials to this PNG")
     t.add_argument("--targets-dir", help="a folder of extra descriptor files")

@@ -24,9 +24,10 @@ On the cpu target (TVM backend, LLVM) the same knobs mean:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
+from flashgen.errors import FlashgenError
 from flashgen.schedules import contraction_space
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -60,19 +61,33 @@ def domain(wl: Workload) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ScheduleSpace:
-    """The knobs of one kernel class for one workload on one target, with their validity rules."""
+    """The knobs of one kernel class for one workload on one target, with their validity rules.
+
+    `fixed` pins knobs to one value each ((name, value) pairs), so that a tune can study one knob on
+    purpose (`flashgen tune --fix tma=1`) instead of waiting for the search to try it."""
     workload: Workload
     target: Target
+    fixed: tuple[tuple[str, int], ...] = ()
 
     @property
     def kclass(self) -> str:
         return self.workload.op.kclass
 
     def knobs(self) -> dict[str, tuple[int, ...]]:
+        knobs = self._all_knobs()
+        for name, value in self.fixed:
+            if name not in knobs:
+                raise FlashgenError(f"fixed knob {name}: the {self.kclass} space has no such knob (knobs: {', '.join(knobs)})")
+            if value not in knobs[name]:
+                raise FlashgenError(f"fixed knob {name}={value}: not one of {knobs[name]} for {self.workload} on {self.target.id}")
+            knobs[name] = (value,)
+        return knobs
+
+    def _all_knobs(self) -> dict[str, tuple[int, ...]]:
         if self.kclass == "contraction":
-            return contraction_space.knobs(self.workload, self.target)
+            return dict(contraction_space.knobs(self.workload, self.target))
         if self.kclass == "attention":
-            return PREFILL_KNOBS if self._attention_kind() == "prefill" else DECODE_KNOBS
+            return dict(PREFILL_KNOBS if self._attention_kind() == "prefill" else DECODE_KNOBS)
         rows, cols = domain(self.workload)
         pc, pr = next_pow2(cols), next_pow2(rows)
         block_c = tuple(b for b in (2 ** i for i in range(17)) if b <= pc and (b >= 16 or b == pc))
@@ -132,6 +147,11 @@ class ScheduleSpace:
         from flashgen.ir.op import Attend
         return next(st.kind for st in self.workload.op.body(self.workload.attr) if isinstance(st, Attend))
 
+    def pinned_default(self) -> Schedule | None:
+        """The default with the fixed knobs set, or None when that combination is not valid."""
+        s = {**self.default(), **dict(self.fixed)}
+        return s if self.is_valid(s) else None
+
     def __iter__(self) -> Iterator[Schedule]:
         knobs = self.knobs()
         for values in itertools.product(*knobs.values()):
@@ -141,7 +161,10 @@ class ScheduleSpace:
 
     def default(self) -> Schedule:
         """Analytic choice: whole row per tile up to 8192 elements, 16-byte loads per thread, enough
-        rows per program to give every thread work, warps to keep ~8 elements per thread."""
+        rows per program to give every thread work, warps to keep ~8 elements per thread. Fixed knobs
+        do not change it: it is the unrestricted space's default (`pinned_default` applies them)."""
+        if self.fixed:
+            return replace(self, fixed=()).default()
         if self.kclass == "contraction":
             s = contraction_space.default(self.workload, self.target)
             assert self.is_valid(s), (s, self.why_invalid(s))

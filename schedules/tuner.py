@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Mapping, TextIO
 
 from flashgen import __version__
 from flashgen.db import Database, Record
@@ -74,10 +74,12 @@ def _record(wl: Workload, target: Target, device: str, r: MeasureResult) -> Reco
 
 def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: str = "evolutionary",
          seed: int = 0, batch: int = 16, builder: Builder | None = None, runner: Runner | None = None,
-         device_name: str | None = None, progress: TextIO | None = None) -> TuneResult:
-    """Measure up to `trials` new schedules of `wl` on `target`, recording each in `db`."""
+         device_name: str | None = None, progress: TextIO | None = None,
+         fixed: Mapping[str, int] | None = None) -> TuneResult:
+    """Measure up to `trials` new schedules of `wl` on `target`, recording each in `db`; `fixed` pins
+    knobs (name -> value) so that only schedules with those values are proposed."""
     t0 = time.perf_counter()
-    space = ScheduleSpace(wl, target)
+    space = ScheduleSpace(wl, target, tuple(sorted((fixed or {}).items())))
     own_builder, own_runner = builder is None, runner is None
     builder = builder or Builder(target)
     runner = runner or Runner(target, seed=seed)
@@ -86,11 +88,12 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
     known = {schedule_key(space.complete(r.schedule)): r for r in db.records(wl.key, target.id)}
     # Only the evolutionary search is guided by the learned model; the others need no training.
     model = CostModel.for_database(db.path, wl.op.kclass) if strategy == "evolutionary" else None
+    in_space = [r for r in known.values() if space.is_valid(r.schedule)]
     strat = make_strategy(strategy, space, model, seed,
-                          measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in known.values()])
-    default = space.default()
-    pending_default = schedule_key(default) not in known
-    total = min(trials, len(list(space)) - len(known))
+                          measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in in_space])
+    default = space.pinned_default()
+    pending_default = default is not None and schedule_key(default) not in known
+    total = min(trials, len(list(space)) - len(in_space))
     bar = Progress(wl, total, roofline_us(wl, target), progress)
     history: list[float | None] = []
     try:
@@ -118,7 +121,7 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
             builder.close()
         if own_runner:
             runner.close()
-    d = known.get(schedule_key(default))
+    d = known.get(schedule_key(default)) if default is not None else None
     return TuneResult(wl, db.best(wl.key, target.id), d.latency_us if d and d.status == "ok" else None,
                       len(history), history, time.perf_counter() - t0)
 

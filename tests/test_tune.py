@@ -67,3 +67,25 @@ def test_tune_gpu_target_without_gpu_is_a_clear_error(tmp_path, capsys):
     code = main(["tune", "rmsnorm", "--dim", "M=8", "--dim", "N=512", "--target", "h200", "--trials", "2",
                  "--db", str(tmp_path / "t.db")])
     assert code == 2 and "needs that GPU" in capsys.readouterr().err
+
+
+def test_tune_fix_pins_a_knob_and_counts_only_its_subspace(tmp_path, capsys):
+    wl = flashgen.workload("silu_mul", M=16, N=1000, dtype="fp32")
+    target = get_target("cpu")
+    with Database(tmp_path / "t.db") as db:
+        tune(wl, target, db, 3, strategy="random", seed=1, progress=None)          # records outside the pin too
+        pinned = tune(wl, target, db, 3, strategy="evolutionary", seed=2, progress=None, fixed={"block_c": 32})
+        records = db.records(wl.key, target.id)
+    assert pinned.measured == 3
+    assert sum(r.schedule["block_c"] == 32 for r in records) >= 3
+    space = ScheduleSpace(wl, target, (("block_c", 32),))
+    assert space.knobs()["block_c"] == (32,) and all(s["block_c"] == 32 for s in space)
+    assert space.pinned_default() == {**space.default(), "block_c": 32}
+    from flashgen.db.record import schedule_key
+    [first] = [r for r in records if r.schedule_key == schedule_key(space.pinned_default())]
+    assert pinned.default_us == first.latency_us        # the pinned default is measured first
+    for bad, msg in ((["--fix", "stages=2"], "no such knob"), (["--fix", "block_c=33"], "not one of"),
+                     (["--fix", "block_c=x"], "integers")):
+        code = main(["tune", "silu_mul", "--dim", "M=16", "--dim", "N=1000", "--dtype", "fp32", "--target", "cpu",
+                     "--trials", "1", "--db", str(tmp_path / "t.db"), *bad])
+        assert code == 2 and msg in capsys.readouterr().err
