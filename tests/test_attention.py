@@ -185,3 +185,12 @@ def test_tables_wider_than_the_cache(interpreter):
     wl = decode(NB=6, MAXB=8, L=100)
     for c in interpreter.check(wl, DEFAULT, "h200", seed=4):
         assert c.ok, c
+
+
+def test_split_scratch_carries_no_stale_partials(interpreter):
+    """One launcher, calls with different context lengths in turn: a long call leaves partial results
+    in splits that a later, shorter call leaves empty, and the merge must not read them."""
+    wl = decode(BS=16, L=300, MAXB=20, NB=80)
+    checks = interpreter.check(wl, {"pages": 1, "num_warps": 4, "num_stages": 2, "splits": 16}, "h200",
+                               seed=[5, 6, 7, 8])
+    assert len(checks) == 4 and all(c.ok for c in checks), checks

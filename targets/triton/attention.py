@@ -152,28 +152,33 @@ def _split_scratch(g_pad: int, splits: int, d: int) -> tuple[Scratch, ...]:
 
 def _combine(top: Scope, dt: str, fp8: bool) -> None:
     """Split-KV epilogue: the split that finishes last for its (sequence, KV head) merges every split's
-    partial result and resets the counter, so one launch does flash-decoding with no combine kernel."""
+    partial result and resets the counter, so one launch does flash-decoding with no combine kernel.
+    Only the group's real rows and the splits that had keys (split * span < ctx) are stored and read:
+    the merge is one program's serial work, and a context much shorter than L leaves most splits empty."""
     top.line("tile = ((b * Hkv + kvh) * SPLITS + split) * G_PAD + g")
-    top.line("tl.store(part_acc_ptr + tile.to(tl.int64) * D + dd[None, :], acc)")
-    top.line("tl.store(part_ml_ptr + tile * 2, m_i)")
-    top.line("tl.store(part_ml_ptr + tile * 2 + 1, l_i)")
+    top.line("keep = gmask & (lo < ctx)")
+    top.line("tl.store(part_acc_ptr + tile.to(tl.int64) * D + dd[None, :], acc, mask=keep)")
+    top.line("tl.store(part_ml_ptr + tile * 2, m_i, mask=keep)")
+    top.line("tl.store(part_ml_ptr + tile * 2 + 1, l_i, mask=keep)")
     top.line("tl.debug_barrier()")
     top.line("finished = tl.atomic_add(done_ptr + b * Hkv + kvh, 1)  # acq_rel at gpu scope")
     top.line("if finished == SPLITS - 1:")
     last = top.child(top.indent + "    ")
     last.line("tl.debug_barrier()")
     last.line("first = (b * Hkv + kvh) * SPLITS * G_PAD + g")
-    last.line("sp = tl.arange(0, SPLITS)[None, :] * G_PAD")
-    last.line("m_all = tl.load(part_ml_ptr + (first + sp) * 2, volatile=True)")
-    last.line("l_all = tl.load(part_ml_ptr + (first + sp) * 2 + 1, volatile=True)")
+    last.line("sp = tl.arange(0, SPLITS)[None, :]")
+    last.line("live = gmask & (sp * span < ctx)")
+    last.line("m_all = tl.load(part_ml_ptr + (first + sp * G_PAD) * 2, mask=live, other=float(\"-inf\"), volatile=True)")
+    last.line("l_all = tl.load(part_ml_ptr + (first + sp * G_PAD) * 2 + 1, mask=live, other=0.0, volatile=True)")
     last.line("m_top = tl.max(m_all, axis=1)[:, None]")
     last.line("m_top = tl.where(m_top == float(\"-inf\"), 0.0, m_top)")
     last.line("l_sum = tl.sum(l_all * tl.math.exp2(m_all - m_top), axis=1)[:, None]")
     last.line("merged = tl.zeros([G_PAD, D], tl.float32)")
     last.line("for i in tl.static_range(SPLITS):")
     last.line("    row = first + i * G_PAD")
-    last.line("    w_i = tl.math.exp2(tl.load(part_ml_ptr + row * 2, volatile=True) - m_top)")
-    last.line("    merged += tl.load(part_acc_ptr + row.to(tl.int64) * D + dd[None, :], volatile=True) * w_i")
+    last.line("    live_i = gmask & (i * span < ctx)")
+    last.line("    w_i = tl.math.exp2(tl.load(part_ml_ptr + row * 2, mask=live_i, other=float(\"-inf\"), volatile=True) - m_top)")
+    last.line("    merged += tl.load(part_acc_ptr + row.to(tl.int64) * D + dd[None, :], mask=live_i, other=0.0, volatile=True) * w_i")
     last.line("out = merged / tl.where(l_sum == 0.0, 1.0, l_sum)" + (" * v_scale" if fp8 else ""))
     last.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
     last.line("tl.atomic_xchg(done_ptr + b * Hkv + kvh, 0)")

@@ -16,7 +16,7 @@ from flashgen.schedules.space import Schedule
 from flashgen.workload import Workload
 
 
-def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seed: int,
+def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seeds: list[int],
                     params: dict[str, float] | None) -> list[dict[str, Any]]:
     from flashgen.targets.descriptor import get_target
     from flashgen.targets.kernel import bind_dims
@@ -29,7 +29,8 @@ def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seed: i
     def run(inputs, outputs, full_params):
         launcher({**inputs, **outputs}, full_params, bind_dims(wl, inputs))
 
-    return [asdict(c) for c in check(wl, run, seed, params=params)]
+    # one launcher for every seed: its scratch buffers carry over from call to call, as in the runtime
+    return [asdict(c) for seed in seeds for c in check(wl, run, seed, params=params)]
 
 
 class InterpreterPool:
@@ -47,9 +48,11 @@ class InterpreterPool:
             else:
                 os.environ["TRITON_INTERPRET"] = old
 
-    def check(self, wl: Workload, schedule: Schedule, target: str, seed: int,
+    def check(self, wl: Workload, schedule: Schedule, target: str, seed: int | list[int],
               params: dict[str, float] | None = None) -> list[OutputCheck]:
-        rows = self.pool.apply(_check_in_child, (wl.to_json(), schedule, target, seed, params))
+        """Every output's check, for each seed in turn (one kernel launcher serves all the seeds)."""
+        seeds = [seed] if isinstance(seed, int) else list(seed)
+        rows = self.pool.apply(_check_in_child, (wl.to_json(), schedule, target, seeds, params))
         return [OutputCheck(**r) for r in rows]
 
     def close(self) -> None:
