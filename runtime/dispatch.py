@@ -3,7 +3,8 @@
 For each call the dispatcher binds the op's dims from the tensors (row dims such as M vary per call),
 then picks a schedule: the database's best for exactly this workload; else the best of the nearest
 tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
-largest below; failing that, the same in the other 16-bit float dtype); else the analytic default.
+largest below, and among those the nearest in the other row dims, such as a decode's context
+length; failing that, the same in the other 16-bit float dtype); else the analytic default.
 Kernels are compiled once per (workload, schedule) and come from the on-disk artifact cache after
 that, so a warm start compiles nothing. Every decision is kept
 (and logged at DEBUG) for `flashgen explain`.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +84,12 @@ def _other_half(attrs: Mapping[str, str]) -> dict[str, str]:
     return {**attrs, "dtype": swap[attrs["dtype"]]} if attrs.get("dtype") in swap else {}
 
 
+def _distance(dims: Mapping[str, int], wl: Workload) -> float:
+    """How far a record's other row dims are from the call's, as summed |log2| ratios: between records
+    of one bucket size, the nearest wins (a decode schedule tuned for a 4k context, not a 128k one)."""
+    return sum(abs(math.log2(max(1, dims.get(d, 1)) / max(1, wl.dim[d]))) for d in wl.op.row_dims[1:])
+
+
 class Dispatcher:
     def __init__(self, target: Target | str | None = None, db: str | os.PathLike | None = None):
         self._target = get_target(target) if isinstance(target, str) else target
@@ -127,11 +135,13 @@ class Dispatcher:
                 all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
         other = _other_half(wl.attr)
         for attrs, note in [(wl.attr, "")] + ([(other, f", tuned in {other['dtype']}")] if other else []):
-            tuned = [(rec.workload["dims"][row], rec) for rec in best if rec.workload.get("attrs") == attrs]
+            tuned = [(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
+                     if rec.workload.get("attrs") == attrs]
             if tuned:
                 m = wl.dim[row]
                 above = [t for t in tuned if t[0] >= m]
-                size, rec = min(above, key=lambda t: t[0]) if above else max(tuned, key=lambda t: t[0])
+                size, _, rec = (min(above, key=lambda t: t[:2]) if above else
+                                max(tuned, key=lambda t: (t[0], -t[1])))
                 return Decision(wl, target.id, rec.schedule, f"bucket {row}={size}{note}")
         return None
 

@@ -85,6 +85,27 @@ def test_dispatch_exact_bucket_default(tmp_path, capsys):
     assert "bucket M=64" in capsys.readouterr().out
 
 
+def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
+    """Decode records of one batch size tuned at several context capacities: a call takes the nearest
+    capacity's schedule, whichever record the database lists first."""
+    h200 = get_target("h200")
+    dims = dict(Hq=32, Hkv=8, D=128, BS=16, dtype="bf16")
+    near = {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": 8}
+    far = {"pages": 8, "num_warps": 4, "num_stages": 2, "splits": 32}
+    for order in ((far, near), (near, far)):
+        db_path = tmp_path / f"{len(list(tmp_path.iterdir()))}.db"
+        with Database(db_path) as db:
+            for s in order:
+                length = 131072 if s is far else 4096
+                wl = flashgen.workload("paged_decode_attention", B=1, NB=length // 16, MAXB=length // 16, L=length, **dims)
+                _record(db, wl, s, 5.0)
+        call = flashgen.workload("paged_decode_attention", B=1, NB=700, MAXB=512, L=8192, **dims)
+        d = Dispatcher(h200, db_path).choose(call, h200)
+        assert (d.source, d.schedule) == ("bucket B=1", near)
+        call = flashgen.workload("paged_decode_attention", B=1, NB=20000, MAXB=16384, L=131072 * 2, **dims)
+        assert Dispatcher(h200, db_path).choose(call, h200).schedule == far
+
+
 def test_warm_start_compiles_nothing(monkeypatch):
     """A second process-like dispatcher finds the kernel in the artifact cache: no Triton compile."""
     x, w = torch.randn(8, 3072, dtype=torch.bfloat16), torch.randn(3072, dtype=torch.bfloat16)
