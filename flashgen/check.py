@@ -76,6 +76,13 @@ def check(wl: Workload, run: Run, seed: int, device: torch.device | str = "cpu",
     inputs = wl.op.make_inputs(wl.dim, wl.attr, gen)
     outs = poisoned(wl, wl.dim, device)
     full = {**wl.op.params, **(params or {})}
-    run({k: v.to(device) for k, v in inputs.items()}, outs, full)
-    ref = wl.op.reference(inputs, full, wl.dim, wl.attr)
-    return compare(wl, outs, ref)
+    ref = wl.op.reference(inputs, full, wl.dim, wl.attr)   # before the run: it may update inputs in place
+    given = {k: v.to(device, copy=True) for k, v in inputs.items()}
+    run(given, outs, full)
+    return compare(wl, judged(wl, outs, given), ref)
+
+
+def judged(wl: Workload, outs: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a run is judged on: its outputs, and the inputs it updates in place (a KV cache),
+    which the reference gives whole, as they should be after the call."""
+    return {**outs, **{t.name: inputs[t.name] for t in wl.inputs if t.written}}

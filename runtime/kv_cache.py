@@ -64,7 +64,8 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.manager = BlockManager(num_blocks, block_size, pad_block)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' keys and values at their slots (block * block_size + offset)."""
-        self.k[layer].view(-1, *self.k[layer].shape[2:])[slots] = k
-        self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v
+    def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values as [slots, heads, head_dim], a slot being block * block_size +
+        offset: what `rope_cache` writes new tokens into."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])

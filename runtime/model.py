@@ -2,7 +2,8 @@
 KV cache, computing with flashgen's generated kernels.
 
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
-decode token), packed along one token axis. Norms, the residual add, SiLU·mul and RoPE run as
+decode token), packed along one token axis. Norms, the residual add, SiLU·mul and RoPE (with the
+new tokens' keys and values written into the cache in the same launch) run as
 `torch.ops.flashgen` ops on every device; linears and attention run as generated GEMM and attention
 kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one used). Linears may
 be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
@@ -155,9 +156,10 @@ class Decoder:
             q = qkv[:, :nq].reshape(-1, c.num_heads, c.head_dim)
             k = qkv[:, nq:nq + nk].reshape(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)
-            q, k = torch.ops.flashgen.rope(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin)
-            cache.write(i, batch.slots, k, v)
-            a = self.attention(q, k, v.contiguous(), cache, i, batch).reshape(-1, nq)
+            v = v.contiguous()
+            q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin, v,
+                                                 batch.slots, *cache.slot_views(i))
+            a = self.attention(q, k, v, cache, i, batch).reshape(-1, nq)
             x = self.linear(a, L["o"])
             h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["post_norm"], c.rms_norm_eps)
             x = self.linear(torch.ops.flashgen.silu_mul(self.linear(h, L["gate_up"])), L["down"])

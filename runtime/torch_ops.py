@@ -1,7 +1,8 @@
 """Every op as a torch.library custom op, `torch.ops.flashgen.<op>`, with a fake (meta) implementation
 so that it works inside torch.compile and CUDA-graph capture.
 
-The schema comes from the op's description: its inputs in order, then its params (floats with their
+The schema comes from the op's description: its inputs in order (those it updates in place, such as a
+KV cache, marked mutable), then its params (floats with their
 defaults) and its string attrs (dtype defaults to the first input's, which an int8 or fp8 GEMM must
 override with its output dtype); it returns the op's outputs. Dims no tensor shape determines are passed as a trailing `int[] dims` in the op's dim order
 (empty when the shapes say everything). CPU tensors run the `cpu` target's kernels, CUDA tensors the
@@ -37,7 +38,9 @@ def _attr_default(op: Op, a: str) -> str:
 
 def schema(op: Op) -> str:
     """The op's schema: tensors (optional ones as Tensor?, None when left out), params, attrs, dims; returns its outputs."""
-    args = [f"Tensor? {t.name}=None" if t.when else f"Tensor {t.name}" for t in op.inputs]  # optional ones trail
+    written = iter("abcdefghijklmnopqrstuvwxyz")  # inputs updated in place get an alias set each: Tensor(a!)
+    args = [f"Tensor? {t.name}=None" if t.when else f"Tensor({next(written)}!) {t.name}" if t.written
+            else f"Tensor {t.name}" for t in op.inputs]  # optional ones trail
     args += [f"float {p}={v!r}" for p, v in op.params.items()]
     args += [f"str {a}='{_attr_default(op, a)}'" for a in _attr_names(op)]
     args.append("int[] dims=[]")

@@ -55,13 +55,20 @@ class _WorkloadState:
         self.inputs = {k: v.to(device) for k, v in host.items()}
         ref_in = {k: v.to(device) for k, v in host.items()}
         self.ref = wl.op.reference(ref_in, wl.op.params, wl.dim, wl.attr)
+        # inputs a kernel updates in place, as drawn: restored before each check, so that a candidate
+        # is never judged on what an earlier one wrote
+        self.pristine = {t.name: ref_in[t.name].clone() for t in wl.inputs if t.written}
+
+    def restore(self) -> None:
+        for name, v in self.pristine.items():
+            self.inputs[name].copy_(v)
 
 
 def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs: int) -> None:
     """Worker loop: receive (workload JSON, schedule, seed), answer a result dict."""
     import torch
 
-    from flashgen.check import compare, poisoned
+    from flashgen.check import compare, judged, poisoned
     from flashgen.roofline import bytes_moved
     from flashgen.schedules.timing import cpu_time, gpu_time
     from flashgen.targets.descriptor import get_target
@@ -92,8 +99,9 @@ def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs
                 states[(wl.key, seed)] = _WorkloadState(wl, device, seed)
             st = states[(wl.key, seed)]
             outs = poisoned(wl, wl.dim, device)
+            st.restore()
             kernel.run(st.inputs, outs)
-            bad = [c for c in compare(wl, outs, st.ref) if not c.ok]
+            bad = [c for c in compare(wl, judged(wl, outs, st.inputs), st.ref) if not c.ok]
             if bad:
                 conn.send({"status": "wrong_result", "error": "; ".join(
                     f"{c.tensor}: error {c.error:.3g} > {c.tolerance:g} {c.detail}".strip() for c in bad)})

@@ -21,6 +21,10 @@ def numerics_cases(Ms=(1, 3, 17), Ns=(1, 127, 5120, 11008), dtypes=("fp32", "fp1
         for style in ("neox", "gptj"):
             out.append(workload("rope", M=m, Hq=hq, Hkv=hkv, D=d, L=97, style=style,
                                 dtype=dtypes[i % len(dtypes)]))
+    # the decoder's rope: keys and values land at M of NS cache slots, the other slots left alone
+    for i, (m, d, hq, hkv, ns) in enumerate([(1, 64, 4, 1, 33), (3, 128, 8, 2, 3), (17, 64, 5, 5, 50)]):
+        out.append(workload("rope_cache", M=m, Hq=hq, Hkv=hkv, D=d, L=97, NS=ns,
+                            style=("neox", "gptj")[i % 2], dtype=dtypes[(i + 1) % len(dtypes)]))
     return out
 
 

@@ -12,6 +12,8 @@ TARGETS = ("sm_80", "sm_90", "gfx90a", "gfx942")
 def _workload(op: str):
     if op == "rope":
         return flashgen.workload("rope", M=7, Hq=8, Hkv=2, D=128, L=512, dtype="bf16")
+    if op == "rope_cache":
+        return flashgen.workload("rope_cache", M=7, Hq=8, Hkv=2, D=128, L=512, NS=4096, dtype="bf16")
     return flashgen.workload(op, M=33, N=4096, dtype="bf16")
 
 

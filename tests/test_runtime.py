@@ -34,6 +34,19 @@ def test_custom_ops_on_cpu_tensors():
     rwl = flashgen.workload("rope", M=3, Hq=4, Hkv=2, D=64, L=16, dtype="fp32", style="gptj")
     ref = rwl.op.reference({"q": q, "k": k, "positions": pos, "cos_sin": cs}, {}, rwl.dim, rwl.attr)
     assert rel(qo, ref["q_out"]) < 1e-5 and rel(ko, ref["k_out"]) < 1e-5
+    # rope_cache: the same rotation, and k and v stored at their slots of the caches passed in (in place)
+    v = torch.randn(3, 2, 64, generator=g)
+    kc, vc = torch.randn(10, 2, 64, generator=g), torch.randn(10, 2, 64, generator=g)
+    before = kc.clone()
+    slots = torch.tensor([7, 0, 4])
+    qo2, ko2 = torch.ops.flashgen.rope_cache(q, k, pos, cs, v, slots, kc, vc, style="gptj")
+    assert rel(qo2, ref["q_out"]) < 1e-5 and rel(ko2, ref["k_out"]) < 1e-5
+    assert torch.equal(kc[slots], ko2) and torch.equal(vc[slots], v)
+    rest = torch.ones(10, dtype=torch.bool).index_fill_(0, slots, False)
+    assert torch.equal(kc[rest], before[rest])
+    from flashgen.oplib import get_op
+    from flashgen.runtime.torch_ops import schema
+    assert "Tensor(a!) k_cache, Tensor(b!) v_cache" in schema(get_op("rope_cache"))
 
 
 def test_torch_compile_sees_through_fake_impls():

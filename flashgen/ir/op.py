@@ -26,6 +26,7 @@ class TensorSpec:
     dtype: str  # a concrete dtype name, DTYPE or OUT_DTYPE
     touched: E.Expr | None = None  # elements a kernel reads, when less than the shape (gathered tables)
     when: tuple[tuple[str, tuple[str, ...]], ...] = ()  # present only where each attr has one of these values
+    written: bool = False  # an input the kernel updates in place (a KV cache): Stores may target it
 
     def present(self, attrs: Mapping[str, str]) -> bool:
         return all(attrs.get(a) in values for a, values in self.when)

@@ -4,6 +4,9 @@ Layout: q [M, Hq, D], k [M, Hkv, D]; positions [M] (int64, one per token); cos_s
 cos(pos * f_i) in columns [0, D/2) and sin in [D/2, D). `style` neox rotates the halves
 (x[i], x[i + D/2]); gptj rotates interleaved pairs (x[2i], x[2i + 1]). The kernel domain is one row
 per token and one column per rotated pair of every head, q heads first.
+
+`rope_cache` is the decoder's form: it also stores each token's rotated k and its v at its slot
+(block * block_size + offset) of a KV cache viewed as [NS, Hkv, D], updating the cache in place.
 """
 from __future__ import annotations
 
@@ -17,10 +20,15 @@ Hq, Hkv, D, L = Dim("Hq"), Dim("Hkv"), Dim("D"), Dim("L")
 HALF = D // 2
 
 
-def _build(a) -> tuple:
+def _pairs(a) -> tuple:
+    """This column's head h, whether it is a q or a k head, and the two elements it rotates."""
     h, i = c // HALF, c % HALF
-    is_q, is_k = h < Hq, h >= Hq
     i1, i2 = (i, i + HALF) if a["style"] == "neox" else (2 * i, 2 * i + 1)
+    return h, h < Hq, h >= Hq, i, i1, i2
+
+
+def _build(a) -> tuple:
+    h, is_q, is_k, i, i1, i2 = _pairs(a)
     pos = Load("positions", (r,))
 
     def both(idx):  # the element of q or of k that this column rotates
@@ -32,6 +40,17 @@ def _build(a) -> tuple:
             Let("x1", both(i1)), Let("x2", both(i2)),
             *(Store("q_out", (r, h, idx), v, is_q) for _, idx, v in out),
             *(Store("k_out", (r, h - Hq, idx), v, is_k) for _, idx, v in out))
+
+
+def _build_cache(a) -> tuple:
+    """RoPE, and each token's rotated k and its v stored at its slot of the paged cache, which the k
+    columns' programs do: the decode step's cache write needs no launch of its own."""
+    h, _, is_k, _, i1, i2 = _pairs(a)
+    slot, kvh = Load("slots", (r,)), h - Hq
+    rope = _build(a)
+    rotated = [st for st in rope if isinstance(st, Store) and st.tensor == "k_out"]
+    return (*rope, *(Store("k_cache", (slot, kvh, st.indices[2]), st.value, is_k) for st in rotated),
+            *(Store("v_cache", (slot, kvh, idx), Load("v", (r, kvh, idx), is_k), is_k) for idx in (i1, i2)))
 
 
 def cos_sin_cache(max_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -63,6 +82,26 @@ def _inputs(d, a, g) -> dict:
             "cos_sin": cos_sin_cache(d["L"], d["D"])}
 
 
+def _reference_cache(t, p, d, a) -> dict:
+    out = _reference(t, p, d, a)
+    k_cache, v_cache = f64(t["k_cache"]).clone(), f64(t["v_cache"]).clone()
+    k_cache[t["slots"]], v_cache[t["slots"]] = out["k_out"], f64(t["v"])
+    return {**out, "k_cache": k_cache, "v_cache": v_cache}
+
+
+def _inputs_cache(d, a, g) -> dict:
+    return {**_inputs(d, a, g), "v": randn((d["M"], d["Hkv"], d["D"]), a["dtype"], g),
+            "slots": torch.randperm(d["NS"], generator=g)[:d["M"]],
+            "k_cache": randn((d["NS"], d["Hkv"], d["D"]), a["dtype"], g),
+            "v_cache": randn((d["NS"], d["Hkv"], d["D"]), a["dtype"], g)}
+
+
+def _check_cache(d, a) -> str | None:
+    if d["NS"] < d["M"]:
+        return f"rope_cache writes each of M={d['M']} tokens to its own slot: NS={d['NS']} slots cannot hold them"
+    return _check(d, a)
+
+
 def _check(d, a) -> str | None:
     return None if d["D"] % 2 == 0 else f"rope needs an even head dim D, got D={d['D']}"
 
@@ -79,4 +118,16 @@ ROPE = Op(
     build=_build, reference=_reference, make_inputs=_inputs, check_dims=_check,
 )
 
-OPS = (ROPE,)
+NS = Dim("NS")
+ROPE_CACHE = Op(
+    name="rope_cache", kclass="pointwise",
+    doc="rope, plus each token's rotated k and its v written to its slot of a KV cache (in place)",
+    dims=("M", "Hq", "Hkv", "D", "L", "NS"), row_dims=("M", "NS"),
+    inputs=(*ROPE.inputs, TensorSpec("v", (M, Hkv, D), DTYPE), TensorSpec("slots", (M,), "int64"),
+            TensorSpec("k_cache", (NS, Hkv, D), DTYPE, touched=M * Hkv * D, written=True),
+            TensorSpec("v_cache", (NS, Hkv, D), DTYPE, touched=M * Hkv * D, written=True)),
+    outputs=ROPE.outputs, domain=ROPE.domain, attrs=ROPE.attrs,
+    build=_build_cache, reference=_reference_cache, make_inputs=_inputs_cache, check_dims=_check_cache,
+)
+
+OPS = (ROPE, ROPE_CACHE)
