@@ -86,8 +86,7 @@ def main() -> None:
         by_name[n].append(us)
     totals = sorted(((n, len(v), sum(v), sum(v) / busy) for n, v in by_name.items()), key=lambda r: -r[2])
     bw = copy_gbs()
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * args.batch * args.prompt_len
-    limit_us = (bench.weight_bytes(c, args.quant, 2) + kv) / (bw * 1e3)
+    limit_us = bench.step_bytes(c, args.quant, 2, args.batch, args.prompt_len) / (bw * 1e3)
     rows = [[n[:90], calls, us, share] for n, calls, us, share in totals]   # torch's kernel names run long
     meta = {**environment(), "copy_gbs": bw, "wall_us_per_step": wall_us, "kernel_us_per_step": busy,
             "idle_us_per_step": wall_us - busy, "bandwidth_limit_us_per_step": limit_us,

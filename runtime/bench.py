@@ -50,6 +50,13 @@ def weight_bytes(c: ModelConfig, quant: str, dtype_bytes: int) -> float:
     return linear * per[quant] + c.vocab_size * c.hidden_size * dtype_bytes  # the lm_head stays in dtype
 
 
+def step_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int, context: float) -> float:
+    """Bytes one decode step must read: the weights once, and each sequence's keys and values of
+    `context` tokens."""
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes * batch * context
+    return weight_bytes(c, quant, dtype_bytes) + kv
+
+
 def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
         device: str | None = None, cuda_graphs: bool = True) -> list[dict]:
     if config not in CONFIGS:
@@ -82,9 +89,8 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
             steps += 1
         sync()
         decode_s = time.perf_counter() - t1
-        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8 * b * (prompt_len + new_tokens / 2)
-        step_bytes = weight_bytes(c, quant, torch.finfo(dtype).bits // 8) + kv_bytes
-        limit = copy_gbs * 1e9 / step_bytes * b  # tokens/s if each step only read its bytes once
+        nbytes = step_bytes(c, quant, torch.finfo(dtype).bits // 8, b, prompt_len + new_tokens / 2)
+        limit = copy_gbs * 1e9 / nbytes * b  # tokens/s if each step only read its bytes once
         tps = b * steps / decode_s if steps else 0.0
         rows.append({"batch": b, "ttft_s": ttft, "decode_tokens_per_s": tps, "bandwidth_limit_tokens_per_s": limit,
                      "of_limit": tps / limit, "steps": steps, "cuda_graphs": engine.graphs is not None,
