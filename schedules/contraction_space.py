@@ -67,7 +67,7 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "group_m": (1, 8),
             "split_k": (1, 2, 4, 8),
             "persistent": (0, 1, 2),
-            "tma": (0, 1) if tma_operands(wl) and target.vendor == "nvidia" and _sm(target) >= 90 else (0,),
+            "tma": (0, 1) if tma_operands(wl) and target.capability >= 90 else (0,),
             "ptx_unpack": (0, 1) if target.vendor == "nvidia" and int4_affine(wl) else (0,)}
 
 
@@ -75,11 +75,6 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
 def int4_affine(wl: Workload) -> tuple | None:
     """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)."""
     return prologue.affine_codes(_extents(wl)[3].b, wl.dim)
-
-
-def _sm(target: Target) -> int:
-    """The NVIDIA compute capability as a number (90 for sm_90), 0 for other vendors."""
-    return int(target.arch.removeprefix("sm_")) if target.arch.startswith("sm_") else 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -223,7 +218,7 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
              "num_stages": stages, "group_m": 8, "split_k": 1, "persistent": 0}
     else:
         # Wide tiles feed Hopper's warpgroup MMA best; older matrix units prefer square 128 tiles.
-        wide = (target.vendor == "nvidia" and _sm(target) >= 90
+        wide = (target.capability >= 90
                 and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
         s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 64, "num_warps": 8,
              "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8, "split_k": 1, "persistent": 0}

@@ -47,6 +47,11 @@ class Target:
         return float(self.spec.get("measured_copy_gbs", self.mem_bandwidth_gbs))
 
     @property
+    def capability(self) -> int:
+        """The NVIDIA compute capability as a number (90 for sm_90), 0 for other vendors."""
+        return int(self.arch.removeprefix("sm_")) if self.vendor == "nvidia" and self.arch.startswith("sm_") else 0
+
+    @property
     def triton_target(self) -> tuple[str, Any]:
         return tuple(self.spec["triton_target"])  # type: ignore[return-value]
 

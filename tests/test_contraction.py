@@ -277,7 +277,7 @@ def test_int4_ptx_unpack():
     gemv = ScheduleSpace(wl.with_dims(M=1), get_target("h200"))
     assert "PTX" in gemv.why_invalid({**s, "block_m": 1, "block_n": 16, "ptx_unpack": 1})
     src = generate(wl, {**s, "ptx_unpack": 1}).source
-    assert src.count("tl.inline_asm_elementwise(") == 8 and "fma.rn.bf16x2" in src and "pack=2" in src
+    assert src.count("pack=2)") == 8 and "fma.rn.bf16x2" in src
     counts = {}
     for target in ("sm_90", "sm_80"):
         for u in (0, 1):

@@ -13,7 +13,7 @@ from flashgen.schedules.space import Schedule
 from flashgen.targets import artifacts
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
-from flashgen.targets.triton.build import ast_source, compile_aot, load_compiled
+from flashgen.targets.triton.build import ast_source, compile_aot, for_target, load_compiled
 from flashgen.targets.triton.codegen import generate
 from flashgen.targets.triton.emit import KernelSource
 from flashgen.targets.triton.launch import TritonLauncher
@@ -24,11 +24,12 @@ ASM = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
 
 def cache_key(ks: KernelSource, schedule: Schedule, target: Target) -> str:
     return artifacts.artifact_key({"source": ks.source, "num_warps": schedule["num_warps"],
+                                   "constexprs": {a.name: a.value for a in ks.args if a.kind == "constexpr"},
                                    "target": target.key, "triton": triton.__version__, "flashgen": __version__})
 
 
 def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
-    ks = generate(wl, schedule)
+    ks = for_target(generate(wl, schedule), target)
     key = cache_key(ks, schedule, target)
     files = artifacts.lookup(key)
     if files is None:

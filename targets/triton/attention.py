@@ -20,7 +20,8 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Attend
 from flashgen.schedules.space import Schedule
-from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, Scratch, kernel_args, module_header
+from flashgen.targets.triton.emit import (Emitter, KernelSource, Scope, Scratch, grid_dependency, kernel_args,
+                                          module_header)
 from flashgen.workload import Workload
 
 
@@ -80,6 +81,7 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     lines = module_header(wl, s, name, args)
     dt = dtypes.TL[attrs["dtype"]]
     top = Scope(lines, "    ", {})
+    grid_dependency(top)
     top.line("pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) query tiles start first")
     top.line("bh = tl.program_id(1)")
     top.line("b = bh // Hq")
@@ -195,6 +197,7 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     args = kernel_args(wl, {"G_PAD": g_pad, "PAGES": s["pages"], "SPLITS": splits}, scratch)
     lines = module_header(wl, s, name, args)
     top = Scope(lines, "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None)})
+    grid_dependency(top)
     dt = dtypes.TL[attrs["dtype"]]
     top.line("b = tl.program_id(0)")
     top.line("kvh = tl.program_id(1)")

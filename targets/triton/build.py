@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from dataclasses import replace
 from typing import Any
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.paths import cache_dir
 from flashgen.targets.descriptor import Target
-from flashgen.targets.triton.emit import KernelSource
+from flashgen.targets.triton.emit import PDL, KernelSource
 from flashgen.workload import Workload
 
 DIVISIBILITY = 16
@@ -85,6 +86,15 @@ def ast_source(ks: KernelSource, wl: Workload):
     return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+def for_target(ks: KernelSource, target: Target) -> KernelSource:
+    """The generated kernel with its build constants for `target`: programmatic dependent launch on
+    where the GPU has it (NVIDIA sm_90 and newer), so that in a stream or CUDA graph each kernel is
+    resident, and prefetching its weights, before the previous one ends. FLASHGEN_PDL=0 builds
+    without it (to measure what it brings)."""
+    pdl = int(target.capability >= 90 and os.environ.get("FLASHGEN_PDL", "1") != "0")
+    return replace(ks, args=[replace(a, value=pdl) if a.kind == "constexpr" and a.name == PDL else a for a in ks.args])
+
+
 def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
     """Compile for the target's GPU with Triton alone (no driver needed); returns a CompiledKernel."""
     import triton
@@ -94,6 +104,8 @@ def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
         raise FlashgenError("ahead-of-time compilation needs a process started without TRITON_INTERPRET=1")
     backend, arch = target.triton_target
     options = {"num_warps": schedule["num_warps"], "num_stages": schedule.get("num_stages", 1)}
+    if any(a.kind == "constexpr" and a.name == PDL and a.value for a in ks.args):
+        options["launch_pdl"] = True
     return triton.compile(ast_source(ks, wl), target=GPUTarget(backend, arch, target.warp_size), options=options)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from flashgen.ir import expr as E
 from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, refs
 from flashgen.schedules.space import Schedule, domain
-from flashgen.targets.triton.emit import IDENTITY, Emitter, KernelSource, Scope, kernel_args, module_header
+from flashgen.targets.triton.emit import (IDENTITY, Emitter, KernelSource, Scope, grid_dependency, kernel_args,
+                                          module_header)
 from flashgen.workload import Workload
 
 
@@ -101,6 +102,7 @@ class _RowGen:
         args = kernel_args(self.wl, {"BLOCK_R": self.s["block_r"], "BLOCK_C": self.s["block_c"]})
         lines = module_header(self.wl, self.s, name, args)
         scope = Scope(lines, "    ", {"r": ("r", self.rmask), "c": ("c", self.cmask)})
+        grid_dependency(scope)
         scope.line("pid_r = tl.program_id(0)")
         if self.op.kclass == "pointwise":
             scope.line("pid_c = tl.program_id(1)")

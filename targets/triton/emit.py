@@ -15,6 +15,7 @@ from flashgen.ir import expr as E
 from flashgen.ir.op import Op, Store
 from flashgen.workload import Workload
 
+PDL = "PDL"  # the constexpr that turns on programmatic dependent launch: 0 as generated, set per target by the build
 RINT_MAGIC = 12582912.0  # 1.5 * 2**23: (x + m) - m rounds an fp32 |x| < 2**22 half-to-even, on any backend
 UNARY = {"exp": "tl.exp({})", "log": "tl.log({})", "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})",
          "abs": "tl.abs({})", "sigmoid": "tl.sigmoid({})", "erf": "tl.erf({})", "cos": "tl.cos({})",
@@ -175,7 +176,20 @@ def kernel_args(wl: Workload, constexprs: Mapping[str, int], scratch: tuple[Scra
     out += [Arg(p, "param") for p in op.params]
     out += [Arg(d, "constexpr", value=wl.dim[d]) for d in op.dims if d not in op.row_dims]
     out += [Arg(k, "constexpr", value=v) for k, v in constexprs.items()]
+    out.append(Arg(PDL, "constexpr", value=0))
     return out
+
+
+def grid_dependency(scope: Scope, prefetch: tuple[str, ...] = ()) -> None:
+    """Programmatic dependent launch (NVIDIA sm_90+, when the build sets PDL): a kernel launched while
+    the previous one still runs waits here until that one has finished and its writes are visible, then
+    lets the next kernel launch. Nothing before the wait may read what earlier kernels wrote or write
+    anything: only `prefetch` lines, which pull constant inputs (weights) into the L2 meanwhile."""
+    scope.line("if PDL:")
+    for line in prefetch:
+        scope.line("    " + line)
+    scope.line("    tl.extra.cuda.gdc_wait()")
+    scope.line("    tl.extra.cuda.gdc_launch_dependents()")
 
 
 def module_header(wl: Workload, schedule: Mapping[str, int], name: str, args: list[Arg]) -> list[str]:
