@@ -3,7 +3,9 @@ totals per kernel name, and the step's wall time against the sum of its kernels 
 idle device time: launch gaps, host work, the token's trip to the host).
 
     python benchmarks/decode_profile.py [--batch 1] [--quant bf16] [--prompt-len 2000] [--steps 20]
-                                        [--name decode_profile_b1_bf16]
+                                        [--no-chain] [--name decode_profile_b1_bf16]
+
+FLASHGEN_PDL=0 in the environment builds the kernels without programmatic dependent launch.
 
 Kernel times come from torch.profiler (CUPTI sees the kernels inside CUDA-graph replays); the wall time
 per step is measured separately, without the profiler.
@@ -11,6 +13,7 @@ per step is measured separately, without the profiler.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--quant", default="bf16")
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-chain", action="store_true", help="every step waits for its tokens (Engine chain=False)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default=None, help="result files (default decode_profile_b<batch>_<quant>)")
     args = ap.parse_args()
@@ -60,7 +64,7 @@ def main() -> None:
     c = replace(c, max_position_embeddings=max(c.max_position_embeddings, args.prompt_len + 4 * args.steps + 64))
     model = Decoder(c, bench.random_weights(c, dtype, dev), dev, dtype, quant=args.quant)
     per_seq = -(-(args.prompt_len + 4 * args.steps + 16) // 16)
-    engine = Engine(model, num_blocks=args.batch * per_seq + 4)
+    engine = Engine(model, num_blocks=args.batch * per_seq + 4, chain=not args.no_chain)
     prompts = torch.randint(0, c.vocab_size, (args.batch, args.prompt_len),
                             generator=torch.Generator().manual_seed(0)).tolist()
     engine.generate(prompts, SamplingParams(max_new_tokens=2))   # builds kernels, captures the graph
@@ -88,12 +92,15 @@ def main() -> None:
     bw = copy_gbs()
     limit_us = bench.step_bytes(c, args.quant, 2, args.batch, args.prompt_len) / (bw * 1e3)
     rows = [[n[:90], calls, us, share] for n, calls, us, share in totals]   # torch's kernel names run long
-    meta = {**environment(), "copy_gbs": bw, "wall_us_per_step": wall_us, "kernel_us_per_step": busy,
+    meta = {**environment(), "chain": not args.no_chain, "pdl": os.environ.get("FLASHGEN_PDL", "1") != "0",
+            "copy_gbs": bw, "wall_us_per_step": wall_us, "kernel_us_per_step": busy,
             "idle_us_per_step": wall_us - busy, "bandwidth_limit_us_per_step": limit_us,
             "kernels_per_step": len(order), "step_order": [[i, n[:120], us] for i, n, us in order]}
+    mode = (f"{'chained' if meta['chain'] else 'each waiting for its tokens'}, programmatic dependent launch "
+            f"{'on: a kernel starts before the previous one ends, so kernel times overlap' if meta['pdl'] else 'off'}")
     write_results(name, ("kernel", "calls_per_step", "us_per_step", "share_of_kernel_time"), rows, meta,
                   args.out_dir, f"Llama-3-8B-shaped random weights, batch {args.batch}, {args.quant}, prompt "
-                  f"{args.prompt_len}, median over {args.steps} CUDA-graph decode steps. Wall per step {wall_us:.0f} us, "
+                  f"{args.prompt_len}, median over {args.steps} CUDA-graph decode steps ({mode}). Wall per step {wall_us:.0f} us, "
                   f"kernels {busy:.0f} us, idle {wall_us - busy:.0f} us, bandwidth limit {limit_us:.0f} us "
                   f"(weights + KV / {bw:.0f} GB/s). The JSON's step_order lists every kernel of a step in order.")
     print_table(("kernel", "calls", "us/step", "share"), [(n[:60], k, us, s) for n, k, us, s in totals[:15]])

@@ -75,20 +75,18 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
         # Untimed: builds (or loads) the kernels of this batch's prefill and decode shapes, and captures
         # the decode step's CUDA graph.
         engine.generate(prompts, SamplingParams(max_new_tokens=2))
-        for p in prompts:
-            engine.add(p, SamplingParams(max_new_tokens=new_tokens))
+        ids = [engine.add(p, SamplingParams(max_new_tokens=new_tokens)) for p in prompts]
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         engine.step()  # every prefill, and the first token of each request
         sync()
         ttft = time.perf_counter() - t0
-        steps = 0
         t1 = time.perf_counter()
-        while engine.running:
+        while engine.running or engine.pending:
             engine.step()
-            steps += 1
         sync()
         decode_s = time.perf_counter() - t1
+        steps = sum(len(engine.finished[i].output) for i in ids) // b - 1  # decode steps after the first token
         nbytes = step_bytes(c, quant, torch.finfo(dtype).bits // 8, b, prompt_len + new_tokens / 2)
         limit = copy_gbs * 1e9 / nbytes * b  # tokens/s if each step only read its bytes once
         tps = b * steps / decode_s if steps else 0.0

@@ -6,6 +6,13 @@ never fit is refused with a clear error, and the others go on unharmed. Sampling
 (temperature 0) or by temperature, top-k and top-p, with a per-request seed; a request ends at a stop
 token or after max_new_tokens. On a GPU, steps in which every sequence brings one token replay CUDA
 graphs (runtime/graphs.py); steps with prefills run eagerly.
+
+When every request of a replayed step is greedy, the engine does not wait for its tokens: the step stays
+pending, and the next `step` call first replays the step after it (same sequences, the tokens the graph
+chose, still on the device) and only then reads the pending step's tokens, so the GPU never idles while
+the host does its bookkeeping. A step is chained so only while no request waits to join and none reaches
+max_new_tokens; a request that meets a stop token in a pending step has one more token computed, and
+discarded (its cache blocks are still its own when that step runs: the stream orders every later use).
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.graphs import DecodeGraphs
+from flashgen.runtime.graphs import DecodeGraphs, greedy
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.model import Batch, Decoder
 
@@ -62,10 +69,20 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
+@dataclass
+class _Pending:
+    """A replayed decode step whose tokens are on their way to the host: valid once `ready` has run."""
+    reqs: list[Request]
+    tokens: torch.Tensor  # [len(reqs)] int64, pinned
+    ready: torch.cuda.Event
+
+
 class Engine:
-    def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True):
+    def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True,
+                 chain: bool = True):
         """`cuda_graphs` applies when the model runs its generated attention on a GPU; it keeps one cache
-        block for the graphs' padding rows."""
+        block for the graphs' padding rows. `chain` lets greedy graph steps run ahead of the host
+        (module docstring); without it every step waits for its tokens."""
         c = model.c
         self.model = model
         graphs = cuda_graphs and model.uses_tables
@@ -75,6 +92,8 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
+        self.pending: _Pending | None = None
+        self.chain = chain
         self._next_id = 0
 
     def add(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> int:
@@ -102,7 +121,13 @@ class Engine:
         return new
 
     def step(self) -> None:
-        """One forward: prefill the admitted requests, decode one token of the others."""
+        """One forward: prefill the admitted requests, decode one token of the others. With a step
+        pending, the step after it is replayed when it can be, and the pending one is read."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, self._chain(self.pending)
+            pending.ready.synchronize()
+            self._record(pending.reqs, pending.tokens.tolist(), None)
+            return
         new = self._admit()
         batch_reqs = new + self.running
         if not batch_reqs:
@@ -125,24 +150,55 @@ class Engine:
         seqs = [r.id for r in batch_reqs]
         if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
             logits = self.graphs.run(seqs, tokens, positions, slots)
+            if self.chain and all(r.params.temperature <= 0 for r in batch_reqs):
+                self.running = batch_reqs
+                self.pending = self._pending(batch_reqs)
+                return
+            chosen = self.graphs.chosen(len(seqs)).tolist()
         else:
             dev = self.model.device
             batch = Batch(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                           torch.tensor(slots, device=dev), seqs, lens, ctx)
             logits = self.model.forward(batch, self.cache)
-        greedy = logits.argmax(-1).tolist()  # every row's, in one device-to-host copy
-        for req, row, top in zip(batch_reqs, logits, greedy):
-            req.output.append(top if req.params.temperature <= 0 else sample(row, req.params, req.generator))
+            chosen = greedy(logits).tolist()  # every row's, in one device-to-host copy
+        self._record(batch_reqs, chosen, logits)
+
+    def _pending(self, reqs: list[Request]) -> _Pending:
+        """The step just replayed for `reqs`, its greedy tokens copied to the host behind it."""
+        tokens = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
+        tokens.copy_(self.graphs.chosen(len(reqs)), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Pending(reqs, tokens, ready)
+
+    def _chain(self, p: _Pending) -> _Pending | None:
+        """Replay the step after `p` (its requests' next tokens, as the graph chose them), unless the
+        batch may change: a request waits, one of p's has stopped, or one reaches max_new_tokens with
+        p's token."""
+        if self.waiting or any(r.done or len(r.output) + 2 > r.params.max_new_tokens for r in p.reqs):
+            return None
+        bs = self.cache.manager.block_size
+        positions = [len(r.tokens) for r in p.reqs]  # p's tokens are not appended yet
+        slots = [self.cache.manager.tables[r.id][q // bs] * bs + q % bs for r, q in zip(p.reqs, positions)]
+        self.graphs.run([r.id for r in p.reqs], None, positions, slots)
+        return self._pending(p.reqs)
+
+    def _record(self, reqs: list[Request], chosen: list[int], logits: torch.Tensor | None) -> None:
+        """Append each request's token (greedy, or sampled from its row of `logits`), retire the finished."""
+        for i, (req, top) in enumerate(zip(reqs, chosen)):
+            if req.done:  # stopped in the step before this chained one
+                continue
+            req.output.append(top if req.params.temperature <= 0 else sample(logits[i], req.params, req.generator))
         self.running = []
-        for req in batch_reqs:
-            if req.done:
+        for req in reqs:
+            if not req.done:
+                self.running.append(req)
+            elif req.id not in self.finished:
                 self.cache.manager.release(req.id)
                 self.finished[req.id] = req
-            else:
-                self.running.append(req)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
         ids = [self.add(p, params) for p in prompts]
-        while self.waiting or self.running:
+        while self.waiting or self.running or self.pending:
             self.step()
         return [self.finished[i] for i in ids]

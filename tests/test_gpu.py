@@ -248,8 +248,10 @@ def test_decoder_cuda_graphs_match_eager():
     replay, errors = eng.graphs.run, []
 
     def checked(seqs, tokens, positions, slots):
-        """The eager forward first (it writes the same keys and values to the same slots), then the replay."""
+        """The eager forward first (it writes the same keys and values to the same slots), then the replay
+        (a chained step's tokens are those the previous replay chose, on the device)."""
         dev = model.device
+        tokens = eng.graphs.chosen(len(seqs)).tolist() if tokens is None else tokens
         batch = Batch(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                       torch.tensor(slots, device=dev), seqs, [1] * len(seqs), [p + 1 for p in positions])
         ref = model.forward(batch, eng.cache).float()
@@ -272,3 +274,9 @@ def test_decoder_cuda_graphs_match_eager():
     whole = [[r.output for r in Engine(model, num_blocks=64, cuda_graphs=g).generate(
         prompts, SamplingParams(max_new_tokens=16))] for g in (False, True)]
     assert whole[0] == whole[1]
+    # stop tokens met inside chained steps: the extra token computed after each is not kept
+    stops = (whole[0][1][4], whole[0][3][9])
+    stopped = [[r.output for r in Engine(model, num_blocks=64, cuda_graphs=g).generate(
+        prompts, SamplingParams(max_new_tokens=16, stop_tokens=stops))] for g in (False, True)]
+    assert stopped[0] == stopped[1]
+    assert [o[:len(s)] for o, s in zip(whole[0], stopped[0])] == stopped[0] and len(stopped[0][1]) <= 5

@@ -150,6 +150,19 @@ def test_decode_graph_buckets_and_padding():
                                                                  [11, 1, 1, 1]]
 
 
+@pytest.mark.parametrize("vocab", [128256, 256, 1031, 3000])
+def test_greedy_is_argmax_with_first_index_on_ties(vocab):
+    """The two-reduction greedy choice against torch.argmax on fresh random rows, bf16 (many ties among
+    the top values), a prime vocabulary (chunks of one) and a row whose maximum repeats in other chunks."""
+    from flashgen.runtime.graphs import greedy
+    g = torch.Generator().manual_seed(vocab)
+    for rows in (1, 3, 64):
+        x = (torch.randn(rows, vocab, generator=g) * 4).to(torch.bfloat16)
+        x[0, vocab // 3] = x[0, vocab - 1] = x[0, 1] = x[0].max() + 1  # ties across chunks: the first wins
+        assert torch.equal(greedy(x), x.argmax(-1)), rows
+        assert greedy(x).dtype == torch.int64 and greedy(x)[0] == 1
+
+
 def test_pad_block_is_never_handed_out_and_pads_tables():
     from flashgen.runtime.kv_cache import BlockManager
     m = BlockManager(5, 16, pad_block=True)
