@@ -48,3 +48,25 @@ def test_wide_loads_in_rmsnorm_ptx():
     """A whole bf16 row per program with 16-byte-aligned pointers: loads are 128-bit vectors."""
     k = flashgen.compile(flashgen.workload("rmsnorm", M=4096, N=8192, dtype="bf16"), "sm_90")
     assert "ld.global.v4.b32" in k.asm["ptx"] or "ld.global.v4.u32" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("op, dims", [("rmsnorm", dict(M=3, N=4096)), ("gemm", dict(M=1, N=512, K=1024)),
+                                      ("paged_decode_attention", dict(B=2, Hq=8, Hkv=2, D=64, BS=16, NB=64, MAXB=8,
+                                                                      L=128))])
+def test_programmatic_dependent_launch_on_sm90_only(op, dims, monkeypatch):
+    """sm_90 binaries wait for the previous kernel before their first memory access and are launched with
+    programmatic stream serialization; sm_80 and AMD binaries, and FLASHGEN_PDL=0 builds, have neither."""
+    wl = flashgen.workload(op, dtype="bf16", **dims)
+    for target in ("sm_90", "sm_80", "gfx942"):
+        k = flashgen.compile(wl, target)
+        text = k.asm["ptx"] if target.startswith("sm_") else k.asm["amdgcn"]
+        on = target == "sm_90"
+        assert (text.count("griddepcontrol.wait") == 1) == on and k.metadata["constexprs"]["PDL"] == int(on)
+        if target.startswith("sm_"):
+            assert k.launcher.compiled.metadata.launch_pdl == on
+        if on:  # the wait comes before every global load
+            first_load = min(i for i, line in enumerate(text.splitlines()) if "ld.global" in line or "cp.async" in line)
+            assert text.splitlines().index(next(x for x in text.splitlines() if "griddepcontrol.wait" in x)) < first_load
+    monkeypatch.setenv("FLASHGEN_PDL", "0")
+    k = flashgen.compile(wl, "sm_90")
+    assert "griddepcontrol" not in k.asm["ptx"] and not k.launcher.compiled.metadata.launch_pdl

@@ -331,43 +331,6 @@ def _merge_splits(top: Scope, acc: str, acc_type: str) -> Scope:
     return last
 
 
-def _weight(wl: Workload, con: Contract, lets: dict) -> str | None:
-    """The largest tensor the B operand reads at (column, k): the weight, the same in every call."""
-    sizes: dict[str, int] = {}
-    stack = [con.b]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, E.Ref) and x.name in lets:
-            stack.append(lets[x.name])
-            continue
-        if isinstance(x, E.Load) and len(x.indices) == 2 and x.indices[0] == E.Index("c"):
-            sizes[x.tensor] = math.prod(wl.shape(x.tensor)) * dtypes.BYTES[wl.tensor_dtype(x.tensor)]
-        stack.extend(E.children(x))
-    return max(sizes, key=sizes.__getitem__) if sizes else None
-
-
-def _weight_prefetch(wl: Workload, con: Contract, lets: dict, s: Schedule, cmask: str | None) -> tuple[str, ...]:
-    """Lines that start pulling the first `num_stages` k steps of this tile's weight rows into the L2
-    (one bulk prefetch per row, sm_90) while the kernel waits for the previous one: the weight is
-    constant, so reading it early is safe, and the k loop's first loads then hit the L2. Rows must be
-    16-byte aligned; a last split shorter than the prefetch is cut to its own k range."""
-    w = _weight(wl, con, lets)
-    if w is None:
-        return ()
-    _, cols = wl.shape(w)
-    k = eval_int(con.extent, wl.dim)
-    row_bytes = cols * dtypes.BYTES[wl.tensor_dtype(w)]
-    if row_bytes % 16 or (cols * s["block_k"]) % k:
-        return ()
-    span = s.get("num_stages", 1) * s["block_k"]
-    c = f"tl.where({cmask}, c, 0)" if cmask else "c"
-    return (f"pf_bytes = tl.minimum(k_hi - k_lo, {span}) * {row_bytes} // {k} // 16 * 16",
-            f"pf_rows = {w}_ptr + {c}.to(tl.int64) * {w}_s0 + k_lo * {cols} // {k}",
-            "if pf_bytes > 0:",
-            "    tl.inline_asm_elementwise(\"cp.async.bulk.prefetch.L2.global [$1], $2; // $0\", \"=r,l,r\", "
-            "[pf_rows, tl.full(pf_rows.shape, pf_bytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)")
-
-
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     op, attrs = wl.op, wl.attr
     body = op.body(attrs)
@@ -419,7 +382,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         top.line("k_lo = 0")
         top.line(f"k_hi = {k_extent}")
     if not persistent:
-        grid_dependency(top, _weight_prefetch(wl, con, lets, s, cmask))
+        grid_dependency(top)
     ind = top.indent + "    "
     b_scope = top.child(ind, {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None),
                               "k0": ("k0", None)}, fresh=True)

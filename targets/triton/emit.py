@@ -180,14 +180,12 @@ def kernel_args(wl: Workload, constexprs: Mapping[str, int], scratch: tuple[Scra
     return out
 
 
-def grid_dependency(scope: Scope, prefetch: tuple[str, ...] = ()) -> None:
+def grid_dependency(scope: Scope) -> None:
     """Programmatic dependent launch (NVIDIA sm_90+, when the build sets PDL): a kernel launched while
-    the previous one still runs waits here until that one has finished and its writes are visible, then
-    lets the next kernel launch. Nothing before the wait may read what earlier kernels wrote or write
-    anything: only `prefetch` lines, which pull constant inputs (weights) into the L2 meanwhile."""
+    the previous one still runs waits here, before its first memory access, until that one has finished
+    and its writes are visible, then lets the next kernel launch. The programs of at most two kernels
+    are resident at once, and the launch latency between them is hidden."""
     scope.line("if PDL:")
-    for line in prefetch:
-        scope.line("    " + line)
     scope.line("    tl.extra.cuda.gdc_wait()")
     scope.line("    tl.extra.cuda.gdc_launch_dependents()")
 
