@@ -152,11 +152,17 @@ def _split_scratch(g_pad: int, splits: int, d: int) -> tuple[Scratch, ...]:
             Scratch("done", "int32", lambda dims: dims["B"] * dims["Hkv"], zeroed=True))
 
 
-def _combine(top: Scope, dt: str, fp8: bool) -> None:
+def _combine(top: Scope, dt: str, fp8: bool, group: int, splits: int, d: int, num_warps: int) -> None:
     """Split-KV epilogue: the split that finishes last for its (sequence, KV head) merges every split's
     partial result and resets the counter, so one launch does flash-decoding with no combine kernel.
     Only the group's real rows and the splits that had keys (split * span < ctx) are stored and read:
-    the merge is one program's serial work, and a context much shorter than L leaves most splits empty."""
+    a context much shorter than L leaves most splits empty. The merge reads [group, splits, D] tiles
+    (as many splits at a time as about 64 registers a thread hold) in one layout, so that all its loads
+    are in flight together; a loop over splits with [group, 1] weights would convert layouts through
+    shared memory and wait for each split's loads in turn."""
+    rows = 1 << (group - 1).bit_length()
+    chunk = max(1, min(splits, 64 * 32 * num_warps // (rows * d)))
+    chunk = 1 << (chunk.bit_length() - 1)
     top.line("tile = ((b * Hkv + kvh) * SPLITS + split) * G_PAD + g")
     top.line("keep = gmask & (lo < ctx)")
     top.line("tl.store(part_acc_ptr + tile.to(tl.int64) * D + dd[None, :], acc, mask=keep)")
@@ -166,23 +172,32 @@ def _combine(top: Scope, dt: str, fp8: bool) -> None:
     top.line("finished = tl.atomic_add(done_ptr + b * Hkv + kvh, 1)  # acq_rel at gpu scope")
     top.line("if finished == SPLITS - 1:")
     last = top.child(top.indent + "    ")
-    last.line("tl.debug_barrier()")
-    last.line("first = (b * Hkv + kvh) * SPLITS * G_PAD + g")
-    last.line("sp = tl.arange(0, SPLITS)[None, :]")
-    last.line("live = gmask & (sp * span < ctx)")
-    last.line("m_all = tl.load(part_ml_ptr + (first + sp * G_PAD) * 2, mask=live, other=float(\"-inf\"), volatile=True)")
-    last.line("l_all = tl.load(part_ml_ptr + (first + sp * G_PAD) * 2 + 1, mask=live, other=0.0, volatile=True)")
-    last.line("m_top = tl.max(m_all, axis=1)[:, None]")
+    last.line("tl.debug_barrier()")  # after the acquiring atomic, L2 (.cg) loads see every split's stores
+    last.line(f"gi = tl.arange(0, {rows})[:, None, None]")
+    last.line("di = tl.arange(0, D)[None, None, :]")
+    last.line("first = (b * Hkv + kvh) * SPLITS * G_PAD + gi")
+
+    def split_rows(c0: int, n: int) -> None:
+        last.line(f"si = {c0} + tl.arange(0, {n})[None, :, None]")
+        last.line("rows3 = first + si * G_PAD")
+        last.line(f"live3 = (gi < {group}) & (si * span < ctx)")
+        last.line("m3 = tl.load(part_ml_ptr + rows3 * 2, mask=live3, other=float(\"-inf\"), cache_modifier=\".cg\")")
+
+    split_rows(0, splits)
+    last.line("l3 = tl.load(part_ml_ptr + rows3 * 2 + 1, mask=live3, other=0.0, cache_modifier=\".cg\")")
+    last.line("m_top = tl.max(m3, axis=1, keep_dims=True)")
     last.line("m_top = tl.where(m_top == float(\"-inf\"), 0.0, m_top)")
-    last.line("l_sum = tl.sum(l_all * tl.math.exp2(m_all - m_top), axis=1)[:, None]")
-    last.line("merged = tl.zeros([G_PAD, D], tl.float32)")
-    last.line("for i in tl.static_range(SPLITS):")
-    last.line("    row = first + i * G_PAD")
-    last.line("    live_i = gmask & (i * span < ctx)")
-    last.line("    w_i = tl.math.exp2(tl.load(part_ml_ptr + row * 2, mask=live_i, other=float(\"-inf\"), volatile=True) - m_top)")
-    last.line("    merged += tl.load(part_acc_ptr + row.to(tl.int64) * D + dd[None, :], mask=live_i, other=0.0, volatile=True) * w_i")
+    last.line("l_sum = tl.sum(l3 * tl.math.exp2(m3 - m_top), axis=1)")
+    for c0 in range(0, splits, chunk):
+        if chunk < splits:
+            split_rows(c0, chunk)
+        part = ("tl.sum(tl.load(part_acc_ptr + rows3.to(tl.int64) * D + di, mask=live3, other=0.0, "
+                "cache_modifier=\".cg\") * tl.math.exp2(m3 - m_top), axis=1)")
+        last.line(f"merged = {part}" if c0 == 0 else f"merged += {part}")
     last.line("out = merged / tl.where(l_sum == 0.0, 1.0, l_sum)" + (" * v_scale" if fp8 else ""))
-    last.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
+    last.line(f"go = tl.arange(0, {rows})[:, None]")
+    last.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + (kvh * {group} + go) * out_s1 + dd[None, :], out.to({dt}), "
+              f"mask=go < {group})")
     last.line("tl.atomic_xchg(done_ptr + b * Hkv + kvh, 0)")
 
 
@@ -240,7 +255,7 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     _logit(em, att, body, "tl.dot(q, kt)" + (" * k_scale" if fp8 else ""), "kmask & gmask")
     _online_softmax(body, dt)
     if splits > 1:
-        _combine(top, dt, fp8)
+        _combine(top, dt, fp8, group, splits, dim["D"], s["num_warps"])
     else:
         top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)" + (" * v_scale" if fp8 else ""))
         top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
