@@ -44,8 +44,10 @@ WARPS = (1, 2, 4, 8, 16, 32)
 # `splits` shares one sequence's context among programs (flash-decoding) when B x Hkv < the SMs.
 DECODE_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
                 "splits": (1, 2, 4, 8, 16, 32)}
-# Prefill: query rows and key columns per tile, warps, stages.
+# Prefill: query rows and key columns per tile, warps, stages; `tma` (sm_90): key and value tiles copied
+# by TMA descriptors. Records written before `tma` existed read as tma=0 (PREFILL_ADDED).
 PREFILL_KNOBS = {"block_m": (32, 64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+PREFILL_ADDED = {"tma": 0}
 CPU_MAX_BLOCK_C = 128        # cpu: widest column tile (elements) worth a vector operation
 CPU_TASK_ELEMENTS = 2048     # cpu default: elements of work per parallel task, at least
 
@@ -87,7 +89,9 @@ class ScheduleSpace:
         if self.kclass == "contraction":
             return dict(contraction_space.knobs(self.workload, self.target))
         if self.kclass == "attention":
-            return dict(PREFILL_KNOBS if self._attention_kind() == "prefill" else DECODE_KNOBS)
+            if self._attention_kind() == "decode":
+                return dict(DECODE_KNOBS)
+            return {**PREFILL_KNOBS, "tma": (0, 1) if self.target.capability >= 90 else (0,)}
         rows, cols = domain(self.workload)
         pc, pr = next_pow2(cols), next_pow2(rows)
         block_c = tuple(b for b in (2 ** i for i in range(17)) if b <= pc and (b >= 16 or b == pc))
@@ -99,7 +103,9 @@ class ScheduleSpace:
 
     def added_knobs(self) -> dict[str, int]:
         """Knobs added after records were written, with the value their absence stands for."""
-        return contraction_space.ADDED_KNOBS if self.kclass == "contraction" else {}
+        if self.kclass == "contraction":
+            return contraction_space.ADDED_KNOBS
+        return PREFILL_ADDED if self.kclass == "attention" and self._attention_kind() == "prefill" else {}
 
     def complete(self, s: Schedule) -> Schedule:
         """`s` with every added knob it predates set to the value its absence stands for."""
@@ -179,10 +185,10 @@ class ScheduleSpace:
                 return {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits}
             # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB).
             for stages, block_n in ((2, 64), (1, 64), (1, 32)):
-                s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages}
+                s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages, **PREFILL_ADDED}
                 if self.is_valid(s):
                     return s
-            return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1}
+            return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1, **PREFILL_ADDED}
         rows, cols = domain(self.workload)
         pc = next_pow2(cols)
         if self.target.backend != "triton":

@@ -205,3 +205,35 @@ def test_split_merge_in_chunks(interpreter):
     assert generate(wl, schedule).source.count("merged += ") == 7
     for c in interpreter.check(wl, schedule, "h200", seed=[11, 12]):
         assert c.ok, c
+
+
+@pytest.mark.parametrize("wl", [prefill(T=150, B=4, Hq=8, Hkv=2, D=64), prefill(T=77, B=6, Hq=8, Hkv=1, D=128, mod="window"),
+                                chunked()], ids=["causal", "window", "chunked"])
+def test_prefill_tma_tiles(interpreter, wl):
+    """Key and value tiles copied by TMA descriptors: rows past a sequence (the next one's, or zeros past
+    T) are masked out of the logits and meet zero probabilities; the cached prefix is still read through
+    the block table."""
+    s = {**PREFILL, "tma": 1}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    params = {"window": 20.0} if wl.attr["mod"] == "window" else None
+    for c in interpreter.check(wl, s, "h200", seed=[3, 4], params=params):
+        assert c.ok, c
+
+
+def test_prefill_tma_rules_and_build():
+    """TMA tiles for prefill are offered on sm_90 only; a record from before the knob reads as tma=0;
+    the sm_90 binary copies its key and value tiles with UTMALDG."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import opcodes, summary
+    wl = prefill(T=65536, B=8, Hq=32, Hkv=8, D=128, dtype="bf16")
+    assert ScheduleSpace(wl, get_target("h200")).knobs()["tma"] == (0, 1)
+    assert ScheduleSpace(wl, get_target("a100")).knobs()["tma"] == (0,)
+    assert ScheduleSpace(wl, get_target("mi300x")).knobs()["tma"] == (0,)
+    old = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    assert ScheduleSpace(wl, get_target("h200")).complete(old) == {**old, "tma": 0}
+    assert "tma" not in ScheduleSpace(decode(), get_target("h200")).knobs()
+    sass = summary(opcodes(flashgen.compile(wl, "sm_90", schedule={**old, "tma": 1}).binary))
+    assert sass["tma"] > 0 and sass["wgmma"] > 0, sass
+    assert summary(opcodes(flashgen.compile(wl, "sm_90", schedule=old).binary))["tma"] == 0

@@ -91,6 +91,11 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     top.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
     paged = "prefix_lens" in op.tensors
     top.line("pre = tl.load(prefix_lens_ptr + b)" if paged else "pre = 0")
+    tma = s.get("tma", 0)
+    if tma:  # [T, Hkv, D] key and value tensors, one [block_n, 1, D] box per tile: zero-filled past T
+        for t in ("k", "v"):
+            top.line(f"{t}_desc = tl.make_tensor_descriptor({t}_ptr, shape=[T, Hkv, D], strides=[{t}_s0, {t}_s1, 1], "
+                     "block_shape=[BLOCK_N, 1, D])")
     top.line("if pid_m * BLOCK_M < n:")
     blk = top.child(top.indent + "    ")
     blk.line("i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
@@ -123,9 +128,12 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
         body = blk.child(blk.indent + "    ", axes, fresh=True)
         body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
         body.line("kpos = pre + j")
-        body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
-        body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None])")
-        body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :])")
+        if tma:
+            _tma_tiles(body)
+        else:
+            body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
+            body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None])")
+            body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :])")
         _scores(em, att, body, dt, masked=False)
     else:
         blk.line("full = 0")
@@ -134,13 +142,23 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
     body.line("jmask = j < n")
     body.line("kpos = pre + j")
-    body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
-    body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None], mask=jmask, other=0)")
-    body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :], mask=jc < n, other=0)")
+    if tma:  # keys past the sequence (the next one's, or TMA's zeros) are masked out of the logits
+        _tma_tiles(body)
+    else:
+        body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
+        body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None], mask=jmask, other=0)")
+        body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :], mask=jc < n, other=0)")
     _scores(em, att, body, dt)
     blk.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
     blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=imask)")
     return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True)
+
+
+def _tma_tiles(body: Scope) -> None:
+    """`kt` [D, block_n] and `v` [block_n, D] of the key tile at n0, copied by the TMA descriptors. Value
+    rows past the sequence meet zero probabilities."""
+    body.line("kt = tl.trans(tl.reshape(k_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, D]))")
+    body.line("v = tl.reshape(v_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, D])")
 
 
 def _split_scratch(g_pad: int, splits: int, d: int) -> tuple[Scratch, ...]:
