@@ -183,6 +183,17 @@ def test_prefill_on_gpu(wl):
         assert c.ok, (c, kernel.schedule)
 
 
+@pytest.mark.parametrize("wl", [w for w in PREFILL_CASES if w.attr["dtype"] == "bf16"], ids=case_id)
+def test_prefill_tma_tiles_on_gpu(wl):
+    """Key and value tiles by TMA descriptors (sm_90), the 128 x 128 tile the prefill sweeps kept."""
+    if TARGET.capability < 90:
+        pytest.skip("TMA needs sm_90")
+    kernel = flashgen.compile(wl, TARGET, schedule={"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3,
+                                                    "tma": 1})
+    for c in check(wl, _run(kernel), 3, DEVICE, params={"window": 256.0}):
+        assert c.ok, (c, kernel.schedule)
+
+
 FP8_KV = [flashgen.workload("paged_decode_attention", B=4, Hq=32, Hkv=8, D=128, BS=16, NB=512, MAXB=64, L=700,
                             dtype=dt, kv="fp8e4m3") for dt in ("bf16", "fp16") if "fp8e4m3" in TARGET.dtypes]
 
