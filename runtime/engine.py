@@ -71,10 +71,11 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int
 
 @dataclass
 class _Pending:
-    """A replayed decode step whose tokens are on their way to the host: valid once `ready` has run."""
+    """A replayed decode step whose tokens are on their way to the host: valid once `ready` has run
+    (None: already there)."""
     reqs: list[Request]
-    tokens: torch.Tensor  # [len(reqs)] int64, pinned
-    ready: torch.cuda.Event
+    tokens: torch.Tensor  # [len(reqs)] int64, pinned for a copy from a GPU
+    ready: torch.cuda.Event | None
 
 
 class Engine:
@@ -125,7 +126,8 @@ class Engine:
         pending, the step after it is replayed when it can be, and the pending one is read."""
         if self.pending is not None:
             pending, self.pending = self.pending, self._chain(self.pending)
-            pending.ready.synchronize()
+            if pending.ready is not None:
+                pending.ready.synchronize()
             self._record(pending.reqs, pending.tokens.tolist(), None)
             return
         new = self._admit()
@@ -165,10 +167,13 @@ class Engine:
 
     def _pending(self, reqs: list[Request]) -> _Pending:
         """The step just replayed for `reqs`, its greedy tokens copied to the host behind it."""
-        tokens = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
-        tokens.copy_(self.graphs.chosen(len(reqs)), non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        chosen = self.graphs.chosen(len(reqs))
+        gpu = chosen.is_cuda
+        tokens = torch.empty(len(reqs), dtype=torch.int64, pin_memory=gpu)
+        tokens.copy_(chosen, non_blocking=gpu)
+        ready = torch.cuda.Event() if gpu else None
+        if ready is not None:
+            ready.record()
         return _Pending(reqs, tokens, ready)
 
     def _chain(self, p: _Pending) -> _Pending | None:

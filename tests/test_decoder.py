@@ -199,3 +199,70 @@ def test_bench_model_cli_runs_tiny(capsys):
                  "--no-cuda-graphs"]) == 0
     assert main(["bench-model", "--config", "gpt5", "--batch", "1"]) == 2
     assert main(["bench-model", "--config", "tiny", "--batch", "0"]) == 2
+
+
+class EagerGraphs:
+    """What the engine asks of its CUDA graphs (runtime/graphs.py), run eagerly on the CPU: each step's
+    greedy tokens are kept as the next chained step's inputs, as a replay leaves them on the device."""
+
+    def __init__(self, model: Decoder, cache):
+        from flashgen.runtime.graphs import greedy
+        self.model, self.cache, self.greedy = model, cache, greedy
+        self.last: tuple[list[int], torch.Tensor] | None = None
+        self.chained = 0
+        self.rows: dict[int, int] = {}  # decode rows computed per sequence
+
+    def fits(self, n: int) -> bool:
+        return True
+
+    def run(self, seqs, tokens, positions, slots):
+        if tokens is None:
+            assert self.last is not None and self.last[0] == seqs, "a chained step must bring the same sequences"
+            tokens, self.chained = self.last[1], self.chained + 1
+        else:
+            tokens = torch.tensor(tokens)
+        for s in seqs:
+            self.rows[s] = self.rows.get(s, 0) + 1
+        batch = Batch(tokens, torch.tensor(positions), torch.tensor(slots), seqs, [1] * len(seqs),
+                      [p + 1 for p in positions])
+        logits = self.model.forward(batch, self.cache)
+        self.last = (list(seqs), self.greedy(logits))
+        return logits
+
+    def chosen(self, n: int) -> torch.Tensor:
+        return self.last[1][:n]
+
+
+def test_chained_steps_keep_every_token():
+    """Greedy decode steps chained ahead of the host give the tokens of unchained ones: through max_new_tokens
+    reached at different steps (no step is computed past it), a stop token met inside a chained step (the
+    one extra token is dropped and the request's blocks freed once), and requests joining mid-run, one of
+    them sampled (chaining pauses for both)."""
+    from flashgen.runtime.bench import CONFIGS, random_weights
+    model = Decoder(CONFIGS["tiny"], random_weights(CONFIGS["tiny"], torch.float32, torch.device("cpu"), seed=1))
+
+    def run(chain: bool, stops: tuple[int, ...] = ()) -> tuple[list[list[int]], int]:
+        eng = Engine(model, num_blocks=64)
+        eng.graphs, eng.chain = EagerGraphs(model, eng.cache), chain
+        ids = [eng.add(p, SamplingParams(max_new_tokens=n, stop_tokens=stops)) for p, n in zip(PROMPTS, (16, 11, 16))]
+        for _ in range(5):
+            eng.step()
+        ids.append(eng.add(PROMPTS[1], SamplingParams(max_new_tokens=8)))
+        ids.append(eng.add(PROMPTS[0], SamplingParams(max_new_tokens=2, temperature=0.8, seed=3)))
+        while eng.waiting or eng.running or eng.pending:
+            eng.step()
+        assert eng.pending is None and len(eng.cache.manager.free) == 64
+        outs = [eng.finished[i].output for i in ids]
+        for i, o in zip(ids, outs):  # the first token comes from a prefill; one extra row only after a stop
+            assert eng.graphs.rows.get(i, 0) <= len(o) - 1 + (o[-1] in stops), (i, o, eng.graphs.rows)
+        return outs, eng.graphs.chained
+
+    # a stop token that one of the first requests meets late, once the joins are over and chaining runs
+    free, _ = run(False)
+    req, at, stop = next((r, i, o[i]) for i in range(7, 16) for r, o in enumerate(free[:3])
+                         if i < len(o) and o[i] not in o[:i])
+    (plain, unchained), (chained, n_chained) = run(False, (stop,)), run(True, (stop,))
+    assert unchained == 0 and n_chained >= 4, n_chained
+    assert plain == chained
+    assert [len(o) <= n for o, n in zip(plain, (16, 11, 16, 8, 2))] == [True] * 5
+    assert plain[req] == free[req][:at + 1]
