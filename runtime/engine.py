@@ -10,7 +10,7 @@ graphs (runtime/graphs.py); steps with prefills run eagerly.
 When every request of a replayed step is greedy, the engine does not wait for its tokens: the step stays
 pending, and the next `step` call first replays the step after it (same sequences, the tokens the graph
 chose, still on the device) and only then reads the pending step's tokens, so the GPU never idles while
-the host does its bookkeeping. A step is chained so only while no request waits to join and none reaches
+the host does its bookkeeping. A step is chained only while no request waits to join and none reaches
 max_new_tokens; a request that meets a stop token in a pending step has one more token computed, and
 discarded (its cache blocks are still its own when that step runs: the stream orders every later use).
 """

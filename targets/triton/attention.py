@@ -175,7 +175,7 @@ def _combine(top: Scope, dt: str, fp8: bool, group: int, splits: int, d: int, nu
     partial result and resets the counter, so one launch does flash-decoding with no combine kernel.
     Only the group's real rows and the splits that had keys (split * span < ctx) are stored and read:
     a context much shorter than L leaves most splits empty. The merge reads [group, splits, D] tiles
-    (as many splits at a time as about 64 registers a thread hold) in one layout, so that all its loads
+    (as many splits at a time as about 64 registers per thread hold) in one layout, so that all its loads
     are in flight together; a loop over splits with [group, 1] weights would convert layouts through
     shared memory and wait for each split's loads in turn."""
     rows = 1 << (group - 1).bit_length()
