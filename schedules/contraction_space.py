@@ -7,11 +7,12 @@ to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilog
 (0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
 tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
 tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 matrix tiles:
-two codes per 32-bit AND-OR in inline PTX).
+two codes per 32-bit AND-OR in inline PTX), early_load (GEMV tiles on targets with programmatic
+dependent launch: the first k step's weights are loaded before waiting for the previous kernel).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
-persistent programs do not split K, k tiles deeper than 512 are for ALU tiles only, and k tiles of
+persistent programs do not split K, early loads serve unsplit GEMV tiles, k tiles deeper than 512 are for ALU tiles only, and k tiles of
 packed int4 words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
 of 1-8 rows, whose products are summed on the ALUs (targets/triton/contraction.py), bounded by the
@@ -38,7 +39,7 @@ MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
 GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row: the default up to 4 rows
 SPLIT_K_MIN_STEPS = 2  # k steps per split, at least: fewer only adds partial sums to merge
 # Knobs added after records existed, and the value a record without them was measured with.
-ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0}
+ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0}
 MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 
@@ -68,7 +69,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "split_k": (1, 2, 4, 8),
             "persistent": (0, 1, 2),
             "tma": (0, 1) if tma_operands(wl) and target.capability >= 90 else (0,),
-            "ptx_unpack": (0, 1) if target.vendor == "nvidia" and int4_affine(wl) else (0,)}
+            "ptx_unpack": (0, 1) if target.vendor == "nvidia" and int4_affine(wl) else (0,),
+            "early_load": (0, 1) if gemv_rows and target.pdl else (0,)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,6 +166,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {SPLIT_K_MIN_STEPS} k steps of {s['block_k']} each"
     if s["ptx_unpack"] and s["block_m"] < MMA_MIN_ROWS:
         return f"PTX unpacking serves int4 matrix tiles of at least {MMA_MIN_ROWS} rows"
+    if s["early_load"] and (s["block_m"] >= MMA_MIN_ROWS or s["split_k"] > 1 or s["persistent"]):
+        return f"early weight loads serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows, unsplit, not persistent"
     if s["tma"] and (s["block_m"] < MMA_MIN_ROWS or s["block_k"] > MAX_TMA_BOX):
         return f"TMA copies serve matrix tiles of at least {MMA_MIN_ROWS} rows, at most {MAX_TMA_BOX} deep"
     if s["block_k"] > MAX_MMA_BLOCK_K and s["block_m"] >= MMA_MIN_ROWS:

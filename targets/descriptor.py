@@ -52,6 +52,12 @@ class Target:
         return int(self.arch.removeprefix("sm_")) if self.vendor == "nvidia" and self.arch.startswith("sm_") else 0
 
     @property
+    def pdl(self) -> bool:
+        """Whether kernels can launch while the previous one runs and wait for it in-kernel (programmatic
+        dependent launch, griddepcontrol: NVIDIA sm_90 and later)."""
+        return self.capability >= 90
+
+    @property
     def triton_target(self) -> tuple[str, Any]:
         return tuple(self.spec["triton_target"])  # type: ignore[return-value]
 

@@ -87,6 +87,49 @@ def test_gemv_tiles_numerics(interpreter, op, kw, block_m, block_k):
         assert c.ok, c
 
 
+EARLY = [("gemm", {}, 1, 64, 200), ("gemm", {}, 2, 256, 200), ("gemm_w4a16", dict(G=64, zp="asym"), 2, 128, 384),
+         ("gemm_w4a16", dict(G=128), 1, 256, 256), ("gemm_w8a8", {}, 4, 32, 40)]
+
+
+@pytest.mark.parametrize("op, kw, block_m, block_k, k", EARLY, ids=[f"{o}-{'-'.join(map(str, kw.values()))}-m{bm}-k{bk}-K{k}" for o, kw, bm, bk, k in EARLY])
+def test_gemv_early_load_numerics(interpreter, op, kw, block_m, block_k, k):
+    """early_load peels the first k step: its weights load before the wait, x after. K=200 under 64-
+    and 256-deep k steps (a tail step, and a single partial step), int4 groups with zero points over
+    three k steps, int8 weights with per-token scales; M=3 and N=40 leave partial row and column tiles."""
+    wl = flashgen.workload(op, M=3, N=40, K=k, dtype="fp16", **kw)
+    s = {"block_m": block_m, "block_n": 32 if block_k <= 128 else 16, "block_k": block_k, "num_warps": 2,
+         "num_stages": 2, "group_m": 1, "early_load": 1}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s), ScheduleSpace(wl, get_target("h200")).why_invalid(s)
+    for c in interpreter.check(wl, s, "h200", seed=k):
+        assert c.ok, c
+
+
+def test_gemv_early_load_rules_and_order():
+    """The knob exists where PDL does (sm_90 GEMV tiles, unsplit, not persistent). In the sm_90 binary
+    the first weight load is issued before the wait and every x load after it; in the source nothing
+    but weight tensors is read before the wait."""
+    from flashgen.targets.triton.codegen import generate
+    wl = flashgen.workload("gemm_w4a16", M=1, N=4096, K=4096, G=128, dtype="bf16")
+    assert ScheduleSpace(wl, get_target("h200")).knobs()["early_load"] == (0, 1)
+    for t in ("a100", "mi300x"):
+        assert ScheduleSpace(wl, get_target(t)).knobs()["early_load"] == (0,)
+    assert ScheduleSpace(flashgen.workload("gemm", M=64, N=512, K=512), get_target("h200")).knobs()["early_load"] == (0,)
+    space = ScheduleSpace(wl, get_target("h200"))
+    s = {"block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 3, "group_m": 1, "early_load": 1}
+    assert space.is_valid(s)
+    assert "early weight loads" in space.why_invalid({**s, "split_k": 2, "block_k": 512})
+    src = generate(wl, s).source
+    before = src[:src.index("gdc_wait")]
+    assert "w_packed_ptr" in before and "tl.load(scales_ptr" in before and "tl.load(x_ptr" not in before
+    assert "tl.load(x_ptr" in src[src.index("gdc_wait"):]
+    ptx = flashgen.compile(wl, "sm_90", schedule=s).asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
+    assert any("ld.global" in line or "cp.async" in line for line in ptx[:wait])
+    base = flashgen.compile(wl, "sm_90", schedule={**s, "early_load": 0}).asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(base) if "griddepcontrol.wait" in line)
+    assert not any("ld.global" in line or "cp.async" in line for line in base[:wait])
+
+
 SPLITS = [("gemm", {}, 16, 32, 2), ("gemm_w8a8", {}, 16, 32, 4), ("gemm_w4a16", dict(G=64, zp="asym"), 1, 128, 2),
           ("gemm_w4a16", dict(G=32), 16, 128, 2), ("gemm", dict(with_bias="yes", act="silu", with_residual="yes"), 2, 32, 4)]
 

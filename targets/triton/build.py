@@ -90,7 +90,7 @@ def for_target(ks: KernelSource, target: Target) -> KernelSource:
     """The generated kernel with its build constants for `target`: programmatic dependent launch on
     where the GPU has it (NVIDIA sm_90 and newer), so that in a stream or CUDA graph each kernel is
     resident before the previous one ends. FLASHGEN_PDL=0 builds without it (to measure what it brings)."""
-    pdl = int(target.capability >= 90 and os.environ.get("FLASHGEN_PDL", "1") != "0")
+    pdl = int(target.pdl and os.environ.get("FLASHGEN_PDL", "1") != "0")
     return replace(ks, args=[replace(a, value=pdl) if a.kind == "constexpr" and a.name == PDL else a for a in ks.args])
 
 

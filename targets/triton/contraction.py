@@ -122,7 +122,10 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     scope around the loop, `b_scope` its body): the weight tile is multiplied, in the layout it was
     loaded in, by a column of x per row, into a tile of partial sums per row that is summed over k only
     after the loop. No operand layout, no shared-memory round trip, one FMA per weight and row; int4
-    codes take `_int4_terms`' route when their zero point and scale allow it."""
+    codes take `_int4_terms`' route when their zero point and scale allow it. With `early_load`, the
+    first k step's weights (which no kernel writes) are loaded before the wait for the previous kernel
+    (`grid_dependency`), so that a GEMV's first DRAM round trip overlaps the kernel before it; only
+    x and what follows wait."""
     rows = em.emit(em.op.domain[0], top)
     acc_t = ACC[con.acc]
     block_m = s["block_m"]
@@ -133,24 +136,36 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
         # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a
         # register, it lets one LOP3 do both the AND and the OR of each code.
         top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
+
+    def k_step(scope: Scope, before_x: bool = False) -> None:
+        """One k step at k0: the weight terms, then (after the wait when `before_x`) x and the products."""
+        if affine:
+            segments = _int4_terms(em, con, affine, per_segment, scope, kmask)
+        else:
+            _b_tile_values(em, con, unpacked, grouped, scope, kmask)
+            w = em.temp(scope, f"{em.emit(b_expr, scope)}.to({acc_t})")
+            segments = [(None, [("kb", "kmask_b" if kmask else None, w, 1.0)])]
+        if before_x:
+            grid_dependency(scope)
+        for i in range(block_m):
+            scope.line(f"rmask{i} = r{i} < {rows}")
+            sums = []
+            for scale, terms in segments:
+                products = []
+                for k, kmask_k, w, factor in terms:
+                    x = em.emit(con.a, scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True))
+                    products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
+                sums.append(f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products))
+            scope.line(f"part{i} += " + " + ".join(sums))
+
+    first = "k_lo"
+    if s.get("early_load"):  # the first k step, peeled: its weights before the wait (k_lo < k_hi: no splits)
+        top.line("k0 = k_lo")
+        k_step(b_scope.child(top.indent, fresh=True), before_x=True)
+        first = "k_lo + BLOCK_K"
     # Loads that feed no matrix instruction are software-pipelined only when the loop asks.
-    top.line(f"for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages={s['num_stages']}):")
-    if affine:
-        segments = _int4_terms(em, con, affine, per_segment, b_scope, kmask)
-    else:
-        _b_tile_values(em, con, unpacked, grouped, b_scope, kmask)
-        w = em.temp(b_scope, f"{em.emit(b_expr, b_scope)}.to({acc_t})")
-        segments = [(None, [("kb", "kmask_b" if kmask else None, w, 1.0)])]
-    for i in range(block_m):
-        b_scope.line(f"rmask{i} = r{i} < {rows}")
-        sums = []
-        for scale, terms in segments:
-            products = []
-            for k, kmask_k, w, factor in terms:
-                x = em.emit(con.a, b_scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True))
-                products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
-            sums.append(f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products))
-        b_scope.line(f"part{i} += " + " + ".join(sums))
+    top.line(f"for k0 in tl.range({first}, k_hi, BLOCK_K, num_stages={s['num_stages']}):")
+    k_step(b_scope)
     top.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
     for i in range(block_m):
         top.line(f"{acc} = tl.where(row_ids == {i}, tl.sum(part{i}, axis=0)[None, :], {acc})")
@@ -381,7 +396,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     else:
         top.line("k_lo = 0")
         top.line(f"k_hi = {k_extent}")
-    if not persistent:
+    if not persistent and not s.get("early_load"):
         grid_dependency(top)
     ind = top.indent + "    "
     b_scope = top.child(ind, {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None),
