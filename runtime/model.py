@@ -108,9 +108,11 @@ class Decoder:
         mod = {"mod": "window"} if c.sliding_window else {}
         window = float(c.sliding_window or 1024)
         if all(n == 1 for n in batch.lens):
+            # L, the context the schedule is tuned for: the longest a sequence can reach, which the table
+            # width or the whole cache bounds (a batch-1 cache of 160 blocks holds 2560 tokens, not 8192).
             width = table.shape[1]
             dims = [len(batch.lens), c.num_heads, c.num_kv_heads, c.head_dim, m.block_size, kc.shape[0], width,
-                    width * m.block_size]
+                    min(width, kc.shape[0]) * m.block_size]
             return torch.ops.flashgen.paged_decode_attention(q, kc, vc, table, ctx, None, window, dims=dims, **mod)
         cu = torch.tensor([0] + list(torch.tensor(batch.lens).cumsum(0)), dtype=torch.int32, device=self.device)
         prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)

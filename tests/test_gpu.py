@@ -83,6 +83,37 @@ def test_gemv_tiles_on_gpu(wl, block_m, block_k):
         assert c.ok, (c, s)
 
 
+@pytest.mark.parametrize("wl", [GEMV_CASES[0][0], flashgen.workload("gemm", M=1, N=330, K=1000, dtype="bf16",
+                                                                  with_residual="yes")], ids=case_id)
+def test_gemv_early_load_on_gpu(wl):
+    """Early weight loads (before the wait for the previous kernel), each GEMV fed by a generated RMSNorm
+    that writes its x into one buffer: 16 pairs launched back to back (programmatic dependent launch on
+    sm_90), outputs checked after one synchronize. A GEMV that read x before its RMSNorm ended would
+    see the previous pair's x."""
+    s = {"block_m": 1, "block_n": 16, "block_k": 256, "num_warps": 2, "num_stages": 3, "group_m": 1, "early_load": 1}
+    if not ScheduleSpace(wl, TARGET).is_valid(s):
+        pytest.skip(f"{TARGET.key}: {ScheduleSpace(wl, TARGET).why_invalid(s)}")
+    gemv = flashgen.compile(wl, TARGET, schedule=s)
+    k = wl.dim["K"]
+    norm = flashgen.compile(flashgen.workload("rmsnorm", M=wl.dim["M"], N=k, dtype=wl.attr["dtype"]), TARGET)
+    gen = torch.Generator().manual_seed(11)
+    inputs = {n: t.to(DEVICE) for n, t in wl.op.make_inputs(wl.dim, wl.attr, gen).items()}
+    dt = inputs["x"].dtype
+    rows = [torch.randn(wl.dim["M"], k, generator=gen).to(dt).to(DEVICE) for _ in range(16)]
+    gain = torch.rand(k, generator=gen).to(dt).to(DEVICE) + 0.5
+    x = torch.empty_like(inputs["x"])
+    outs = []
+    for row in rows:
+        norm.run({"x": row, "w": gain}, {"y": x})
+        outs.append(gemv.run({**inputs, "x": x})[wl.op.outputs[0].name])
+    torch.cuda.synchronize()
+    for row, out in zip(rows, outs):
+        want = wl.op.reference({**{n: t.cpu() for n, t in inputs.items()},
+                                "x": norm.run({"x": row, "w": gain})["y"].cpu()}, wl.op.params, wl.dim, wl.attr)
+        ref = next(iter(want.values()))
+        assert torch.allclose(out.double().cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()), (out, ref)
+
+
 PTX_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1024, dtype=dt, **kw)
              for dt in ("bf16", "fp16") for kw in ({"G": 128}, {"G": 64, "zp": "asym"}) for m in (17, 100)]
 
