@@ -41,7 +41,8 @@ def _online_softmax(body: Scope, dt: str, finite: bool = False) -> None:
         body.line("alpha = tl.math.exp2(m_i - m_safe)")
         body.line("p = tl.math.exp2(logit - m_safe)")
     body.line("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]")
-    body.line(f"acc = acc * alpha + tl.dot(p.to({dt}), v)")
+    # The rescaled accumulator is the dot's own accumulator: no second [rows, D] fp32 tile in registers.
+    body.line(f"acc = tl.dot(p.to({dt}), v, acc * alpha)")
     body.line("m_i = m_new")
 
 
