@@ -44,7 +44,7 @@ def launch_args(kernel: Kernel, tensors: dict[str, torch.Tensor]) -> tuple[tuple
     wl, launcher = kernel.workload, kernel.launcher
     dims = bind_dims(wl, {t.name: tensors[t.name] for t in wl.inputs})
     args = launcher.args(tensors, dict(wl.op.params), dims)
-    return grid(launcher.ks, wl, eval_int(wl.op.domain[0], dims), int(launcher.target.sm_count)), args
+    return grid(launcher.ks, wl, eval_int(wl.op.domain[0], dims), int(launcher.target.sm_count), dims), args
 
 
 def triton_jit(kernel: Kernel, tensors: dict[str, torch.Tensor]) -> Callable[[], Any]:

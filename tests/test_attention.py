@@ -118,6 +118,18 @@ def test_prefill_tiles_other_than_default(interpreter):
             assert c.ok, (s, c)
 
 
+def test_prefill_tiles_of_many_sequences(interpreter):
+    """Query tiles are numbered sequence after sequence and each program finds its own: 70 sequences
+    (more than one chunk of lengths read at once), most of them 1-3 tokens, a few longer than a tile;
+    the grid's spare programs (one per sequence) do nothing."""
+    from flashgen.targets.triton.codegen import generate, grid
+    wl = prefill(T=200, B=70, Hq=4, Hkv=2, D=32)
+    s = {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1}
+    assert grid(generate(wl, s), wl) == (-(-200 // 32) + 70, 4, 1)
+    for c in interpreter.check(wl, s, "h200", seed=[2, 3]):
+        assert c.ok, c
+
+
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942"])
 def test_prefill_aot(target):
     wl = prefill(T=65536, B=8, Hq=32, Hkv=8, D=128, dtype="bf16")

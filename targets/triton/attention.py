@@ -10,9 +10,9 @@ a fully masked tile leaves the running state unchanged. With `splits` > 1 (flash
 batches too small to fill the GPU) each sequence's context is shared among that many programs, and
 the last to finish merges their partial results in the same launch.
 
-Prefill: one program per (block_m queries of one sequence, query head); the grid covers T / block_m
-query tiles per sequence so that no host-side maximum length is needed, and tiles past a sequence's
-end do nothing. Key tiles stop at the diagonal (causal), and the same score and mask expressions apply.
+Prefill: one program per (block_m queries of one sequence, query head); the query tiles of all
+sequences are numbered one after another (at most T / block_m + B of them, so no host-side lengths are
+needed), and each program finds its sequence from the cumulative lengths. Key tiles stop at the diagonal (causal), and the same score and mask expressions apply.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from flashgen.workload import Workload
 
 LOG2E = 1.4426950408889634
 CAUSAL = E.Binary("ge", E.Index("qpos"), E.Index("kpos"))  # the plain causal mask, as the ops write it
+SEQ_CHUNK = 64  # sequence lengths a prefill program reads at once to find its sequence
 
 
 def _online_softmax(body: Scope, dt: str, finite: bool = False) -> None:
@@ -83,22 +84,21 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     dt = dtypes.TL[attrs["dtype"]]
     top = Scope(lines, "    ", {})
     grid_dependency(top)
-    top.line("pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) query tiles start first")
-    top.line("bh = tl.program_id(1)")
-    top.line("b = bh // Hq")
-    top.line("h = bh % Hq")
+    top.line("h = tl.program_id(1)")
     top.line(f"kvh = h // {group}")
-    top.line("s0 = tl.load(cu_seqlens_ptr + b)")
-    top.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
-    paged = "prefix_lens" in op.tensors
-    top.line("pre = tl.load(prefix_lens_ptr + b)" if paged else "pre = 0")
     tma = s.get("tma", 0)
     if tma:  # [T, Hkv, D] key and value tensors, one [block_n, 1, D] box per tile: zero-filled past T
         for t in ("k", "v"):
             top.line(f"{t}_desc = tl.make_tensor_descriptor({t}_ptr, shape=[T, Hkv, D], strides=[{t}_s0, {t}_s1, 1], "
                      "block_shape=[BLOCK_N, 1, D])")
-    top.line("if pid_m * BLOCK_M < n:")
+    _sequence_of_tile(top)
+    top.line("if b < B:")
     blk = top.child(top.indent + "    ")
+    blk.line("s0 = tl.load(cu_seqlens_ptr + b)")
+    blk.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
+    blk.line("pid_m = tl.cdiv(n, BLOCK_M) - 1 - (tl.program_id(0) - before)  # each sequence's longest (causal) tiles first")
+    paged = "prefix_lens" in op.tensors
+    blk.line("pre = tl.load(prefix_lens_ptr + b)" if paged else "pre = 0")
     blk.line("i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
     blk.line("imask = i < n")
     blk.line("qpos = pre + i")
@@ -152,7 +152,26 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     _scores(em, att, body, dt)
     blk.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
     blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=imask)")
-    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True)
+    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True, seq_tiles="B")
+
+
+def _sequence_of_tile(top: Scope) -> None:
+    """`b`, the sequence whose query tiles hold this program's tile (tiles are numbered sequence after
+    sequence, cdiv(n, block_m) each, so that no program is launched past a sequence's end), and `before`,
+    the tiles of the sequences before it; b = B for the few programs past the last tile. The lengths are
+    read SEQ_CHUNK sequences at a time."""
+    top.line("b = tl.program_id(0) * 0")
+    top.line("before = b")
+    top.line("seen = b")
+    top.line(f"for b0 in range(0, B, {SEQ_CHUNK}):")
+    body = top.child(top.indent + "    ")
+    body.line(f"idx = b0 + tl.arange(0, {SEQ_CHUNK})")
+    body.line("tiles = tl.cdiv(tl.load(cu_seqlens_ptr + idx + 1, mask=idx < B, other=0) - "
+              "tl.load(cu_seqlens_ptr + idx, mask=idx < B, other=0), BLOCK_M)")
+    body.line("ended = seen + tl.cumsum(tiles, 0) <= tl.program_id(0)  # (lengths past B read as 0 tiles)")
+    body.line("b += tl.sum(ended.to(tl.int32))")
+    body.line("before += tl.sum(tl.where(ended, tiles, 0))")
+    body.line("seen += tl.sum(tiles)")
 
 
 def _tma_tiles(body: Scope) -> None:

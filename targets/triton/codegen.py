@@ -10,6 +10,8 @@ tile divides the row.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from flashgen.ir import expr as E
 from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, refs
 from flashgen.schedules.space import Schedule, domain
@@ -129,13 +131,17 @@ def generate(wl: Workload, schedule: Schedule) -> KernelSource:
     raise NotImplementedError(f"the triton backend does not generate {wl.op.kclass} kernels yet")
 
 
-def grid(ks: KernelSource, wl: Workload, rows: int | None = None, sm_count: int = 0) -> tuple[int, int, int]:
-    """Programs to launch for `rows` rows of the domain (the workload's own row count by default); a
-    persistent kernel gets at most `persistent` programs per SM of the device."""
+def grid(ks: KernelSource, wl: Workload, rows: int | None = None, sm_count: int = 0,
+         dims: Mapping[str, int] | None = None) -> tuple[int, int, int]:
+    """Programs to launch for `rows` rows of the domain (the workload's own row count by default) and the
+    call's run-time `dims` (the workload's by default); a persistent kernel gets at most `persistent`
+    programs per SM of the device."""
     r, c = domain(wl)
     rows = r if rows is None else rows
     tr, tc = ks.tiles
     nr, nc = -(-rows // tr), (-(-c // tc) if ks.tile_cols else 1)
+    if ks.seq_tiles:
+        nr += (wl.dim if dims is None else dims)[ks.seq_tiles]
     if ks.persistent and sm_count:
         return (min(nr * nc, ks.persistent * sm_count), 1, ks.grid_z)
     return (nr * nc, 1, ks.grid_z) if ks.flat else (nr, nc, ks.grid_z)

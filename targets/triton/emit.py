@@ -65,6 +65,7 @@ class KernelSource:
     grid_z: int = 1
     scratch: tuple[Scratch, ...] = ()
     persistent: int = 0  # programs per SM when the kernel walks the tiles itself (0: one program per tile)
+    seq_tiles: str = ""  # packed sequences: one more row tile per sequence of this dim (each may end in a part tile)
 
 
 @dataclass

@@ -102,7 +102,7 @@ class TritonLauncher:
         if rows == 0:
             return
         args = self.args(tensors, params, dims)
-        g = grid(self.ks, self.wl, rows, int(self.target.sm_count))
+        g = grid(self.ks, self.wl, rows, int(self.target.sm_count), dims)
         device = next(iter(tensors.values())).device
         if device.type == "cpu":
             if not interpreting():
