@@ -12,7 +12,7 @@ the last to finish merges their partial results in the same launch.
 
 Prefill: one program per (block_m queries of one sequence, query head); the query tiles of all
 sequences are numbered one after another (at most T / block_m + B of them, so no host-side lengths are
-needed), and each program finds its sequence from the cumulative lengths. Key tiles stop at the diagonal (causal), and the same score and mask expressions apply.
+needed), and each program finds its sequence from the cumulative lengths (`_sequence_of_tile`). Key tiles stop at the diagonal (causal), and the same score and mask expressions apply.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from flashgen.workload import Workload
 
 LOG2E = 1.4426950408889634
 CAUSAL = E.Binary("ge", E.Index("qpos"), E.Index("kpos"))  # the plain causal mask, as the ops write it
-SEQ_CHUNK = 64  # sequence lengths a prefill program reads at once to find its sequence
+SEQ_CHUNK = 64  # sequence starts a prefill program reads at once to find its sequence
 
 
 def _online_softmax(body: Scope, dt: str, finite: bool = False) -> None:
@@ -92,13 +92,11 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
             top.line(f"{t}_desc = tl.make_tensor_descriptor({t}_ptr, shape=[T, Hkv, D], strides=[{t}_s0, {t}_s1, 1], "
                      "block_shape=[BLOCK_N, 1, D])")
     _sequence_of_tile(top)
-    top.line("if b < B:")
-    blk = top.child(top.indent + "    ")
-    blk.line("s0 = tl.load(cu_seqlens_ptr + b)")
-    blk.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
-    blk.line("pid_m = tl.cdiv(n, BLOCK_M) - 1 - (tl.program_id(0) - before)  # each sequence's longest (causal) tiles first")
+    top.line("pid_m = tl.cdiv(n, BLOCK_M) - 1 - nth  # each sequence's longest (causal) tiles first")
     paged = "prefix_lens" in op.tensors
-    blk.line("pre = tl.load(prefix_lens_ptr + b)" if paged else "pre = 0")
+    top.line("pre = tl.load(prefix_lens_ptr + b)" if paged else "pre = 0")
+    top.line("if pid_m >= 0:")
+    blk = top.child(top.indent + "    ")
     blk.line("i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
     blk.line("imask = i < n")
     blk.line("qpos = pre + i")
@@ -156,22 +154,22 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
 
 
 def _sequence_of_tile(top: Scope) -> None:
-    """`b`, the sequence whose query tiles hold this program's tile (tiles are numbered sequence after
-    sequence, cdiv(n, block_m) each, so that no program is launched past a sequence's end), and `before`,
-    the tiles of the sequences before it; b = B for the few programs past the last tile. The lengths are
-    read SEQ_CHUNK sequences at a time."""
-    top.line("b = tl.program_id(0) * 0")
-    top.line("before = b")
-    top.line("seen = b")
+    """`b`, the sequence of this program's query tile, and `nth`, the tile's place in it. Sequence b's
+    tiles are numbered from cu_seqlens[b] // block_m + b on: a range at least cdiv(n, block_m) long
+    (the floors of its two ends differ by at least n // block_m), so at most T // block_m + B programs
+    cover every tile of any lengths, and a program finds its sequence by counting the starts at or
+    before its own number, SEQ_CHUNK sequences at a time. The few programs numbered past a sequence's
+    tiles do nothing."""
+    top.line("t = tl.program_id(0)")
+    top.line("b = t * 0 - 1")
     top.line(f"for b0 in range(0, B, {SEQ_CHUNK}):")
     body = top.child(top.indent + "    ")
     body.line(f"idx = b0 + tl.arange(0, {SEQ_CHUNK})")
-    body.line("tiles = tl.cdiv(tl.load(cu_seqlens_ptr + idx + 1, mask=idx < B, other=0) - "
-              "tl.load(cu_seqlens_ptr + idx, mask=idx < B, other=0), BLOCK_M)")
-    body.line("ended = seen + tl.cumsum(tiles, 0) <= tl.program_id(0)  # (lengths past B read as 0 tiles)")
-    body.line("b += tl.sum(ended.to(tl.int32))")
-    body.line("before += tl.sum(tl.where(ended, tiles, 0))")
-    body.line("seen += tl.sum(tiles)")
+    body.line("first = tl.load(cu_seqlens_ptr + idx, mask=idx < B, other=0) // BLOCK_M + idx")
+    body.line("b += tl.sum(((first <= t) & (idx < B)).to(tl.int32))")
+    top.line("s0 = tl.load(cu_seqlens_ptr + b)")
+    top.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
+    top.line("nth = t - (s0 // BLOCK_M + b)")
 
 
 def _tma_tiles(body: Scope) -> None:
