@@ -12,8 +12,8 @@ dependent launch: the first k step's weights are loaded before waiting for the p
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
-persistent programs do not split K, early loads serve unsplit GEMV tiles, k tiles deeper than 512 are for ALU tiles only, and k tiles of
-packed int4 words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
+persistent programs do not split K, early loads serve unsplit GEMV tiles, k tiles deeper than 512
+are for ALU tiles only, and k tiles of packed int4 words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
 of 1-8 rows, whose products are summed on the ALUs (targets/triton/contraction.py), bounded by the
 products each thread holds per k step.

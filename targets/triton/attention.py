@@ -12,7 +12,8 @@ the last to finish merges their partial results in the same launch.
 
 Prefill: one program per (block_m queries of one sequence, query head); the query tiles of all
 sequences are numbered one after another (at most T / block_m + B of them, so no host-side lengths are
-needed), and each program finds its sequence from the cumulative lengths (`_sequence_of_tile`). Key tiles stop at the diagonal (causal), and the same score and mask expressions apply.
+needed), and each program finds its sequence from the cumulative lengths (`_sequence_of_tile`). Key
+tiles stop at the diagonal (causal), and the same score and mask expressions apply.
 """
 from __future__ import annotations
 
