@@ -44,6 +44,10 @@ WARPS = (1, 2, 4, 8, 16, 32)
 # `splits` shares one sequence's context among programs (flash-decoding) when B x Hkv < the SMs.
 DECODE_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
                 "splits": (1, 2, 4, 8, 16, 32)}
+# `early_kv` (targets with programmatic dependent launch): the keys before each query's own position
+# are read before waiting for the previous kernel (targets/triton/attention.py says when that holds).
+# Records written before it existed read as early_kv=0.
+DECODE_ADDED = {"early_kv": 0}
 # Prefill: query rows and key columns per tile, warps, stages; `tma` (sm_90): key and value tiles copied
 # by TMA descriptors. Records written before `tma` existed read as tma=0 (PREFILL_ADDED).
 PREFILL_KNOBS = {"block_m": (32, 64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
@@ -90,7 +94,7 @@ class ScheduleSpace:
             return dict(contraction_space.knobs(self.workload, self.target))
         if self.kclass == "attention":
             if self._attention_kind() == "decode":
-                return dict(DECODE_KNOBS)
+                return {**DECODE_KNOBS, "early_kv": (0, 1) if self.target.pdl else (0,)}
             return {**PREFILL_KNOBS, "tma": (0, 1) if self.target.capability >= 90 else (0,)}
         rows, cols = domain(self.workload)
         pc, pr = next_pow2(cols), next_pow2(rows)
@@ -105,7 +109,9 @@ class ScheduleSpace:
         """Knobs added after records were written, with the value their absence stands for."""
         if self.kclass == "contraction":
             return contraction_space.ADDED_KNOBS
-        return PREFILL_ADDED if self.kclass == "attention" and self._attention_kind() == "prefill" else {}
+        if self.kclass != "attention":
+            return {}
+        return PREFILL_ADDED if self._attention_kind() == "prefill" else DECODE_ADDED
 
     def complete(self, s: Schedule) -> Schedule:
         """`s` with every added knob it predates set to the value its absence stands for."""
@@ -182,7 +188,7 @@ class ScheduleSpace:
                 splits = 1
                 while splits < 32 and programs * splits < self.target.sm_count and d["L"] // (splits * 2) >= 512:
                     splits *= 2
-                return {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits}
+                return {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits, **DECODE_ADDED}
             # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB).
             for stages, block_n in ((2, 64), (1, 64), (1, 32)):
                 s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages, **PREFILL_ADDED}

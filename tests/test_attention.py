@@ -76,7 +76,7 @@ def test_one_kernel_serves_any_batch_and_cache_size():
     a, b = decode(B=3, NB=40), decode(B=64, NB=4096, MAXB=64, L=1000)
     from flashgen.targets.triton.codegen import generate
     assert generate(a, DEFAULT).source == generate(b, DEFAULT).source
-    assert ScheduleSpace(a, get_target("h200")).default() == DEFAULT
+    assert ScheduleSpace(a, get_target("h200")).default() == {**DEFAULT, "early_kv": 0}
 
 
 def test_prior_ranks_attention_schedules():
@@ -86,7 +86,7 @@ def test_prior_ranks_attention_schedules():
     scheds = list(space)
     scores = AnalyticPrior().score(wl, scheds, get_target("h200"))
     best = scheds[int(scores.argmax())]
-    assert len(scheds) == 4 * 3 * 3 * 6
+    assert len(scheds) == 4 * 3 * 3 * 6 * 2  # early_kv 0 and 1 on the H200
     assert best["splits"] >= 8  # one sequence, 8 KV heads: only a split context fills 132 SMs
     assert space.default()["splits"] >= 4
 
@@ -249,3 +249,50 @@ def test_prefill_tma_rules_and_build():
     sass = summary(opcodes(flashgen.compile(wl, "sm_90", schedule={**old, "tma": 1}).binary))
     assert sass["tma"] > 0 and sass["wgmma"] > 0, sass
     assert summary(opcodes(flashgen.compile(wl, "sm_90", schedule=old).binary))["tma"] == 0
+
+
+EARLY_KV = [({"pages": 1, "num_warps": 2, "num_stages": 1, "splits": 1, "early_kv": 1}, 16, 1, "none"),
+            ({"pages": 2, "num_warps": 4, "num_stages": 2, "splits": 4, "early_kv": 1}, 16, 100, "window"),
+            ({"pages": 1, "num_warps": 4, "num_stages": 2, "splits": 32, "early_kv": 1}, 16, 33, "softcap"),
+            ({"pages": 4, "num_warps": 4, "num_stages": 2, "splits": 2, "early_kv": 1}, 32, 100, "alibi")]
+
+
+@pytest.mark.parametrize("schedule, bs, length, mod", EARLY_KV, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         f"p{v['pages']}-s{v['splits']}")
+def test_early_kv_numerics(interpreter, schedule, bs, length, mod):
+    """early_kv peels the first loop step (its tiles load before the wait) and adds the newest key, at
+    the query's own position, as a column of its own in the split that holds it: contexts of 1 (the
+    newest key alone), ragged contexts not multiples of the block, splits left empty, and each mod."""
+    wl = decode(BS=bs, L=length, MAXB=-(-length // bs) + 1, NB=4 * (-(-length // bs) + 1), mod=mod)
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(schedule)
+    params = {"window": 37.0} if mod == "window" else {"softcap": 1.5} if mod == "softcap" else None
+    for c in interpreter.check(wl, schedule, "h200", seed=[bs + length, 3], params=params):
+        assert c.ok, c
+
+
+def test_early_kv_fp8(interpreter):
+    """The newest key and value of an e4m3 cache are scaled like every other."""
+    wl = decode(kv="fp8e4m3", dtype="fp16", L=70, MAXB=6, NB=24)
+    s = {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": 2, "early_kv": 1}
+    for c in interpreter.check(wl, s, "h200", seed=9, params={"k_scale": 0.5, "v_scale": 2.0}):
+        assert c.ok, c
+
+
+def test_early_kv_rules_and_order():
+    """The knob exists where PDL does. In the source, the query and the newest key are read only after
+    the wait, the first step's cache tiles before it; in the sm_90 PTX, global loads precede the wait."""
+    from flashgen.targets.triton.codegen import generate
+    wl = decode(dtype="bf16", D=128, Hq=32, Hkv=8, BS=16, NB=160, MAXB=512, L=2560)
+    assert ScheduleSpace(wl, get_target("h200")).knobs()["early_kv"] == (0, 1)
+    for t in ("a100", "mi300x"):
+        assert ScheduleSpace(wl, get_target(t)).knobs()["early_kv"] == (0,)
+    assert ScheduleSpace(wl, get_target("h200")).complete({**DEFAULT, "splits": 16})["early_kv"] == 0
+    s = {"pages": 8, "num_warps": 4, "num_stages": 2, "splits": 16, "early_kv": 1}
+    src = generate(wl, s).source
+    before, after = src[:src.index("gdc_wait")], src[src.index("gdc_wait"):]
+    assert "tl.load(k_cache_ptr" in before and "tl.load(v_cache_ptr" in before and "block_tables_ptr" in before
+    assert "tl.load(q_ptr" not in before and "tl.load(q_ptr" in after and "kn = tl.load(k_cache_ptr" in after
+    for early in (1, 0):
+        ptx = flashgen.compile(wl, "sm_90", schedule={**s, "early_kv": early}).asm["ptx"].splitlines()
+        wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
+        assert any("ld.global" in line for line in ptx[:wait]) == bool(early)

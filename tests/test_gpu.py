@@ -247,6 +247,55 @@ def test_split_kv_decode_on_gpu(splits):
             assert c.ok, (c, kernel.schedule)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_early_kv_decode_on_gpu(splits):
+    """Early cache reads (before the wait for the previous kernel), each decode attention fed by a
+    generated rope_cache that writes the query and the newest key and value: 16 decode steps of three
+    sequences launched back to back, checked after one synchronize. The newest slots and the query
+    buffers start poisoned, so an attention that read either before its rope_cache ended would see it."""
+    wl = flashgen.workload("paged_decode_attention", B=3, Hq=32, Hkv=8, D=128, BS=16, NB=64, MAXB=16, L=256,
+                           dtype="bf16")
+    s = {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits, "early_kv": 1}
+    if not ScheduleSpace(wl, TARGET).is_valid(s):
+        pytest.skip(f"{TARGET.key}: {ScheduleSpace(wl, TARGET).why_invalid(s)}")
+    attn = flashgen.compile(wl, TARGET, schedule=s)
+    d = wl.dim
+    rope_wl = flashgen.workload("rope_cache", M=d["B"], Hq=d["Hq"], Hkv=d["Hkv"], D=d["D"], L=d["L"],
+                                NS=d["NB"] * d["BS"], dtype="bf16")
+    rope = flashgen.compile(rope_wl, TARGET)
+    gen = torch.Generator().manual_seed(17)
+    ins = {n: t.to(DEVICE) for n, t in wl.op.make_inputs(d, wl.attr, gen).items()}
+    cos_sin = rope_wl.op.make_inputs(rope_wl.dim, rope_wl.attr, gen)["cos_sin"].to(DEVICE)
+    kc, vc, tables = ins["k_cache"], ins["v_cache"], ins["block_tables"]
+    base = torch.tensor([0, 50, 200], device=DEVICE)
+    steps = []
+    for r in range(16):
+        pos = base + r
+        slots = tables[torch.arange(3, device=DEVICE), pos // d["BS"]].long() * d["BS"] + pos % d["BS"]
+        kc.view(-1, d["Hkv"], d["D"])[slots] = 100.0  # poisoned until this step's rope_cache writes them
+        vc.view(-1, d["Hkv"], d["D"])[slots] = 100.0
+        steps.append({"positions": pos, "slots": slots, "ctx": (pos + 1).to(torch.int32),
+                      "q": torch.randn(3, d["Hq"], d["D"], generator=gen).to(torch.bfloat16).to(DEVICE),
+                      "k": torch.randn(3, d["Hkv"], d["D"], generator=gen).to(torch.bfloat16).to(DEVICE),
+                      "v": torch.randn(3, d["Hkv"], d["D"], generator=gen).to(torch.bfloat16).to(DEVICE),
+                      "q_out": torch.full((3, d["Hq"], d["D"]), 100.0, dtype=torch.bfloat16, device=DEVICE),
+                      "k_out": torch.empty(3, d["Hkv"], d["D"], dtype=torch.bfloat16, device=DEVICE)})
+    torch.cuda.synchronize()
+    outs = []
+    for st in steps:
+        rope.run({"q": st["q"], "k": st["k"], "positions": st["positions"], "cos_sin": cos_sin, "v": st["v"],
+                  "slots": st["slots"], "k_cache": kc.view(-1, d["Hkv"], d["D"]),
+                  "v_cache": vc.view(-1, d["Hkv"], d["D"])}, {"q_out": st["q_out"], "k_out": st["k_out"]})
+        outs.append(attn.run({"q": st["q_out"], "k_cache": kc, "v_cache": vc, "block_tables": tables,
+                              "context_lens": st["ctx"]})["out"])
+    torch.cuda.synchronize()
+    cpu = {"k_cache": kc.cpu(), "v_cache": vc.cpu(), "block_tables": tables.cpu()}
+    for st, out in zip(steps, outs):
+        ref = wl.op.reference({**cpu, "q": st["q_out"].cpu(), "context_lens": st["ctx"].cpu()}, wl.op.params, d,
+                              wl.attr)["out"]
+        assert torch.allclose(out.double().cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()), st["positions"]
+
+
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 def test_chunked_prefill_on_gpu(dt):
     wl = flashgen.workload("chunked_prefill_attention", T=2000, B=5, Hq=32, Hkv=8, D=128, BS=16, NB=1024, MAXB=128,

@@ -31,43 +31,48 @@ CAUSAL = E.Binary("ge", E.Index("qpos"), E.Index("kpos"))  # the plain causal ma
 SEQ_CHUNK = 64  # sequence starts a prefill program reads at once to find its sequence
 
 
-def _online_softmax(body: Scope, dt: str, finite: bool = False) -> None:
-    """One key tile's update of the running max, sum and weighted values (`logit` in log2 units, `v`
-    in scope). `finite`: every logit of the tile is finite, so the running max needs no guard."""
-    body.line("m_new = tl.maximum(m_i, tl.max(logit, axis=1)[:, None])")
-    if finite:
-        body.line("alpha = tl.math.exp2(m_i - m_new)")
-        body.line("p = tl.math.exp2(logit - m_new)")
-    else:
+def _online_softmax(body: Scope, dt: str, finite: bool = False, factor: str = "") -> None:
+    """One key tile's update of the running max, sum and weighted values (`logit` in log2 units once
+    multiplied by `factor`, `v` in scope). `finite`: every logit of the tile is finite, so the running
+    max needs no guard. A factor is applied inside the exponent's argument, where it and the max's
+    subtraction are one FMA, and to the tile's row maxima (a positive factor keeps their order)."""
+    body.line(f"m_new = tl.maximum(m_i, tl.max(logit, axis=1)[:, None]{factor})")
+    m = "m_new"
+    if not finite:
         body.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
-        body.line("alpha = tl.math.exp2(m_i - m_safe)")
-        body.line("p = tl.math.exp2(logit - m_safe)")
+        m = "m_safe"
+    body.line(f"alpha = tl.math.exp2(m_i - {m})")
+    body.line(f"p = tl.math.exp2(logit{factor} - {m})")
     body.line("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]")
     # The rescaled accumulator is the dot's own accumulator: no second [rows, D] fp32 tile in registers.
     body.line(f"acc = tl.dot(p.to({dt}), v, acc * alpha)")
     body.line("m_i = m_new")
 
 
-def _logit(em: Emitter, att: Attend, body: Scope, dot: str, mask: str | None) -> None:
-    """`logit`: the op's score expression of the scaled dot product, in log2 units (exp2 is the
-    hardware's exponential), masked by `mask` and the op's mask expression. A plain score folds the
-    log2 factor into the scale."""
+def _logit(em: Emitter, att: Attend, body: Scope, dot: str, mask: str | None) -> str:
+    """`logit`: the op's score expression of the scaled dot product, masked by `mask` and the op's mask
+    expression. Returns the factor that puts it in log2 units (exp2 is the hardware's exponential): a
+    plain score is the raw dot product, whose scale the softmax applies (`_online_softmax`)."""
     plain = att.score == E.Ref("s")
-    body.line(f"s = {dot} * " + (f"(scale * {LOG2E!r})" if plain else "scale"))
-    em.named["s"] = "s"
-    score = "s" if plain else f"{em.emit(att.score, body)} * {LOG2E!r}"
+    if plain:
+        score, factor = dot, f" * (scale * {LOG2E!r})"
+    else:
+        body.line(f"s = {dot} * scale")
+        em.named["s"] = "s"
+        score, factor = f"{em.emit(att.score, body)} * {LOG2E!r}", ""
     if mask is None:
         body.line(f"logit = {score}")
-        return
-    seen = em.emit(att.mask, body)
-    body.line(f"logit = tl.where({mask} & ({seen}), {score}, float(\"-inf\"))")
+    else:
+        seen = em.emit(att.mask, body)
+        body.line(f"logit = tl.where({mask} & ({seen}), {score}, float(\"-inf\"))")
+    return factor
 
 
 def _scores(em: Emitter, att: Attend, body: Scope, dt: str, masked: bool = True) -> None:
     """Logits of the key tile `kt` (masked by jmask, imask and the op's mask expression unless the tile
     needs no mask), then the online-softmax update with the value tile `v`."""
-    _logit(em, att, body, "tl.dot(q, kt)", "jmask & imask" if masked else None)
-    _online_softmax(body, dt, finite=not masked)
+    factor = _logit(em, att, body, "tl.dot(q, kt)", "jmask & imask" if masked else None)
+    _online_softmax(body, dt, finite=not masked, factor=factor)
 
 
 def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
@@ -238,26 +243,83 @@ def _combine(top: Scope, dt: str, fp8: bool, group: int, splits: int, d: int, nu
     last.line("tl.atomic_xchg(done_ptr + b * Hkv + kvh, 0)")
 
 
+def _kv_tiles(body: Scope, fp8: bool, dt: str, end: str) -> None:
+    """The key tile `kt` [D, BS * pages] and value tile `v` at `start`, through the block table: keys
+    at or past `end` are masked out."""
+    body.line("kpos = start + tl.arange(0, BS * PAGES)[None, :]")
+    body.line(f"kmask = kpos < {end}")
+    body.line("kcol = start + tl.arange(0, BS * PAGES)[:, None]")
+    body.line("page_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=kmask, other=0)")
+    body.line(f"page_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kcol // BS, mask=kcol < {end}, other=0)")
+    other = "" if fp8 else ", other=0"  # Triton has no fp8 literal: fp8 lanes are zeroed after conversion
+    body.line("kt = tl.load(k_cache_ptr + page_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
+              f"kvh * k_cache_s2 + dd[:, None], mask=kmask{other})")
+    body.line("v = tl.load(v_cache_ptr + page_c.to(tl.int64) * v_cache_s0 + (kcol % BS) * v_cache_s1 + "
+              f"kvh * v_cache_s2 + dd[None, :], mask=kcol < {end}{other})")
+    if fp8:
+        body.line(f"kt = tl.where(kmask, kt.to({dt}), 0.0).to({dt})")
+        body.line(f"v = tl.where(kcol < {end}, v.to({dt}), 0.0).to({dt})")
+
+
+def _newest_key(top: Scope, fp8: bool) -> None:
+    """With `early_kv`: the key and value at the query's own position (which the kernel before this one
+    may have just written) read after the wait, and their column added to the online softmax by the
+    split whose range holds it. A single column needs no matrix instruction: the score is a sum of
+    products over D."""
+    top.line("own = (lo <= qpos) & (qpos < hi)")
+    other = "" if fp8 else ", other=0"
+    for t in ("k", "v"):
+        top.line(f"{t}n = tl.load({t}_cache_ptr + page_n.to(tl.int64) * {t}_cache_s0 + (qpos % BS) * {t}_cache_s1 + "
+                 f"kvh * {t}_cache_s2 + dd[None, :], mask=own{other}).to(tl.float32)")
+        if fp8:
+            top.line(f"{t}n = tl.where(own, {t}n, 0.0)")
+
+
+def _newest_column(em: Emitter, att: Attend, top: Scope, fp8: bool) -> None:
+    """The newest key's column of the online softmax (`_newest_key`), after every other key."""
+    scope = top.child(top.indent, {"h": ("h", "gmask"), "qpos": ("qpos", None), "kpos": ("qpos", "own")}, fresh=True)
+    dot = "tl.sum(q.to(tl.float32) * kn, axis=1)[:, None]" + (" * k_scale" if fp8 else "")
+    factor = _logit(em, att, scope, dot, "own & gmask")
+    scope.line(f"m_new = tl.maximum(m_i, logit{factor})")
+    scope.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
+    scope.line("alpha = tl.math.exp2(m_i - m_safe)")
+    scope.line(f"p = tl.math.exp2(logit{factor} - m_safe)")
+    scope.line("l_i = l_i * alpha + p")
+    scope.line("acc = acc * alpha + p * vn")
+    scope.line("m_i = m_new")
+
+
 def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
+    """With `early_kv` (targets with programmatic dependent launch), the keys before each query's own
+    position are read without waiting for the previous kernel: the first loop step's block-table
+    entries and key/value tiles load before the wait, the query and the newest key after it. This holds
+    where the kernel launched just before writes no cache position but the query's own (a decode step's
+    `rope_cache` writes exactly that one), and every earlier kernel has finished by then (each waits
+    for its own predecessor before the next may launch)."""
     op, attrs, dim = wl.op, wl.attr, wl.dim
     group = dim["Hq"] // dim["Hkv"]
     g_pad = max(16, 1 << (group - 1).bit_length())
     splits = s["splits"]
+    early = s.get("early_kv", 0)
     scratch = _split_scratch(g_pad, splits, dim["D"]) if splits > 1 else ()
     em = Emitter(op, attrs, {})
     name = f"{op.name}_kernel"
     args = kernel_args(wl, {"G_PAD": g_pad, "PAGES": s["pages"], "SPLITS": splits}, scratch)
     lines = module_header(wl, s, name, args)
     top = Scope(lines, "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None)})
-    grid_dependency(top)
+    if not early:
+        grid_dependency(top)
     dt = dtypes.TL[attrs["dtype"]]
+    fp8 = op.dtype_of("k_cache", attrs) in dtypes.FP8
+    q_load = "q = tl.load(q_ptr + b.to(tl.int64) * q_s0 + h * q_s1 + dd[None, :], mask=gmask, other=0)"
     top.line("b = tl.program_id(0)")
     top.line("kvh = tl.program_id(1)")
     top.line("g = tl.arange(0, G_PAD)[:, None]")
     top.line(f"gmask = g < {group}")
     top.line(f"h = kvh * {group} + g")
     top.line("dd = tl.arange(0, D)")
-    top.line("q = tl.load(q_ptr + b.to(tl.int64) * q_s0 + h * q_s1 + dd[None, :], mask=gmask, other=0)")
+    if not early:
+        top.line(q_load)
     top.line("ctx = tl.load(context_lens_ptr + b)")
     top.line("qpos = ctx - 1")
     top.line("m_i = tl.full([G_PAD, 1], float(\"-inf\"), tl.float32)")
@@ -272,25 +334,27 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     else:
         top.line("lo = 0")
         top.line("hi = ctx")
-    top.line("for start in range(lo, hi, BS * PAGES):")
-    body = top.child(top.indent + "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None), "kpos": ("kpos", "kmask")},
-                     fresh=True)
-    body.line("kpos = start + tl.arange(0, BS * PAGES)[None, :]")
-    body.line("kmask = kpos < hi")
-    body.line("kcol = start + tl.arange(0, BS * PAGES)[:, None]")
-    body.line("page_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=kmask, other=0)")
-    body.line("page_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kcol // BS, mask=kcol < hi, other=0)")
-    fp8 = op.dtype_of("k_cache", attrs) in dtypes.FP8
-    other = "" if fp8 else ", other=0"  # Triton has no fp8 literal: fp8 lanes are zeroed after conversion
-    body.line("kt = tl.load(k_cache_ptr + page_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
-              f"kvh * k_cache_s2 + dd[:, None], mask=kmask{other})")
-    body.line("v = tl.load(v_cache_ptr + page_c.to(tl.int64) * v_cache_s0 + (kcol % BS) * v_cache_s1 + "
-              f"kvh * v_cache_s2 + dd[None, :], mask=kcol < hi{other})")
-    if fp8:
-        body.line(f"kt = tl.where(kmask, kt.to({dt}), 0.0).to({dt})")
-        body.line(f"v = tl.where(kcol < hi, v.to({dt}), 0.0).to({dt})")
-    _logit(em, att, body, "tl.dot(q, kt)" + (" * k_scale" if fp8 else ""), "kmask & gmask")
-    _online_softmax(body, dt)
+    axes = {"h": ("h", "gmask"), "qpos": ("qpos", None), "kpos": ("kpos", "kmask")}
+    end, first = "hi", "lo"
+    if early:  # the first step's tiles before the wait; the newest key (at qpos) after it
+        top.line("last = tl.minimum(hi, qpos)  # keys before the query's own: written by earlier steps")
+        top.line("page_n = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + tl.maximum(qpos, 0) // BS)")
+        end, first = "last", "lo + BS * PAGES"
+        step = top.child(top.indent, axes, fresh=True)
+        step.line("start = lo")
+        _kv_tiles(step, fp8, dt, end)
+        grid_dependency(top)
+        top.line(q_load)
+        _newest_key(top, fp8)
+        factor = _logit(em, att, step, "tl.dot(q, kt)" + (" * k_scale" if fp8 else ""), "kmask & gmask")
+        _online_softmax(step, dt, factor=factor)
+    top.line(f"for start in range({first}, {end}, BS * PAGES):")
+    body = top.child(top.indent + "    ", axes, fresh=True)
+    _kv_tiles(body, fp8, dt, end)
+    factor = _logit(em, att, body, "tl.dot(q, kt)" + (" * k_scale" if fp8 else ""), "kmask & gmask")
+    _online_softmax(body, dt, factor=factor)
+    if early:
+        _newest_column(em, att, top, fp8)
     if splits > 1:
         _combine(top, dt, fp8, group, splits, dim["D"], s["num_warps"])
     else:
