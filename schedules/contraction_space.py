@@ -6,8 +6,8 @@ split_k (programs sharing one tile's k range when the tiles alone leave SMs idle
 to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilogue), persistent
 (0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
 tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
-tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 matrix tiles:
-two codes per 32-bit AND-OR in inline PTX), early_load (GEMV tiles on targets with programmatic
+tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 tiles:
+two codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs), early_load (GEMV tiles on targets with programmatic
 dependent launch: the first k step's weights are loaded before waiting for the previous kernel).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
@@ -77,6 +77,17 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
 def int4_affine(wl: Workload) -> tuple | None:
     """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)."""
     return prologue.affine_codes(_extents(wl)[3].b, wl.dim)
+
+
+@functools.lru_cache(maxsize=256)
+def whole_block_groups(wl: Workload) -> bool:
+    """Whether the int4 codes' zero point and scale are constant over each block of INT4_PERIOD k (a
+    word's eight codes share them: groups of 128 k or more, or per channel)."""
+    affine = int4_affine(wl)
+    if affine is None:
+        return False
+    periods = [prologue.k_period(e, wl.dim) for e in affine[1:] if e is not None]
+    return all(p is None or p % INT4_PERIOD == 0 for p in periods)
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,8 +175,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return "persistent programs walk whole tiles: split_k must be 1"
     if s["split_k"] > 1 and -(-_extents(wl)[2] // s["block_k"]) < s["split_k"] * SPLIT_K_MIN_STEPS:
         return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {SPLIT_K_MIN_STEPS} k steps of {s['block_k']} each"
-    if s["ptx_unpack"] and s["block_m"] < MMA_MIN_ROWS:
-        return f"PTX unpacking serves int4 matrix tiles of at least {MMA_MIN_ROWS} rows"
+    if s["ptx_unpack"] and s["block_m"] < MMA_MIN_ROWS and not whole_block_groups(wl):
+        return f"PTX unpacking of GEMV tiles pairs codes 64 k apart: groups must span {INT4_PERIOD} k"
     if s["early_load"] and (s["block_m"] >= MMA_MIN_ROWS or s["split_k"] > 1 or s["persistent"]):
         return f"early weight loads serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows, unsplit, not persistent"
     if s["tma"] and (s["block_m"] < MMA_MIN_ROWS or s["block_k"] > MAX_TMA_BOX):

@@ -318,7 +318,9 @@ def test_int4_ptx_unpack():
     assert ScheduleSpace(flashgen.workload("gemm", M=16, N=256, K=512), get_target("h200")).knobs()["ptx_unpack"] == (0,)
     s = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 1}
     gemv = ScheduleSpace(wl.with_dims(M=1), get_target("h200"))
-    assert "PTX" in gemv.why_invalid({**s, "block_m": 1, "block_n": 16, "ptx_unpack": 1})
+    assert gemv.is_valid({**s, "block_m": 1, "block_n": 16, "block_k": 1024, "ptx_unpack": 1})
+    g64 = ScheduleSpace(flashgen.workload("gemm_w4a16", M=1, N=256, K=4096, G=64, dtype="bf16"), get_target("h200"))
+    assert "groups must span 128" in g64.why_invalid({**s, "block_m": 1, "block_n": 16, "block_k": 1024, "ptx_unpack": 1})
     src = generate(wl, {**s, "ptx_unpack": 1}).source
     assert src.count("pack=2)") == 8 and "fma.rn.bf16x2" in src
     counts = {}
@@ -330,6 +332,25 @@ def test_int4_ptx_unpack():
             assert any(op.startswith(("HGMMA", "HMMA")) for op in loop), (target, u, loop)
             counts[target, u] = sum(loop.values())
         assert counts[target, 1] < 0.85 * counts[target, 0], counts
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_int4_gemv_pairs(dtype):
+    """ptx_unpack in GEMV tiles: one inline-PTX dot per word and row in fp16 pairs (x in fp16, scaled
+    by 2^-8 when it is bf16), fewer instructions per k step than the fp32 codes on sm_90 and sm_80.
+    (Numerics: on the GPU.)"""
+    from flashgen.targets.triton.codegen import generate
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import loop_opcodes
+    wl = flashgen.workload("gemm_w4a16", M=2, N=512, K=4096, G=128, dtype=dtype, zp="asym")
+    s = {"block_m": 2, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 3, "group_m": 1, "ptx_unpack": 1}
+    src = generate(wl, s).source
+    assert src.count("tl.inline_asm_elementwise(") == 2 and src.count("fma.rn.f16x2") == 2 * 7
+    assert ("* 0.00390625).to(tl.float16)" in src) == (dtype == "bf16") and "(8.0 - " in src
+    for target in ("sm_90", "sm_80"):
+        loops = [sum(loop_opcodes(flashgen.compile(wl, target, schedule={**s, "ptx_unpack": u}).binary).values())
+                 for u in (0, 1)]
+        assert loops[1] < 0.9 * loops[0], (target, loops)
 
 
 @pytest.mark.parametrize("block_m", [2, 16])

@@ -48,6 +48,39 @@ def _ptx_codes(operand: str, j: int) -> str:
             f"mov.b32 one, {one:#x}; mov.b32 minus, {minus:#x}; fma.rn.{kind} $0, t, one, minus; }}")
 
 
+# fp16 pairs: 1.0, -(1024 + 8), 1/16 and -(64 + 8). A code under 0x6400 reads 1024 + code (or, four bits
+# up, 1024 + 16 * code).
+F16 = {"one": 0x3C003C00, "m1032": 0xE408E408, "sixteenth": 0x2C002C00, "m72": 0xD480D480}
+# x in fp16 is x * 2^-X16_SHIFT for bf16 activations, so that fp16's range covers bf16 values up to 2^24.
+X16_SHIFT = 8
+
+
+def _ptx_word_dot() -> str:
+    """Inline PTX for the dot of one word's eight int4 codes (minus 8) with eight x values, in fp16 pairs
+    (`_int4_pair_terms`): each AND-OR puts codes j and j + 4 (bits 4j and 4j + 16) under fp16 exponents,
+    one paired FMA subtracts 8, one paired FMA multiplies by (x_j, x_j+4) and adds; the pair's halves
+    are summed in fp32. Four codes per lane are summed in fp16: a product rounds to 11 bits, as a
+    16-bit dot product's would."""
+    c = F16
+    lines = [".reg .b32 w, t, acc, one, m1032, sixteenth, m72;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;",
+             f"mov.b32 one, {c['one']:#x};", f"mov.b32 m1032, {c['m1032']:#x};",
+             f"mov.b32 sixteenth, {c['sixteenth']:#x};", f"mov.b32 m72, {c['m72']:#x};"]
+    for q in range(4):
+        src = "$1" if q < 2 else "w"
+        if q == 2:
+            lines.append("shr.b32 w, $1, 8;")
+        if q % 2 == 0:  # codes q, q + 4 in bits 0-3 of each half
+            lines.append(f"lop3.b32 t, {src}, 0x000F000F, 0x64006400, 0xEA;")
+            lines.append("fma.rn.f16x2 t, t, one, m1032;")
+        else:  # codes in bits 4-7 of each half: 1024 + 16 * code
+            lines.append(f"lop3.b32 t, {src}, 0x00F000F0, 0x64006400, 0xEA;")
+            lines.append("fma.rn.f16x2 t, t, sixteenth, m72;")
+        lines.append("mul.rn.f16x2 acc, t, $2;" if q == 0 else f"fma.rn.f16x2 acc, t, ${q + 2}, acc;")
+    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 flo, flo, fhi;",
+              "mov.b32 $0, flo;"]
+    return "{ " + " ".join(lines) + " }"
+
+
 def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
     while isinstance(e, E.Ref) and e.name in lets:
         e = lets[e.name]
@@ -116,8 +149,46 @@ def _int4_terms(em: Emitter, con: Contract, affine: tuple, per_segment: int, b_s
     return segments
 
 
+def _int4_pair_terms(em: Emitter, con: Contract, affine: tuple, words: str, scope: Scope, block_m: int,
+                     kmask: bool, operand: str) -> None:
+    """A GEMV k step of int4 codes on the ALUs in fp16 pairs (`ptx_unpack`): per word and row, one
+    inline-PTX dot of its eight codes with x (`_ptx_word_dot`, about two instructions per code against
+    three in fp32), then `part += dot * scale` in fp32. Code j of word w meets x at k = 128 * (w // 16)
+    + 16 * j + w % 16, so the pairs (j, j + 4) meet x 64 apart; every code of a word shares its group
+    (the rules ask for groups of 128 k or more). A zero point other than 8 adds (8 - zero) times the
+    word's sum of x. bf16 x enters fp16 scaled by 2^-8, and the dot is scaled back."""
+    _, zero, scale = affine
+    scope.line(f"kw0 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] // {RUN} * {INT4_PERIOD} "
+               f"+ tl.arange(0, BLOCK_K // 8)[:, None] % {RUN}")
+    for j in range(8):
+        scope.line(f"ka{j} = kw0 + {RUN * j}")
+        if kmask:
+            scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, scope)}")
+    seg = scope.child(axes={"c": scope.axes["c"], "k": ("ka0", "kmask0" if kmask else None)}, fresh=True)
+    offset = None if zero == E.Const(8) else em.emit(zero, seg)
+    factor = f" * {2.0 ** X16_SHIFT}" if operand == "bf16" else ""
+    scale_v = em.emit(scale, seg) if scale is not None else None
+    for i in range(block_m):
+        scope.line(f"rmask{i} = r{i} < {em.emit(em.op.domain[0], scope)}")
+        xs = []
+        for j in range(8):
+            x = em.emit(con.a, scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)},
+                                           fresh=True))
+            x16 = f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16" else f"{x}.to(tl.float16)"
+            scope.line(f"xh{j} = {x16}.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF")
+            xs.append(x)
+        for q in range(4):
+            scope.line(f"xp{q} = tl.broadcast_to(xh{q} | (xh{q + 4} << 16), [BLOCK_K // 8, BLOCK_N])")
+        scope.line(f"d{i} = tl.inline_asm_elementwise(\"{_ptx_word_dot()}\", \"=r,r,r,r,r,r\", "
+                   f"[{words}, xp0, xp1, xp2, xp3], dtype=tl.float32, is_pure=True, pack=1){factor}")
+        if offset is not None:
+            total = " + ".join(f"{x}.to(tl.float32)" for x in xs)
+            scope.line(f"d{i} += (8.0 - {offset}) * ({total})")
+        scope.line(f"part{i} += d{i}" + (f" * {scale_v}" if scale_v else ""))
+
+
 def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: dict, affine: tuple | None,
-          per_segment: int, top: Scope, b_scope: Scope, s: Schedule, kmask: bool, acc: str) -> None:
+          per_segment: int, top: Scope, b_scope: Scope, s: Schedule, kmask: bool, acc: str, operand: str) -> None:
     """The k loop of a tile of fewer rows than a matrix instruction takes, on the ALUs (`top` is the
     scope around the loop, `b_scope` its body): the weight tile is multiplied, in the layout it was
     loaded in, by a column of x per row, into a tile of partial sums per row that is summed over k only
@@ -132,13 +203,19 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     for i in range(block_m):
         top.line(f"r{i} = pid_m * BLOCK_M + {i}")
         top.line(f"part{i} = tl.zeros([BLOCK_K{' // 8' if affine else ''}, BLOCK_N], dtype={acc_t})")
-    if affine:
+    if affine and not s.get("ptx_unpack"):
         # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a
         # register, it lets one LOP3 do both the AND and the OR of each code.
         top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
 
     def k_step(scope: Scope, before_x: bool = False) -> None:
         """One k step at k0: the weight terms, then (after the wait when `before_x`) x and the products."""
+        if affine and s.get("ptx_unpack"):
+            words = _load_words(em, scope, affine[0], kmask)
+            if before_x:
+                grid_dependency(scope)
+            _int4_pair_terms(em, con, affine, words, scope, block_m, kmask, operand)
+            return
         if affine:
             segments = _int4_terms(em, con, affine, per_segment, scope, kmask)
         else:
@@ -408,7 +485,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     per_segment = segment_runs(affine, wl.dim, s["block_k"]) if affine else 0
     operand = operand_dtype(wl)
     if s["block_m"] < MMA_MIN_ROWS:
-        _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc)
+        _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc, operand)
     elif affine and operand in INT4_MAGIC:
         _mma_int4(em, con, lets, affine, per_segment, top, b_scope, s, kmask, acc, operand)
     elif s.get("tma"):
