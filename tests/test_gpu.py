@@ -114,14 +114,14 @@ def test_gemv_early_load_on_gpu(wl):
         assert torch.allclose(out.double().cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()), (out, ref)
 
 
-GEMV_PAIR_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1000, dtype=dt, **kw) for dt in ("bf16", "fp16")
+GEMV_PAIR_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1152, dtype=dt, **kw) for dt in ("bf16", "fp16")
                    for kw in ({"G": 128}, {"G": 128, "zp": "asym"}) for m in (1, 3)]
 
 
 @pytest.mark.parametrize("wl", GEMV_PAIR_CASES, ids=case_id)
 @pytest.mark.parametrize("block_m, early", [(1, 0), (2, 1), (4, 0)])
 def test_int4_gemv_pairs_on_gpu(wl, block_m, early):
-    """int4 GEMV tiles in fp16 pairs (inline PTX): K=1000 leaves a partial block of words, N=330 a
+    """int4 GEMV tiles in fp16 pairs (inline PTX): K=1152 leaves a partial k step of 512, N=330 a
     partial column tile; with and without early weight loads."""
     s = {"block_m": block_m, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "group_m": 1,
          "ptx_unpack": 1, "early_load": early}
