@@ -79,10 +79,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     if codes.numel() and (codes.min() < 0 or codes.max() > 15):
         raise FlashgenError("4-bit codes must lie in 0..15")
-    padded = torch.zeros(n, packed_words(k) * 8, dtype=torch.int64)
+    padded = torch.zeros(n, packed_words(k) * 8, dtype=torch.int64, device=codes.device)
     padded[:, :k] = codes.to(torch.int64)
     c = padded.reshape(n, -1, 8, INT4_PERIOD // 8)  # [n, block, j, i]
-    word = torch.zeros(n, c.shape[1], INT4_PERIOD // 8, dtype=torch.int64)
+    word = torch.zeros(n, c.shape[1], INT4_PERIOD // 8, dtype=torch.int64, device=codes.device)
     for j in range(8):
         word |= c[:, :, j, :] << (4 * j)
     word = word.reshape(n, -1)

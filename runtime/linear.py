@@ -27,7 +27,8 @@ DEFAULT_CROSSOVER_M = 64
 
 @dataclass
 class QuantLinear:
-    weight: torch.Tensor                  # the float weight (bf16 mode) or its dequantized copy (cpu path)
+    shape: tuple[int, int]                # [N, K]
+    weight: torch.Tensor | None           # the float weight (bf16 mode) or its dequantized copy (cpu only)
     w8: torch.Tensor | None = None        # int8 [N, K]
     w8_scale: torch.Tensor | None = None  # fp32 [N]
     w4: torch.Tensor | None = None        # int32 [N, packed_words(K)] (flashgen/quant.py)
@@ -36,23 +37,28 @@ class QuantLinear:
 
 
 def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
+    """The layer's weights for `mode`, quantized where the weight lies (a GPU quantizes an 8B model in
+    seconds). A GPU keeps only the quantized weights; the CPU, which multiplies in torch, keeps the
+    dequantized copy instead."""
     if mode not in MODES:
         raise FlashgenError(f"unknown quantization mode {mode!r}; valid: {', '.join(MODES)}")
+    shape = (w.shape[0], w.shape[1])
     if mode == "bf16":
-        return QuantLinear(w)
-    q = QuantLinear(w)
+        return QuantLinear(shape, w)
+    q = QuantLinear(shape, None)
     deq = None
     if mode in ("w8a16", "w8a8", "mixed"):
-        q8 = quantize_rtn(w.float().cpu(), bits=8)
-        q.w8, q.w8_scale = q8.codes.to(w.device), q8.scales[:, 0].contiguous().to(w.device)
-        deq = q8.dequantize()
+        q8 = quantize_rtn(w, bits=8)
+        q.w8, q.w8_scale = q8.codes, q8.scales[:, 0].contiguous()
+        deq = q8
     if mode in ("w4a16", "mixed"):
         k = w.shape[1]
         q.group = 128 if k % 128 == 0 else k
-        q4 = quantize_rtn(w.float().cpu(), bits=4, group=q.group)
-        q.w4, q.w4_scales = pack_int4(q4.codes).to(w.device), q4.scales.to(w.device, w.dtype)
-        deq = q4.dequantize() if mode == "w4a16" else deq
-    q.weight = deq.to(w.device, w.dtype)
+        q4 = quantize_rtn(w, bits=4, group=q.group)
+        q.w4, q.w4_scales = pack_int4(q4.codes), q4.scales.to(w.dtype)
+        deq = q4 if mode == "w4a16" else deq
+    if w.device.type != "cuda":
+        q.weight = deq.dequantize().to(w.dtype)
     return q
 
 
@@ -83,16 +89,16 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
         if mode != "bf16":
             fallbacks.add(f"{mode} linear (torch on the dequantized weight on cpu)")
         return F.linear(x, q.weight, bias)
+    n, k = q.shape
     if mode == "mixed":
-        mode = chooser(q.weight.shape[0], q.weight.shape[1], x.shape[0]) if chooser else "w4a16"
+        mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
     epi = {"with_bias": "yes", "bias": bias} if bias is not None else {}
     if mode == "bf16":
         return torch.ops.flashgen.gemm(x, q.weight, **epi)
     if mode == "w8a16":
         return torch.ops.flashgen.gemm_w8a16(x, q.w8, q.w8_scale, **epi)
     if mode == "w4a16":
-        dims = [x.shape[0], q.weight.shape[0], q.weight.shape[1], q.group]
-        return torch.ops.flashgen.gemm_w4a16(x, q.w4, q.w4_scales, group="group" if q.group != q.weight.shape[1]
-                                             else "channel", dims=dims, **epi)
+        return torch.ops.flashgen.gemm_w4a16(x, q.w4, q.w4_scales, group="group" if q.group != k else "channel",
+                                             dims=[x.shape[0], n, k, q.group], **epi)
     xq, xs = torch.ops.flashgen.dynamic_quant(x, out_dtype="int8")
     return torch.ops.flashgen.gemm_w8a8(xq, xs, q.w8, q.w8_scale, dtype=dtypes.of_torch(x.dtype), **epi)

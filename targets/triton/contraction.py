@@ -172,9 +172,10 @@ def _int4_pair_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
         scope.line(f"rmask{i} = r{i} < {em.emit(em.op.domain[0], scope)}")
         xs = []
         for j in range(8):
-            x = em.emit(con.a, scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)},
-                                           fresh=True))
-            x16 = f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16" else f"{x}.to(tl.float16)"
+            axes = {"r": (f"r{i}", f"rmask{i}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
+            x = em.emit(con.a, scope.child(axes=axes, fresh=True))
+            x16 = (f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16"
+                   else f"{x}.to(tl.float16)")
             scope.line(f"xh{j} = {x16}.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF")
             xs.append(x)
         for q in range(4):
@@ -193,7 +194,8 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     scope around the loop, `b_scope` its body): the weight tile is multiplied, in the layout it was
     loaded in, by a column of x per row, into a tile of partial sums per row that is summed over k only
     after the loop. No operand layout, no shared-memory round trip, one FMA per weight and row; int4
-    codes take `_int4_terms`' route when their zero point and scale allow it. With `early_load`, the
+    codes take `_int4_terms`' route when their zero point and scale allow it (`_int4_pair_terms`' with
+    `ptx_unpack`). With `early_load`, the
     first k step's weights (which no kernel writes) are loaded before the wait for the previous kernel
     (`grid_dependency`), so that a GEMV's first DRAM round trip overlaps the kernel before it; only
     x and what follows wait."""
