@@ -296,3 +296,41 @@ def test_early_kv_rules_and_order():
         ptx = flashgen.compile(wl, "sm_90", schedule={**s, "early_kv": early}).asm["ptx"].splitlines()
         wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
         assert any("ld.global" in line for line in ptx[:wait]) == bool(early)
+
+
+def test_pin_records_makes_dispatch_take_a_chosen_schedule(tmp_path, monkeypatch):
+    """benchmarks/pin_records.py: of one workload's records only the chosen schedule's (or knob value's)
+    stay, so dispatch, which takes the workload's best, runs it; other workloads keep every record, and
+    a pin that leaves the workload no record is refused (dispatch would fall back to another one)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from flashgen.compiler import choose_schedule
+    from flashgen.db import Database, Record
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import pin_records
+
+    wl = decode(dtype="bf16", D=128, Hq=32, Hkv=8, BS=16, NB=160, MAXB=512, L=2560, B=1)
+    other = decode(dtype="bf16", D=128, Hq=32, Hkv=8, BS=16, NB=160, MAXB=512, L=2560, B=8)
+    fast, slow = {**DEFAULT, "splits": 16}, {**DEFAULT, "splits": 32, "early_kv": 1}
+    src = tmp_path / "all.jsonl"
+    with Database(tmp_path / "all.db") as db:
+        for w, s, lat in ((wl, fast, 8.0), (wl, slow, 9.0), (other, fast, 20.0), (other, slow, 21.0)):
+            db.add(Record(workload_key=w.key, workload=w.to_json(), target_key=get_target("h200").id, schedule=s,
+                          status="ok", latency_us=lat, device="NVIDIA H200"))
+        db.export_jsonl(src)
+    for i, pick in enumerate((["--schedule", json.dumps(slow)], ["--knob", "early_kv=1"])):
+        out = tmp_path / "pinned.jsonl"
+        monkeypatch.setattr(sys, "argv", ["pin_records.py", str(out), str(src), "--op", wl.op_name, "--dim", "B=1",
+                                          "--dim", "L=2560", *pick])
+        pin_records.main()
+        assert len(out.read_text().splitlines()) == 3
+        with Database(tmp_path / f"pinned{i}.db") as db:
+            db.import_jsonl(out)
+            assert choose_schedule(wl, get_target("h200"), db, None)[0] == slow
+            assert choose_schedule(other, get_target("h200"), db, None)[0] == fast
+    monkeypatch.setattr(sys, "argv", ["pin_records.py", str(tmp_path / "none.jsonl"), str(src), "--op", wl.op_name,
+                                      "--dim", "B=1", "--knob", "pages=4"])
+    with pytest.raises(FlashgenError, match="no record"):
+        pin_records.main()
