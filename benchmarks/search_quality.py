@@ -71,9 +71,10 @@ def main() -> None:
     rows = []
     for (wkey, tid), recs in sorted(by_wl.items(), key=lambda kv: str(Workload.from_json(kv[1][0].workload))):
         wl, target = Workload.from_json(recs[0].workload), get_target(tid)
-        space = ScheduleSpace(wl, target, fixed=fixed)
+        pinned = tuple((k, v) for k, v in fixed if k in ScheduleSpace(wl, target).knobs())  # where the space has it
+        space = ScheduleSpace(wl, target, fixed=pinned)
         full = [dataclasses.replace(r, schedule=space.complete(r.schedule)) for r in recs]
-        table = table_from_records([r for r in full if all(r.schedule.get(k) == v for k, v in fixed)])
+        table = table_from_records([r for r in full if all(r.schedule.get(k) == v for k, v in pinned)])
         size = len(list(space))
         if len(table) < size:
             continue  # not an exhaustive sweep of this workload
