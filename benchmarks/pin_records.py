@@ -20,11 +20,14 @@ from flashgen.targets import get_target
 from flashgen.workload import Workload
 
 
-def keeps(record: dict, op: str, dims: dict[str, int], schedule: dict | None, knob: tuple[str, int] | None) -> bool:
+def matches(record: dict, op: str, dims: dict[str, int]) -> bool:
     w = record["workload"]
-    if w["op"] != op or any(w["dims"].get(k) != v for k, v in dims.items()):
-        return True
-    space = ScheduleSpace(Workload.from_json(w), get_target(record["target_key"]))
+    return w["op"] == op and all(w["dims"].get(k) == v for k, v in dims.items())
+
+
+def keeps(record: dict, schedule: dict | None, knob: tuple[str, int] | None) -> bool:
+    """Whether a record of the pinned workload has the chosen schedule (or knob value)."""
+    space = ScheduleSpace(Workload.from_json(record["workload"]), get_target(record["target_key"]))
     s = space.complete(record["schedule"])
     return s == schedule if schedule is not None else s.get(knob[0]) == knob[1]
 
@@ -50,17 +53,17 @@ def main() -> None:
         for path in args.records:
             for line in path.open():
                 r = json.loads(line)
-                w = r["workload"]
-                matches = w["op"] == args.op and all(w["dims"].get(k) == v for k, v in dims.items())
-                if keeps(r, args.op, dims, schedule, knob):
+                mine = matches(r, args.op, dims)
+                if not mine or keeps(r, schedule, knob):
                     out.write(line)
                     kept += 1
-                    pinned += matches
+                    pinned += mine
                 else:
                     dropped += 1
     print(f"{args.out}: {kept} records, {pinned} of them of {args.op} {dims}; {dropped} dropped")
     if not pinned:  # dispatch would fall back to another workload's record: nothing would be pinned
         raise FlashgenError(f"no record of {args.op} {dims} is left to pin")
+
 
 if __name__ == "__main__":
     main()

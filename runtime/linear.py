@@ -46,19 +46,19 @@ def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
     if mode == "bf16":
         return QuantLinear(shape, w)
     q = QuantLinear(shape, None)
-    deq = None
+    torch_path = None  # the quantized weight that the CPU path multiplies, dequantized
     if mode in ("w8a16", "w8a8", "mixed"):
         q8 = quantize_rtn(w, bits=8)
         q.w8, q.w8_scale = q8.codes, q8.scales[:, 0].contiguous()
-        deq = q8
+        torch_path = q8
     if mode in ("w4a16", "mixed"):
         k = w.shape[1]
         q.group = 128 if k % 128 == 0 else k
         q4 = quantize_rtn(w, bits=4, group=q.group)
         q.w4, q.w4_scales = pack_int4(q4.codes), q4.scales.to(w.dtype)
-        deq = q4 if mode == "w4a16" else deq
+        torch_path = q4 if mode == "w4a16" else torch_path
     if w.device.type != "cuda":
-        q.weight = deq.dequantize().to(w.dtype)
+        q.weight = torch_path.dequantize().to(w.dtype)
     return q
 
 

@@ -19,7 +19,8 @@ from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
 KNOBS = ("pages", "splits", "block_m", "block_n", "num_warps", "num_stages")
-FEATURE_NAMES: tuple[str, ...] = (*KNOBS, *(f"log2_{k}" for k in KNOBS), "tma", "is_prefill", "log2_b", "log2_len",
+SWITCHES = ("tma", "early_kv")  # 0/1 knobs of one kind each (prefill, decode); a record before them reads 0
+FEATURE_NAMES: tuple[str, ...] = (*KNOBS, *(f"log2_{k}" for k in KNOBS), *SWITCHES, "is_prefill", "log2_b", "log2_len",
                                   "group", "log2_d", "log2_bytes_moved", "log2_flops", "log2_programs",
                                   "log2_waves", "last_wave_fill", "log2_steps", "log2_estimate_us", "sm_count",
                                   "log2_copy_gbs")
@@ -51,7 +52,7 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
             + steps * STEP_US / kv["num_stages"] + 2.0
     cols = {k: kv[k] for k in KNOBS}
     cols.update({f"log2_{k}": np.log2(kv[k]) for k in KNOBS})
-    cols["tma"] = np.asarray([float(s.get("tma", 0)) for s in schedules])  # prefill only; a record before it: 0
+    cols.update({k: np.asarray([float(s.get(k, 0)) for s in schedules]) for k in SWITCHES})
     cols.update({"is_prefill": ones * prefill, "log2_b": ones * np.log2(d["B"]), "log2_len": ones * np.log2(length),
                  "group": ones * d["Hq"] / d["Hkv"], "log2_d": ones * np.log2(d["D"]),
                  "log2_bytes_moved": ones * np.log2(nbytes), "log2_flops": ones * np.log2(flops),

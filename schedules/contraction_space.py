@@ -6,14 +6,16 @@ split_k (programs sharing one tile's k range when the tiles alone leave SMs idle
 to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilogue), persistent
 (0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
 tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
-tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 tiles:
-two codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs), early_load (GEMV tiles on targets with programmatic
-dependent launch: the first k step's weights are loaded before waiting for the previous kernel).
+tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 tiles: two
+codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs), early_load (GEMV tiles
+on targets with programmatic dependent launch: the first k step's weights are loaded before waiting
+for the previous kernel).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
-persistent programs do not split K, early loads serve unsplit GEMV tiles, k tiles deeper than 512
-are for ALU tiles only, and k tiles of packed int4 words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
+persistent programs do not split K, early loads serve unsplit GEMV tiles, PTX-unpacked GEMV tiles need
+groups of 128 k or more, k tiles deeper than 512 are for ALU tiles only, and k tiles of packed int4
+words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
 of 1-8 rows, whose products are summed on the ALUs (targets/triton/contraction.py), bounded by the
 products each thread holds per k step.
