@@ -51,15 +51,17 @@ def quantize_rtn(w: torch.Tensor, bits: int, group: int | None = None, symmetric
     if bits == 8 and not symmetric:
         raise FlashgenError("8-bit weights are symmetric")
     wg = w.to(torch.float64).reshape(n, k // g, g)
+    # CUDA divides by a Python number as a product with its reciprocal, an ulp off the CPU's quotient,
+    # which flips codes at ties: divide by a tensor, so a weight quantizes alike wherever it lies.
     if symmetric:
         qmax = 7.0 if bits == 4 else 127.0
-        scale = wg.abs().amax(-1).clamp_min(1e-12) / qmax
+        scale = wg.abs().amax(-1).clamp_min(1e-12) / wg.new_tensor(qmax)
         q = torch.round(wg / scale[..., None]).clamp(-qmax - (bits == 4), qmax)
         if bits == 4:
             return QuantizedWeight((q + 8).to(torch.uint8).reshape(n, k), scale.float(), None, 4, g)
         return QuantizedWeight(q.to(torch.int8).reshape(n, k), scale.float(), None, 8, g)
     lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    scale = ((hi - lo) / wg.new_tensor(15.0)).clamp_min(1e-12)
     zero = torch.round(-lo / scale).clamp(0, 15)
     u = torch.round(wg / scale[..., None] + zero[..., None]).clamp(0, 15)
     return QuantizedWeight(u.to(torch.uint8).reshape(n, k), scale.float(), zero.to(torch.uint8), 4, g)

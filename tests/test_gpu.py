@@ -132,15 +132,18 @@ def test_int4_gemv_pairs_on_gpu(wl, block_m, early):
         assert c.ok, (c, s)
 
 
-PTX_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1024, dtype=dt, **kw)
-             for dt in ("bf16", "fp16") for kw in ({"G": 128}, {"G": 64, "zp": "asym"}) for m in (17, 100)]
+PTX_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1152, dtype=dt, **kw)
+             for dt in ("bf16", "fp16") for kw in ({"G": 128}, {"G": 64, "zp": "asym"}, {"G": 128, "zp": "asym"})
+             for m in (1, 17, 100)]
 
 
 @pytest.mark.parametrize("wl", PTX_CASES, ids=case_id)
-def test_int4_ptx_unpack_on_gpu(wl):
-    """int4 matrix tiles unpacked by inline PTX (two codes per AND-OR), partial row and column tiles."""
-    s = {"block_m": 16 if wl.dim["M"] < 64 else 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3,
-         "group_m": 8, "ptx_unpack": 1}
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_int4_ptx_unpack_on_gpu(wl, block_k):
+    """int4 matrix tiles unpacked by inline PTX (two codes per AND-OR), partial row, column and k tiles
+    (K=1152 leaves half a 256-deep step), one row of sixteen (M=1) too."""
+    s = {"block_m": 16 if wl.dim["M"] < 64 else 64, "block_n": 64, "block_k": block_k, "num_warps": 4,
+         "num_stages": 3, "group_m": 8, "ptx_unpack": 1}
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for c in check(wl, _run(kernel), 15, DEVICE):
         assert c.ok, (c, s)
@@ -395,7 +398,9 @@ def test_decoder_cuda_graphs_match_eager():
 def test_quantized_linear_on_gpu(mode):
     """A layer quantized on the GPU (no dequantized copy kept there) against the same weight quantized
     on the CPU and multiplied by torch: the same codes and scales, products within the dtype's error."""
+    from flashgen.runtime import register_all
     from flashgen.runtime.linear import apply, prepare
+    register_all()  # apply() calls torch.ops.flashgen.*
     gen = torch.Generator().manual_seed(23)
     w = (torch.randn(384, 512, generator=gen) * 0.05).to(torch.bfloat16)
     x = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
