@@ -334,3 +334,30 @@ def test_pin_records_makes_dispatch_take_a_chosen_schedule(tmp_path, monkeypatch
                                       "--dim", "B=1", "--knob", "pages=4"])
     with pytest.raises(FlashgenError, match="no record"):
         pin_records.main()
+
+
+def test_attention_benchmark_reranks_the_fastest_recorded_schedules(tmp_path):
+    """benchmarks/attention.py re-times the database's fastest distinct schedules on its own inputs: a
+    record older than `early_kv` reads as early_kv=0 (one schedule with its newer twin), failed and
+    invalid records are left out, fastest first, at most k."""
+    import sys
+    from pathlib import Path
+
+    from flashgen.db import Database, Record
+    from flashgen.schedules.space import ScheduleSpace
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from attention import fastest_recorded
+
+    wl = decode(dtype="bf16", D=128, Hq=32, Hkv=8, BS=16, NB=160, MAXB=512, L=2560, B=1)
+    target = get_target("h200")
+    new = {**DEFAULT, "early_kv": 0}
+    rows = [({**DEFAULT, "splits": 16}, 7.0, "ok"), ({**new, "splits": 16}, 7.5, "ok"), ({**new, "splits": 8}, 9.0, "ok"),
+            ({**new, "splits": 4}, None, "wrong_result"), ({**new, "splits": 3}, 5.0, "ok"), ({**new, "splits": 32}, 8.0, "ok")]
+    with Database(tmp_path / "db") as db:
+        for s, lat, status in rows:
+            db.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key=target.id, schedule=s, status=status,
+                          latency_us=lat, device="NVIDIA H200"))
+        space = ScheduleSpace(wl, target)
+        got = fastest_recorded(db, wl, target, space, 3)
+        assert got == [{**new, "splits": 16}, {**new, "splits": 32}, {**new, "splits": 8}]
+        assert fastest_recorded(db, wl, target, space, 1) == got[:1]
