@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,10 @@ from flashgen.db import Database  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.workload import Workload  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
+from flashgen.targets.descriptor import Target  # noqa: E402
+from flashgen.targets.kernel import Kernel  # noqa: E402
 from flashgen.targets.triton.launch import device_arch  # noqa: E402
 
 BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -76,7 +78,7 @@ def prefill_case(lengths: list[int], dev):
     return wl, ins, peer
 
 
-def fastest_recorded(db: Database, wl, target, space: ScheduleSpace, k: int) -> list[dict]:
+def fastest_recorded(db: Database, wl: Workload, target: Target, space: ScheduleSpace, k: int) -> list[dict]:
     """The k fastest distinct valid schedules the database holds for the workload (a record older than a
     knob read with its neutral value), fastest first."""
     seen, out = set(), []
@@ -89,7 +91,7 @@ def fastest_recorded(db: Database, wl, target, space: ScheduleSpace, k: int) -> 
     return out[:k]
 
 
-def rerank(kernels: list, ins: dict, nbytes: int, l2_bytes: int) -> tuple[Any, int]:
+def rerank(kernels: list[Kernel], ins: dict, nbytes: int, l2_bytes: int) -> tuple[Kernel, int]:
     """The kernel fastest on these inputs, and its place in the database's order."""
     outs = [k.run(ins) for k in kernels]
     t = bench_side_by_side({str(i): (lambda k=k, o=o: k.run(ins, o)) for i, (k, o) in enumerate(zip(kernels, outs))},
