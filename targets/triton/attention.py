@@ -31,18 +31,24 @@ CAUSAL = E.Binary("ge", E.Index("qpos"), E.Index("kpos"))  # the plain causal ma
 SEQ_CHUNK = 64  # sequence starts a prefill program reads at once to find its sequence
 
 
-def _online_softmax(body: Scope, dt: str, finite: bool = False, factor: str = "") -> None:
-    """One key tile's update of the running max, sum and weighted values (`logit` in log2 units once
-    multiplied by `factor`, `v` in scope). `finite`: every logit of the tile is finite, so the running
-    max needs no guard. A factor is applied inside the exponent's argument, where it and the max's
-    subtraction are one FMA, and to the tile's row maxima (a positive factor keeps their order)."""
-    body.line(f"m_new = tl.maximum(m_i, tl.max(logit, axis=1)[:, None]{factor})")
+def _rescale(body: Scope, new_max: str, factor: str, finite: bool) -> None:
+    """The running max `m_new`, the old terms' rescaling `alpha` and the new weights `p` of one online
+    softmax step (`logit` in scope, in log2 units once multiplied by `factor`). A factor is applied
+    inside the exponent's argument, where it and the max's subtraction are one FMA. `finite`: every
+    logit is finite, so the running max needs no guard."""
+    body.line(f"m_new = tl.maximum(m_i, {new_max})")
     m = "m_new"
     if not finite:
         body.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
         m = "m_safe"
     body.line(f"alpha = tl.math.exp2(m_i - {m})")
     body.line(f"p = tl.math.exp2(logit{factor} - {m})")
+
+
+def _online_softmax(body: Scope, dt: str, finite: bool = False, factor: str = "") -> None:
+    """One key tile's update of the running max, sum and weighted values (`_rescale`; `v` in scope).
+    The factor also scales the tile's row maxima (a positive factor keeps their order)."""
+    _rescale(body, f"tl.max(logit, axis=1)[:, None]{factor}", factor, finite)
     body.line("l_i = l_i * alpha + tl.sum(p, axis=1)[:, None]")
     # The rescaled accumulator is the dot's own accumulator: no second [rows, D] fp32 tile in registers.
     body.line(f"acc = tl.dot(p.to({dt}), v, acc * alpha)")
@@ -280,10 +286,7 @@ def _newest_column(em: Emitter, att: Attend, top: Scope, fp8: bool) -> None:
     scope = top.child(top.indent, {"h": ("h", "gmask"), "qpos": ("qpos", None), "kpos": ("qpos", "own")}, fresh=True)
     dot = "tl.sum(q.to(tl.float32) * kn, axis=1)[:, None]" + (" * k_scale" if fp8 else "")
     factor = _logit(em, att, scope, dot, "own & gmask")
-    scope.line(f"m_new = tl.maximum(m_i, logit{factor})")
-    scope.line("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)")
-    scope.line("alpha = tl.math.exp2(m_i - m_safe)")
-    scope.line(f"p = tl.math.exp2(logit{factor} - m_safe)")
+    _rescale(scope, f"logit{factor}", factor, finite=False)
     scope.line("l_i = l_i * alpha + p")
     scope.line("acc = acc * alpha + p * vn")
     scope.line("m_i = m_new")
