@@ -17,7 +17,6 @@ and the fastest of them is the one compared with the peers, in a run of its own.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from common import RESULTS, bench_side_by_side, tuning_session, copy_gbs, enviro
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
+from flashgen.db.record import schedule_key  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
@@ -84,7 +84,7 @@ def fastest_recorded(db: Database, wl: Workload, target: Target, space: Schedule
     seen, out = set(), []
     for r in sorted(db.records(wl.key, target.id, status="ok"), key=lambda r: r.latency_us):
         s = space.complete(r.schedule)
-        key = json.dumps(s, sort_keys=True)
+        key = schedule_key(s)
         if key not in seen and space.is_valid(s):
             seen.add(key)
             out.append(s)
@@ -93,6 +93,8 @@ def fastest_recorded(db: Database, wl: Workload, target: Target, space: Schedule
 
 def rerank(kernels: list[Kernel], ins: dict, nbytes: int, l2_bytes: int) -> tuple[Kernel, int]:
     """The kernel fastest on these inputs, and its place in the database's order."""
+    if len(kernels) == 1:
+        return kernels[0], 0
     outs = [k.run(ins) for k in kernels]
     t = bench_side_by_side({str(i): (lambda k=k, o=o: k.run(ins, o)) for i, (k, o) in enumerate(zip(kernels, outs))},
                            nbytes, l2_bytes, rounds=1)
