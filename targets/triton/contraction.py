@@ -110,6 +110,17 @@ def _unpack_int4(em: Emitter, scope: Scope, word: E.Load, var: str, kmask: bool)
     em.named[var] = var
 
 
+def _code_k(em: Emitter, con: Contract, scope: Scope, kmask: bool, j: int) -> None:
+    """`ka{j}` (and `kmask{j}`), the k at which code j of each of the tile's [block_k / 8] words meets
+    x: 128 * (w // 16) + 16 * j + w % 16 (flashgen/quant.py's layout); code 0 also names `kw0`."""
+    if j == 0:
+        scope.line(f"kw0 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] // {RUN} * {INT4_PERIOD} "
+                   f"+ tl.arange(0, BLOCK_K // 8)[:, None] % {RUN}")
+    scope.line(f"ka{j} = kw0 + {RUN * j}")
+    if kmask:
+        scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, scope)}")
+
+
 def segment_runs(affine: tuple, dims: dict[str, int], block_k: int) -> int:
     """How many consecutive runs of RUN k share one zero point and scale, counted from a k step's start:
     segments must divide both the groups and the k step (G=48 under 128-deep steps: one run each)."""
@@ -130,13 +141,9 @@ def _int4_terms(em: Emitter, con: Contract, affine: tuple, per_segment: int, b_s
     word, zero, scale = affine
     words = _load_words(em, b_scope, word, kmask)
     b_scope.line(f"{words}_hi = {words} >> 12")
-    b_scope.line(f"kw0 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] // {RUN} * {INT4_PERIOD} "
-                 f"+ tl.arange(0, BLOCK_K // 8)[:, None] % {RUN}")
     segments = []
     for j in range(8):
-        b_scope.line(f"ka{j} = kw0 + {RUN * j}")
-        if kmask:
-            b_scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, b_scope)}")
+        _code_k(em, con, b_scope, kmask, j)
         if j % per_segment == 0:
             seg = b_scope.child(axes={"c": b_scope.axes["c"], "k": (f"ka{j}", f"kmask{j}" if kmask else None)},
                                 fresh=True)
@@ -158,12 +165,8 @@ def _int4_pair_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
     (the rules ask for groups of 128 k or more). A zero point other than 8 adds (8 - zero) times the
     word's sum of x. bf16 x enters fp16 scaled by 2^-8, and the dot is scaled back."""
     _, zero, scale = affine
-    scope.line(f"kw0 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] // {RUN} * {INT4_PERIOD} "
-               f"+ tl.arange(0, BLOCK_K // 8)[:, None] % {RUN}")
     for j in range(8):
-        scope.line(f"ka{j} = kw0 + {RUN * j}")
-        if kmask:
-            scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, scope)}")
+        _code_k(em, con, scope, kmask, j)
     seg = scope.child(axes={"c": scope.axes["c"], "k": ("ka0", "kmask0" if kmask else None)}, fresh=True)
     offset = None if zero == E.Const(8) else em.emit(zero, seg)
     factor = f" * {2.0 ** X16_SHIFT}" if operand == "bf16" else ""
