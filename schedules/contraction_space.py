@@ -7,7 +7,8 @@ to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilog
 (0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
 tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
 tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 tiles: two
-codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs), early_load (GEMV tiles
+codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs, summed per word (1) or
+per quad of consecutive words (2)), early_load (GEMV tiles
 on targets with programmatic dependent launch: the first k step's weights are loaded before waiting
 for the previous kernel).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
@@ -71,7 +72,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "split_k": (1, 2, 4, 8),
             "persistent": (0, 1, 2),
             "tma": (0, 1) if tma_operands(wl) and target.capability >= 90 else (0,),
-            "ptx_unpack": (0, 1) if target.vendor == "nvidia" and int4_affine(wl) else (0,),
+            "ptx_unpack": ((0, 1, 2) if gemv_rows and whole_block_groups(wl) else (0, 1))
+                          if target.vendor == "nvidia" and int4_affine(wl) else (0,),
             "early_load": (0, 1) if gemv_rows and target.pdl else (0,)}
 
 
@@ -177,6 +179,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return "persistent programs walk whole tiles: split_k must be 1"
     if s["split_k"] > 1 and -(-_extents(wl)[2] // s["block_k"]) < s["split_k"] * SPLIT_K_MIN_STEPS:
         return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {SPLIT_K_MIN_STEPS} k steps of {s['block_k']} each"
+    if s["ptx_unpack"] == 2 and s["block_m"] >= MMA_MIN_ROWS:
+        return f"PTX quads of words serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
     if s["ptx_unpack"] and s["block_m"] < MMA_MIN_ROWS and not whole_block_groups(wl):
         return f"PTX unpacking of GEMV tiles pairs codes 64 k apart: groups must span {INT4_PERIOD} k"
     if s["early_load"] and (s["block_m"] >= MMA_MIN_ROWS or s["split_k"] > 1 or s["persistent"]):

@@ -313,7 +313,8 @@ def test_int4_ptx_unpack():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from disasm import loop_opcodes, opcodes, summary
     wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=4096, G=128, dtype="bf16")
-    assert ScheduleSpace(wl, get_target("h200")).knobs()["ptx_unpack"] == (0, 1)
+    assert ScheduleSpace(wl, get_target("h200")).knobs()["ptx_unpack"] == (0, 1, 2)  # 2: GEMV tiles only
+    assert ScheduleSpace(wl.with_dims(M=17), get_target("h200")).knobs()["ptx_unpack"] == (0, 1)
     assert ScheduleSpace(wl, get_target("mi300x")).knobs()["ptx_unpack"] == (0,)
     assert ScheduleSpace(flashgen.workload("gemm", M=16, N=256, K=512), get_target("h200")).knobs()["ptx_unpack"] == (0,)
     s = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 1}
@@ -321,6 +322,7 @@ def test_int4_ptx_unpack():
     assert gemv.is_valid({**s, "block_m": 1, "block_n": 16, "block_k": 1024, "ptx_unpack": 1})
     g64 = ScheduleSpace(flashgen.workload("gemm_w4a16", M=1, N=256, K=4096, G=64, dtype="bf16"), get_target("h200"))
     assert "groups must span 128" in g64.why_invalid({**s, "block_m": 1, "block_n": 16, "block_k": 1024, "ptx_unpack": 1})
+    assert "GEMV tiles" in ScheduleSpace(wl, get_target("h200")).why_invalid({**s, "ptx_unpack": 2})
     src = generate(wl, {**s, "ptx_unpack": 1}).source
     assert src.count("pack=2)") == 8 and "fma.rn.bf16x2" in src
     counts = {}
@@ -351,6 +353,26 @@ def test_int4_gemv_pairs(dtype):
         loops = [sum(loop_opcodes(flashgen.compile(wl, target, schedule={**s, "ptx_unpack": u}).binary).values())
                  for u in (0, 1)]
         assert loops[1] < 0.9 * loops[0], (target, loops)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_int4_gemv_quads(dtype):
+    """ptx_unpack=2 in GEMV tiles: the words and x pairs split into quads of consecutive words, one
+    inline-PTX dot per quad and row (one conversion to fp32 and one scale per four words): fewer k-loop
+    instructions than one dot per word, on sm_90 and sm_80. (Numerics: on the GPU.)"""
+    from flashgen.targets.triton.codegen import generate
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import loop_opcodes
+    wl = flashgen.workload("gemm_w4a16", M=2, N=512, K=4096, G=128, dtype=dtype, zp="asym")
+    s = {"block_m": 2, "block_n": 16, "block_k": 1024, "num_warps": 2, "num_stages": 3, "group_m": 1, "ptx_unpack": 2}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    src = generate(wl, s).source
+    assert src.count("tl.inline_asm_elementwise(") == 2 and src.count("fma.rn.f16x2") == 2 * 31
+    assert src.count("tl.split(") == 3 * (1 + 2 * (4 + 1))  # three per split: the words; per row four x pairs, the x sums
+    for target in ("sm_90", "sm_80"):
+        loops = [sum(loop_opcodes(flashgen.compile(wl, target, schedule={**s, "ptx_unpack": u}).binary).values())
+                 for u in (1, 2)]
+        assert loops[1] < 0.93 * loops[0], (target, loops)
 
 
 @pytest.mark.parametrize("block_m", [2, 16])

@@ -120,11 +120,12 @@ GEMV_PAIR_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1152, dtype=dt,
 
 @pytest.mark.parametrize("wl", GEMV_PAIR_CASES, ids=case_id)
 @pytest.mark.parametrize("block_m, early", [(1, 0), (2, 1), (4, 0)])
-def test_int4_gemv_pairs_on_gpu(wl, block_m, early):
-    """int4 GEMV tiles in fp16 pairs (inline PTX): K=1152 leaves a partial k step of 512, N=330 a
-    partial column tile; with and without early weight loads."""
-    s = {"block_m": block_m, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "group_m": 1,
-         "ptx_unpack": 1, "early_load": early}
+@pytest.mark.parametrize("unpack, warps", [(1, 4), (2, 4), (2, 2)])
+def test_int4_gemv_pairs_on_gpu(wl, block_m, early, unpack, warps):
+    """int4 GEMV tiles in fp16 pairs (inline PTX), one dot per word or per quad of words: K=1152 leaves
+    a partial k step of 512, N=330 a partial column tile; with and without early weight loads."""
+    s = {"block_m": block_m, "block_n": 16, "block_k": 512, "num_warps": warps, "num_stages": 3, "group_m": 1,
+         "ptx_unpack": unpack, "early_load": early}
     if not ScheduleSpace(wl, TARGET).is_valid(s):
         pytest.skip(f"{TARGET.key}: {ScheduleSpace(wl, TARGET).why_invalid(s)}")
     kernel = flashgen.compile(wl, TARGET, schedule=s)

@@ -81,6 +81,33 @@ def _ptx_word_dot() -> str:
     return "{ " + " ".join(lines) + " }"
 
 
+def _ptx_quad_dot() -> str:
+    """Inline PTX for the dot of four words' codes (minus 8) with their x values, as `_ptx_word_dot`
+    does one word's, all sixteen paired products summed in one fp16 pair before the two halves are
+    converted and added in fp32: one conversion and one scale per four words instead of per word.
+    $1-$4 are the words, $(5 + 4 i + q) word i's x pair q."""
+    c = F16
+    lines = [".reg .b32 w, t, acc, one, m1032, sixteenth, m72;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;",
+             f"mov.b32 one, {c['one']:#x};", f"mov.b32 m1032, {c['m1032']:#x};",
+             f"mov.b32 sixteenth, {c['sixteenth']:#x};", f"mov.b32 m72, {c['m72']:#x};"]
+    for i in range(4):
+        for q in range(4):
+            src = f"${1 + i}" if q < 2 else "w"
+            if q == 2:
+                lines.append(f"shr.b32 w, ${1 + i}, 8;")
+            if q % 2 == 0:
+                lines.append(f"lop3.b32 t, {src}, 0x000F000F, 0x64006400, 0xEA;")
+                lines.append("fma.rn.f16x2 t, t, one, m1032;")
+            else:
+                lines.append(f"lop3.b32 t, {src}, 0x00F000F0, 0x64006400, 0xEA;")
+                lines.append("fma.rn.f16x2 t, t, sixteenth, m72;")
+            x = f"${5 + 4 * i + q}"
+            lines.append(f"mul.rn.f16x2 acc, t, {x};" if i == q == 0 else f"fma.rn.f16x2 acc, t, {x}, acc;")
+    lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 flo, flo, fhi;",
+              "mov.b32 $0, flo;"]
+    return "{ " + " ".join(lines) + " }"
+
+
 def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
     while isinstance(e, E.Ref) and e.name in lets:
         e = lets[e.name]
@@ -191,6 +218,64 @@ def _int4_pair_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
         scope.line(f"part{i} += d{i}" + (f" * {scale_v}" if scale_v else ""))
 
 
+def _quads(v: str, cols: str) -> str:
+    """A [block_k / 8, cols] tile as its four [block_k / 32, cols] tiles of words 4 a + i (in the order
+    i = 0, 2 / 1, 3 that two splits give)."""
+    return (f"tl.reshape(tl.permute(tl.reshape({v}, [BLOCK_K // 32, 4, {cols}]), (0, 2, 1)), "
+            f"[BLOCK_K // 32, {cols}, 2, 2])")
+
+
+def _int4_quad_terms(em: Emitter, con: Contract, affine: tuple, words: str, scope: Scope, block_m: int,
+                     kmask: bool, operand: str) -> None:
+    """`_int4_pair_terms` over quads of consecutive words (`ptx_unpack=2`): the words tile and the x
+    pairs split into four [block_k / 32, ...] tiles, word 4 a + i of each row in tile i (a split in
+    registers where a thread holds four consecutive words, as 16-byte loads give it), and one
+    inline-PTX dot (`_ptx_quad_dot`) sums a quad's 32 codes, which share their group, before one
+    `part += dot * scale`."""
+    _, zero, scale = affine
+    scope.line(f"kw0 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] // {RUN} * {INT4_PERIOD} "
+               f"+ tl.arange(0, BLOCK_K // 8)[:, None] % {RUN}")
+    for j in range(8):
+        scope.line(f"ka{j} = kw0 + {RUN * j}")
+        if kmask:
+            scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, scope)}")
+
+    def split4(v: str, cols: str, name: str) -> list[str]:
+        scope.line(f"{name}_lo, {name}_hi = tl.split({_quads(v, cols)})")
+        scope.line(f"{name}0, {name}2 = tl.split({name}_lo)")
+        scope.line(f"{name}1, {name}3 = tl.split({name}_hi)")
+        return [f"{name}{i}" for i in range(4)]
+
+    ws = split4(words, "BLOCK_N", "w")
+    scope.line(f"kq = k0 + 4 * tl.arange(0, BLOCK_K // 32)[:, None] // {RUN} * {INT4_PERIOD} "
+               f"+ 4 * tl.arange(0, BLOCK_K // 32)[:, None] % {RUN}")  # code 0 of each quad's first word
+    if kmask:
+        scope.line(f"kqmask = kq < {em.emit(con.extent, scope)}")
+    seg = scope.child(axes={"c": scope.axes["c"], "k": ("kq", "kqmask" if kmask else None)}, fresh=True)
+    offset = None if zero == E.Const(8) else em.emit(zero, seg)
+    factor = f" * {2.0 ** X16_SHIFT}" if operand == "bf16" else ""
+    scale_v = em.emit(scale, seg) if scale is not None else None
+    for r in range(block_m):
+        scope.line(f"rmask{r} = r{r} < {em.emit(em.op.domain[0], scope)}")
+        xs = []
+        for j in range(8):
+            axes = {"r": (f"r{r}", f"rmask{r}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
+            x = em.emit(con.a, scope.child(axes=axes, fresh=True))
+            x16 = (f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16"
+                   else f"{x}.to(tl.float16)")
+            scope.line(f"xh{j} = {x16}.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF")
+            xs.append(x)
+        pairs = [split4(f"xh{q} | (xh{q + 4} << 16)", "1", f"xp{q}_") for q in range(4)]
+        args = ", ".join(f"tl.broadcast_to({pairs[q][i]}, [BLOCK_K // 32, BLOCK_N])" for i in range(4) for q in range(4))
+        scope.line(f"d{r} = tl.inline_asm_elementwise(\"{_ptx_quad_dot()}\", \"={','.join(['r'] * 21)}\", "
+                   f"[{', '.join(ws)}, {args}], dtype=tl.float32, is_pure=True, pack=1){factor}")
+        if offset is not None:
+            total = " + ".join(f"{x}.to(tl.float32)" for x in xs)
+            sums = split4(f"({total})", "1", "xs_")
+            scope.line(f"d{r} += (8.0 - {offset}) * ({' + '.join(sums)})")
+        scope.line(f"part{r} += d{r}" + (f" * {scale_v}" if scale_v else ""))
+
+
 def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: dict, affine: tuple | None,
           per_segment: int, top: Scope, b_scope: Scope, s: Schedule, kmask: bool, acc: str, operand: str) -> None:
     """The k loop of a tile of fewer rows than a matrix instruction takes, on the ALUs (`top` is the
@@ -207,7 +292,8 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     block_m = s["block_m"]
     for i in range(block_m):
         top.line(f"r{i} = pid_m * BLOCK_M + {i}")
-        top.line(f"part{i} = tl.zeros([BLOCK_K{' // 8' if affine else ''}, BLOCK_N], dtype={acc_t})")
+        per = (" // 32" if s.get("ptx_unpack") == 2 else " // 8") if affine else ""
+        top.line(f"part{i} = tl.zeros([BLOCK_K{per}, BLOCK_N], dtype={acc_t})")
     if affine and not s.get("ptx_unpack"):
         # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a
         # register, it lets one LOP3 do both the AND and the OR of each code.
@@ -219,7 +305,8 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
             words = _load_words(em, scope, affine[0], kmask)
             if before_x:
                 grid_dependency(scope)
-            _int4_pair_terms(em, con, affine, words, scope, block_m, kmask, operand)
+            terms = _int4_quad_terms if s["ptx_unpack"] == 2 else _int4_pair_terms
+            terms(em, con, affine, words, scope, block_m, kmask, operand)
             return
         if affine:
             segments = _int4_terms(em, con, affine, per_segment, scope, kmask)
