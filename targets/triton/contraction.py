@@ -233,12 +233,8 @@ def _int4_quad_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
     inline-PTX dot (`_ptx_quad_dot`) sums a quad's 32 codes, which share their group, before one
     `part += dot * scale`."""
     _, zero, scale = affine
-    scope.line(f"kw0 = k0 + tl.arange(0, BLOCK_K // 8)[:, None] // {RUN} * {INT4_PERIOD} "
-               f"+ tl.arange(0, BLOCK_K // 8)[:, None] % {RUN}")
     for j in range(8):
-        scope.line(f"ka{j} = kw0 + {RUN * j}")
-        if kmask:
-            scope.line(f"kmask{j} = ka{j} < {em.emit(con.extent, scope)}")
+        _code_k(em, con, scope, kmask, j)
 
     def split4(v: str, cols: str, name: str) -> list[str]:
         scope.line(f"{name}_lo, {name}_hi = tl.split({_quads(v, cols)})")
