@@ -20,8 +20,8 @@ from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
 KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k", "persistent", "tma",
-         "ptx_unpack", "early_load")
-SIZES = KNOBS[:-4]  # the knobs that are sizes or counts, never 0: also given as log2
+         "ptx_unpack", "early_load", "operand_scale")
+SIZES = KNOBS[:-5]  # the knobs that are sizes or counts, never 0: also given as log2
 FEATURE_NAMES: tuple[str, ...] = (
     *KNOBS, *(f"log2_{k}" for k in SIZES),
     "log2_m", "log2_n", "log2_k", "operand_bytes", "log2_flops", "log2_bytes_moved", "log2_roofline_us",

@@ -8,7 +8,9 @@ to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilog
 tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
 tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 tiles: two
 codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs, summed per word (1) or
-per quad of consecutive words (2)), early_load (GEMV tiles
+per quad of consecutive words (2)), operand_scale (NVIDIA
+PTX-unpacked int4 matrix tiles, symmetric codes in groups of 128 k or more: each code pair is multiplied
+by its group scale in the 16-bit float, so that all groups accumulate in one tile), early_load (GEMV tiles
 on targets with programmatic dependent launch: the first k step's weights are loaded before waiting
 for the previous kernel).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
@@ -42,7 +44,7 @@ MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
 GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row: the default up to 4 rows
 SPLIT_K_MIN_STEPS = 2  # k steps per split, at least: fewer only adds partial sums to merge
 # Knobs added after records existed, and the value a record without them was measured with.
-ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0}
+ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0}
 MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 
@@ -74,7 +76,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "tma": (0, 1) if tma_operands(wl) and target.capability >= 90 else (0,),
             "ptx_unpack": ((0, 1, 2) if gemv_rows and whole_block_groups(wl) else (0, 1))
                           if target.vendor == "nvidia" and int4_affine(wl) else (0,),
-            "early_load": (0, 1) if gemv_rows and target.pdl else (0,)}
+            "early_load": (0, 1) if gemv_rows and target.pdl else (0,),
+            "operand_scale": (0, 1) if target.vendor == "nvidia" and symmetric_block_groups(wl) else (0,)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,6 +95,13 @@ def whole_block_groups(wl: Workload) -> bool:
         return False
     periods = [prologue.k_period(e, wl.dim) for e in affine[1:] if e is not None]
     return all(p is None or p % INT4_PERIOD == 0 for p in periods)
+
+
+def symmetric_block_groups(wl: Workload) -> bool:
+    """int4 codes with the symmetric zero point and a scale constant over each block of INT4_PERIOD k:
+    what `operand_scale` needs to multiply the codes by their scale before the matrix instruction."""
+    affine = int4_affine(wl)
+    return bool(affine) and affine[1] == E.Const(8) and affine[2] is not None and whole_block_groups(wl)
 
 
 @functools.lru_cache(maxsize=256)
@@ -181,6 +191,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {SPLIT_K_MIN_STEPS} k steps of {s['block_k']} each"
     if s["ptx_unpack"] == 2 and s["block_m"] >= MMA_MIN_ROWS:
         return f"PTX quads of words serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
+    if s["operand_scale"] and (s["block_m"] < MMA_MIN_ROWS or s["ptx_unpack"] != 1):
+        return f"operand scaling serves PTX-unpacked matrix tiles of at least {MMA_MIN_ROWS} rows"
     if s["ptx_unpack"] and s["block_m"] < MMA_MIN_ROWS and not whole_block_groups(wl):
         return f"PTX unpacking of GEMV tiles pairs codes 64 k apart: groups must span {INT4_PERIOD} k"
     if s["early_load"] and (s["block_m"] >= MMA_MIN_ROWS or s["split_k"] > 1 or s["persistent"]):
@@ -196,7 +208,7 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         if products < threads * MIN_PRODUCTS_PER_THREAD:
             return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile leaves some of {threads} threads idle"
         return None
-    tiles = accumulator_tiles(wl)
+    tiles = 1 if s["operand_scale"] else accumulator_tiles(wl)
     if tiles * s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
         return f"{tiles} {s['block_m']}x{s['block_n']} accumulator tile(s) do not fit {threads} threads' registers"
     if s["block_m"] * s["block_n"] < threads * 4 and s["num_warps"] > 2:

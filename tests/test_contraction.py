@@ -449,3 +449,31 @@ def test_k_tiles_spanning_several_groups(interpreter, zp):
     s = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 2, "group_m": 1}
     for c in interpreter.check(wl, s, "h200", seed=7):
         assert c.ok, c
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_int4_operand_scale(dtype):
+    """operand_scale: PTX-unpacked int4 matrix tiles multiply each code pair by its row's group scale
+    in the 16-bit float, so every group accumulates into one tile: no FFMA with a scale in the k loop,
+    one accumulator (128 x 256 tiles fit), symmetric codes in groups of 128 k or more only, NVIDIA only.
+    (Numerics: on the GPU.)"""
+    from flashgen.targets.triton.codegen import generate
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import loop_opcodes, opcodes, summary
+    wl = flashgen.workload("gemm_w4a16", M=256, N=512, K=4096, G=128, dtype=dtype)
+    h200 = ScheduleSpace(wl, get_target("h200"))
+    assert h200.knobs()["operand_scale"] == (0, 1)
+    assert ScheduleSpace(wl, get_target("mi300x")).knobs()["operand_scale"] == (0,)
+    for kw in ({"G": 128, "zp": "asym"}, {"G": 64}):
+        other = flashgen.workload("gemm_w4a16", M=256, N=512, K=4096, dtype=dtype, **kw)
+        assert ScheduleSpace(other, get_target("h200")).knobs()["operand_scale"] == (0,)
+    s = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
+         "ptx_unpack": 1, "operand_scale": 1}
+    assert h200.is_valid(s) and "accumulator" in h200.why_invalid({**s, "operand_scale": 0})
+    assert "PTX-unpacked" in h200.why_invalid({**s, "ptx_unpack": 0})
+    src = generate(wl, s).source
+    assert "seg = " not in src and src.count("tl.dot(") == 128 // 128
+    small = {**s, "block_m": 16, "block_n": 64, "num_warps": 4}
+    loop = loop_opcodes(flashgen.compile(wl.with_dims(M=16), "sm_90", schedule=small).binary)
+    assert any(op.startswith("HGMMA") for op in loop) and "FFMA" not in loop, loop
+    assert summary(opcodes(flashgen.compile(wl.with_dims(M=16), "sm_90", schedule=small).binary))["sts_16bit"] == 0

@@ -140,11 +140,15 @@ PTX_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1152, dtype=dt, **kw)
 
 @pytest.mark.parametrize("wl", PTX_CASES, ids=case_id)
 @pytest.mark.parametrize("block_k", [128, 256])
-def test_int4_ptx_unpack_on_gpu(wl, block_k):
-    """int4 matrix tiles unpacked by inline PTX (two codes per AND-OR), partial row, column and k tiles
+@pytest.mark.parametrize("oscale", [0, 1])
+def test_int4_ptx_unpack_on_gpu(wl, block_k, oscale):
+    """int4 matrix tiles unpacked by inline PTX (two codes per AND-OR), with the group scale applied to
+    the accumulated groups or to the operand (`operand_scale`), partial row, column and k tiles
     (K=1152 leaves half a 256-deep step), one row of sixteen (M=1) too."""
     s = {"block_m": 16 if wl.dim["M"] < 64 else 64, "block_n": 64, "block_k": block_k, "num_warps": 4,
-         "num_stages": 3, "group_m": 8, "ptx_unpack": 1}
+         "num_stages": 3, "group_m": 8, "ptx_unpack": 1, "operand_scale": oscale}
+    if not ScheduleSpace(wl, TARGET).is_valid(s):
+        pytest.skip(f"{TARGET.key}: {ScheduleSpace(wl, TARGET).why_invalid(s)}")
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for c in check(wl, _run(kernel), 15, DEVICE):
         assert c.ok, (c, s)

@@ -48,6 +48,17 @@ def _ptx_codes(operand: str, j: int) -> str:
             f"mov.b32 one, {one:#x}; mov.b32 minus, {minus:#x}; fma.rn.{kind} $0, t, one, minus; }}")
 
 
+def _ptx_scaled_codes(operand: str, j: int) -> str:
+    """`_ptx_codes` times the rows' group scale (`operand_scale`): the two codes' pair, minus 8, is
+    multiplied by the scale in the same 16-bit float ($3: the two words' scales, one 16-bit pair, as
+    both words lie in one row), so that the matrix instruction accumulates every group into one tile."""
+    kind = PAIR[operand][0]
+    body = _ptx_codes(operand, j).removesuffix(" }").replace("fma.rn." + kind + " $0,", "fma.rn." + kind + " t,")
+    scaled = ("mul.rn.f16x2 $0, t, $3;" if operand == "fp16"  # bf16x2 has no mul before sm_90: an FMA adding -0
+              else "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z;")
+    return body.replace(".reg .b32 t,", ".reg .b32 z, t,") + " " + scaled + " }"
+
+
 # fp16 pairs: 1.0, -(1024 + 8), 1/16 and -(64 + 8). A code under 0x6400 reads 1024 + code (or, four bits
 # up, 1024 + 16 * code).
 F16 = {"one": 0x3C003C00, "m1032": 0xE408E408, "sixteenth": 0x2C002C00, "m72": 0xD480D480}
@@ -384,7 +395,8 @@ def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment
     magic, base = INT4_MAGIC[operand]
     k_extent = em.emit(con.extent, body)
     offset = None if zero == E.Const(8) else zero
-    direct = not prologue.segment_sums(affine)
+    oscale = bool(s.get("operand_scale"))  # the scale multiplies the operand: no second accumulator
+    direct = oscale or not prologue.segment_sums(affine)
     per_dot = min(per_segment, 8) & -min(per_segment, 8)  # runs per dot: a power of two within one block
     for q in range(0, s["block_k"] // RUN, per_dot):
         b, j = divmod(q, 8)
@@ -400,8 +412,17 @@ def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment
         x_scope = body.child(axes={"r": ("r_t", "rmask_t"), "k": (f"kx{q}", f"kxm{q}" if kmask else None)}, fresh=True)
         x = _operand_tile(em, con.a, x_scope, lets, operand)
         runs = []
+        if oscale and j == 0:  # one scale per row and block of 128 k (the rules ask for groups of 128 k or more)
+            body.line(f"ksc{b} = k0 + {INT4_PERIOD * b}")
+            if kmask:
+                body.line(f"kscm{b} = ksc{b} < {k_extent}")
+            sc_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"ksc{b}", f"kscm{b}" if kmask else None)}, fresh=True)
+            body.line(f"sc{b} = tl.broadcast_to(({em.emit(scale, sc_scope)}).to({dtypes.TL[operand]}), [BLOCK_N, {RUN}])")
         for jj in range(j, j + per_dot):
-            if s.get("ptx_unpack"):
+            if oscale:
+                body.line(f"c{jj} = tl.inline_asm_elementwise(\"{_ptx_scaled_codes(operand, jj)}\", \"=r,r,r,r\", "
+                          f"[words{b}, sc{b}], dtype={dtypes.TL[operand]}, is_pure=True, pack=2)")
+            elif s.get("ptx_unpack"):
                 body.line(f"c{jj} = tl.inline_asm_elementwise(\"{_ptx_codes(operand, jj)}\", \"=r,r,r\", [words{b}], "
                           f"dtype={dtypes.TL[operand]}, is_pure=True, pack=2)")
             else:
