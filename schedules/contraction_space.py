@@ -16,7 +16,8 @@ for the previous kernel).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
-persistent programs do not split K, early loads serve unsplit GEMV tiles, PTX-unpacked GEMV tiles need
+persistent programs do not split K, one stage (no copy pipeline) serves NVIDIA GEMV tiles only,
+early loads serve unsplit GEMV tiles, PTX-unpacked GEMV tiles need
 groups of 128 k or more, k tiles deeper than 512 are for ALU tiles only, and k tiles of packed int4
 words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
@@ -69,7 +70,7 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
             "block_k": tuple(b for b in (32, 64, 128, 256, 512, 1024, 2048)
                              if b % min_block_k(wl) == 0 and b <= max(min_block_k(wl), _p2(k))),
             "num_warps": (2, 4, 8),
-            "num_stages": (1, 2) if amd else (2, 3, 4, 5),
+            "num_stages": (1, 2) if amd else (1, 2, 3, 4, 5) if gemv_rows else (2, 3, 4, 5),
             "group_m": (1, 8),
             "split_k": (1, 2, 4, 8),
             "persistent": (0, 1, 2),
@@ -174,6 +175,12 @@ def accumulator_tiles(wl: Workload) -> int:
     return 2 if affine and prologue.segment_sums(affine) else 1
 
 
+def min_stages(target: Target, s: dict[str, Any]) -> int:
+    """1 on AMD and for NVIDIA GEMV tiles, whose plain loads go straight to registers (no copy
+    pipeline through shared memory); NVIDIA matrix tiles keep at least 2."""
+    return 1 if target.vendor == "amd" or s["block_m"] < MMA_MIN_ROWS else 2
+
+
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     if s["block_k"] % min_block_k(wl):
         return f"int4 words interleave {INT4_PERIOD} k: block_k must be a multiple of {INT4_PERIOD}"
@@ -195,6 +202,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return f"operand scaling serves PTX-unpacked matrix tiles of at least {MMA_MIN_ROWS} rows"
     if s["ptx_unpack"] and s["block_m"] < MMA_MIN_ROWS and not whole_block_groups(wl):
         return f"PTX unpacking of GEMV tiles pairs codes 64 k apart: groups must span {INT4_PERIOD} k"
+    if s["num_stages"] < min_stages(target, s):
+        return f"NVIDIA matrix tiles are pipelined: at least {min_stages(target, s)} stages"
     if s["early_load"] and (s["block_m"] >= MMA_MIN_ROWS or s["split_k"] > 1 or s["persistent"]):
         return f"early weight loads serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows, unsplit, not persistent"
     if s["tma"] and (s["block_m"] < MMA_MIN_ROWS or s["block_k"] > MAX_TMA_BOX):
@@ -260,7 +269,7 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     for key in ("block_m", "block_n", "block_k"):
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]
     while why_invalid(wl, target, s):
-        if s["num_stages"] > kn["num_stages"][0]:
+        if s["num_stages"] > max(kn["num_stages"][0], min_stages(target, s)):
             s["num_stages"] -= 1
         elif s["block_k"] > max(kn["block_k"][0], min_block_k(wl)):
             s["block_k"] //= 2

@@ -87,6 +87,28 @@ def test_gemv_tiles_numerics(interpreter, op, kw, block_m, block_k):
         assert c.ok, c
 
 
+def test_gemv_tiles_without_copy_pipeline(interpreter):
+    """One stage: NVIDIA GEMV tiles load weights straight into registers (16-byte LDG, no cp.async
+    and no barrier in a 1024-deep k loop); matrix tiles keep their copy pipeline of 2 or more stages.
+    Numerics: M=3, N=40 and K=1000 leave partial row, column and k tiles."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import loop_opcodes
+    h200 = get_target("h200")
+    s = {"block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 1, "group_m": 1}
+    gemv = flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16")
+    assert 1 in ScheduleSpace(gemv, h200).knobs()["num_stages"]
+    assert "at least 2 stages" in ScheduleSpace(gemv, h200).why_invalid({**s, "block_m": 16})
+    assert 1 not in ScheduleSpace(gemv.with_dims(M=17), h200).knobs()["num_stages"]
+    loop = loop_opcodes(flashgen.compile(gemv, "h200", schedule=s).binary)
+    assert loop.get("LDG.E.128", 0) >= 16 and not any(o.startswith(("LDGSTS", "BAR")) for o in loop), loop
+    for op, kw, bm in (("gemm", {}, 2), ("gemm_w4a16", dict(G=128, zp="asym"), 4)):
+        wl = flashgen.workload(op, M=3, N=40, K=1000 if op == "gemm" else 1024, dtype="fp16", **kw)
+        t = {**s, "block_m": bm, "block_k": 512, "num_warps": 2}
+        assert ScheduleSpace(wl, h200).is_valid(t), ScheduleSpace(wl, h200).why_invalid(t)
+        for c in interpreter.check(wl, t, "h200", seed=bm):
+            assert c.ok, c
+
+
 EARLY = [("gemm", {}, 1, 64, 200), ("gemm", {}, 2, 256, 200), ("gemm_w4a16", dict(G=64, zp="asym"), 2, 128, 384),
          ("gemm_w4a16", dict(G=128), 1, 256, 256), ("gemm_w8a8", {}, 4, 32, 40)]
 

@@ -71,13 +71,16 @@ def test_gemm_on_gpu(wl):
 
 GEMV_CASES = [(flashgen.workload("gemm_w4a16", M=3, N=330, K=1024, dtype=dt, **kw), bm, bk)
               for dt in ("bf16", "fp16") for kw in ({"G": 128}, {"G": 1024, "group": "channel", "zp": "asym"})
-              for bm, bk in ((1, 1024), (2, 256), (4, 128))]
+              for bm, bk in ((1, 1024), (2, 256), (4, 128))] + [
+    (flashgen.workload("gemm", M=3, N=330, K=1000, dtype="bf16"), bm, bk) for bm, bk in ((1, 1024), (2, 512))]
 
 
 @pytest.mark.parametrize("wl, block_m, block_k", GEMV_CASES, ids=lambda v: case_id(v) if hasattr(v, "op") else str(v))
-def test_gemv_tiles_on_gpu(wl, block_m, block_k):
-    """ALU tiles of 1-4 rows over int4 codes, pipelined, with partial row (M=3) and column tiles."""
-    s = {"block_m": block_m, "block_n": 32, "block_k": block_k, "num_warps": 2, "num_stages": 3, "group_m": 1}
+@pytest.mark.parametrize("stages", [3, 1])
+def test_gemv_tiles_on_gpu(wl, block_m, block_k, stages):
+    """ALU tiles of 1-4 rows, pipelined or loading straight into registers (1 stage), with partial row
+    (M=3), column (N=330) and, for bf16 weights, k (K=1000) tiles."""
+    s = {"block_m": block_m, "block_n": 32, "block_k": block_k, "num_warps": 2, "num_stages": stages, "group_m": 1}
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for c in check(wl, _run(kernel), 3, DEVICE):
         assert c.ok, (c, s)
@@ -121,10 +124,12 @@ GEMV_PAIR_CASES = [flashgen.workload("gemm_w4a16", M=m, N=330, K=1152, dtype=dt,
 @pytest.mark.parametrize("wl", GEMV_PAIR_CASES, ids=case_id)
 @pytest.mark.parametrize("block_m, early", [(1, 0), (2, 1), (4, 0)])
 @pytest.mark.parametrize("unpack, warps", [(1, 4), (2, 4), (2, 2)])
-def test_int4_gemv_pairs_on_gpu(wl, block_m, early, unpack, warps):
+@pytest.mark.parametrize("stages", [3, 1])
+def test_int4_gemv_pairs_on_gpu(wl, block_m, early, unpack, warps, stages):
     """int4 GEMV tiles in fp16 pairs (inline PTX), one dot per word or per quad of words: K=1152 leaves
-    a partial k step of 512, N=330 a partial column tile; with and without early weight loads."""
-    s = {"block_m": block_m, "block_n": 16, "block_k": 512, "num_warps": warps, "num_stages": 3, "group_m": 1,
+    a partial k step of 512, N=330 a partial column tile; with and without early weight loads, with
+    and without a copy pipeline."""
+    s = {"block_m": block_m, "block_n": 16, "block_k": 512, "num_warps": warps, "num_stages": stages, "group_m": 1,
          "ptx_unpack": unpack, "early_load": early}
     if not ScheduleSpace(wl, TARGET).is_valid(s):
         pytest.skip(f"{TARGET.key}: {ScheduleSpace(wl, TARGET).why_invalid(s)}")
