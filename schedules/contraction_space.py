@@ -231,7 +231,13 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     kn = knobs(wl, target)
     stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
     sms = max(int(target.sm_count), 1)
-    if m <= GEMV_INT4_DEFAULT_M and int4_affine(wl):
+    if m <= GEMV_INT4_DEFAULT_M and int4_affine(wl) and 2 in kn["ptx_unpack"] and 1 in kn["num_stages"]:
+        # NVIDIA: quads of words in fp16 pairs, 2048-deep k steps loaded straight into registers (the
+        # H200's M=1 records: within 0-10% of the best schedule on qkv, o, gate_up and down, and
+        # 1.35-1.54x faster than the pipelined fp32 tile below).
+        s = {"block_m": _p2(m), "block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 1,
+             "ptx_unpack": 2, "group_m": 1, "split_k": 1, "persistent": 0}
+    elif m <= GEMV_INT4_DEFAULT_M and int4_affine(wl):
         # int4 codes summed on the ALUs (no dequantized tile for a matrix instruction): 16-column tiles
         # for many programs, and deep k steps of 4 warps, so that every SM has warps to issue from and
         # kilobytes of words in flight (measured on the H200: 512-deep k steps ran 2.4-2.7x faster than 128- or
@@ -245,10 +251,24 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         split = max([sp for sp in (1, 2, 4) if tiles * sp <= 2 * sms and -(-k // 128) >= sp * SPLIT_K_MIN_STEPS] or [1])
         s = {"block_m": max(16, _p2(m)), "block_n": 64, "block_k": 128, "num_warps": 4,
              "num_stages": min(4, kn["num_stages"][-1]), "group_m": 8, "split_k": split, "persistent": 0}
+    elif int4_affine(wl) and 1 in kn["operand_scale"]:
+        # Large M, NVIDIA: PTX-unpacked code pairs times their group scale, one accumulator, so 256-row
+        # tiles fit; 2 persistent programs per SM where such tiles fill the SMs, 128-row tiles where they
+        # would not (the H200's M = 256 and 4096 records: within 0-7% of the best on the shapes they
+        # fill, 1.3-1.4x faster than the two-accumulator tile below).
+        wide = -(-m // 256) * -(-n // 128) >= sms
+        s = {"block_m": 256 if wide else 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3,
+             "group_m": 8, "split_k": 1, "persistent": 2 if wide else 0, "ptx_unpack": 1, "operand_scale": 1}
     elif int4_affine(wl):
         # Large M: int4 matrix tiles of 128 x 128 (a group's sums and the tile's in registers), 8 warps.
         s = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
              "split_k": 1, "persistent": 0}
+    elif m == 1 and 1 in kn["block_m"] and target.vendor != "amd":
+        # One row on the ALUs, 16 columns, 512-deep pipelined steps, the first before the wait where the
+        # target launches dependents early (the H200's M=1 bf16 records: 1.07-1.30x faster than the
+        # 16-row tile below on qkv, o and down).
+        s = {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "group_m": 1,
+             "split_k": 1, "persistent": 0, "early_load": max(kn["early_load"])}
     elif m <= 16:
         # A GEMV: narrow column tiles so that at least two programs stream weights on every SM.
         bn = max([b for b in (16, 32, 64) if n // b >= 2 * sms] or [16])
@@ -259,11 +279,16 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         s = {"block_m": max(16, _p2(m)), "block_n": 128, "block_k": 128, "num_warps": 4,
              "num_stages": stages, "group_m": 8, "split_k": 1, "persistent": 0}
     else:
-        # Wide tiles feed Hopper's warpgroup MMA best; older matrix units prefer square 128 tiles.
+        # Wide tiles feed Hopper's warpgroup MMA best; older matrix units prefer square 128 tiles. A k
+        # step is 128 bytes of a row; 16-bit operands come by TMA where the target has it (the H200's
+        # M = 256 and 4096 records: 1-byte operands 128 deep, 4 stages, 1.3-2x faster than 64 deep;
+        # 16-bit ones 3-11% faster by TMA).
         wide = (target.capability >= 90
                 and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
-        s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 64, "num_warps": 8,
-             "num_stages": 3 if target.vendor != "amd" else stages, "group_m": 8, "split_k": 1, "persistent": 0}
+        one_byte = operand_bytes(wl) == 1
+        s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 128 if one_byte else 64, "num_warps": 8,
+             "num_stages": (4 if one_byte else 3) if target.vendor != "amd" else stages, "group_m": 8,
+             "split_k": 1, "persistent": 0, "tma": int(not one_byte and 1 in kn["tma"])}
     s = {**ADDED_KNOBS, **s}
     s["block_k"] = max(s["block_k"], min_block_k(wl))
     for key in ("block_m", "block_n", "block_k"):

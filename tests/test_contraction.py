@@ -240,7 +240,8 @@ def test_split_k_rules_and_older_records():
 
 @pytest.mark.parametrize("target", ["h200", "a100", "mi300x", "mi250"])
 def test_gemv_int4_default_builds_without_matrix_instructions(target):
-    """At M=1 the analytic default of W4A16 is a one-row ALU tile, pipelined, on every target."""
+    """At M=1 the analytic default of W4A16 is a one-row ALU tile on every target: on NVIDIA quads of
+    words in fp16 pairs loaded straight into registers, elsewhere fp32 codes, pipelined."""
     wl = flashgen.workload("gemm_w4a16", M=1, N=4096, K=4096, G=128, dtype="bf16")
     t = get_target(target)
     s = ScheduleSpace(wl, t).default()
@@ -249,7 +250,10 @@ def test_gemv_int4_default_builds_without_matrix_instructions(target):
     asm = k.asm["ptx"] if t.vendor == "nvidia" else k.asm["amdgcn"]
     assert "mma" not in asm and "mfma" not in asm
     if t.vendor == "nvidia":
-        assert "cp.async" in asm  # the words are software-pipelined
+        assert s["ptx_unpack"] == 2 and s["num_stages"] == 1
+        assert "fma.rn.f16x2" in asm and "cp.async" not in asm
+    else:
+        assert s["num_stages"] > 1
 
 
 def test_gemv_int4_source_has_no_reshape():
@@ -499,3 +503,33 @@ def test_int4_operand_scale(dtype):
     loop = loop_opcodes(flashgen.compile(wl.with_dims(M=16), "sm_90", schedule=small).binary)
     assert any(op.startswith("HGMMA") for op in loop) and "FFMA" not in loop, loop
     assert summary(opcodes(flashgen.compile(wl.with_dims(M=16), "sm_90", schedule=small).binary))["sts_16bit"] == 0
+
+
+def test_default_quality_replay(tmp_path, monkeypatch):
+    """benchmarks/default_quality.py scores a workload's recorded default against its best record and
+    counts, without scoring, a workload whose default has no record; failed records are ignored."""
+    import json
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import default_quality
+    from flashgen.db import Record
+    h200 = get_target("h200")
+    scored = flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16")
+    unscored = flashgen.workload("gemm", M=1, N=6144, K=4096, dtype="bf16")
+    default = ScheduleSpace(scored, h200).default()
+    other = {**default, "block_k": 1024}
+    assert ScheduleSpace(scored, h200).is_valid(other) and other != default
+
+    def record(wl, schedule, latency, status="ok"):
+        return Record(workload_key=wl.key, workload=wl.to_json(), target_key=h200.id, schedule=schedule,
+                      status=status, latency_us=latency, spread_us=None if latency is None else 0.1,
+                      device="NVIDIA H200").to_json()
+
+    rows = [record(scored, default, 20.0), record(scored, default, 16.0), record(scored, other, 10.0),
+            record(scored, {**other, "block_k": 2048}, None, "crash"), record(unscored, other, 9.0)]
+    log = tmp_path / "records.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(sys, "argv", ["default_quality.py", str(log), "--out-dir", str(tmp_path), "--name", "dq"])
+    default_quality.main()
+    out = json.loads((tmp_path / "dq.json").read_text())
+    assert out["rows"] == [["gemm", "bf16", "M=1 N=4096 K=4096", 16.0, 10.0, 0.625]]
+    assert "1 more have records but none of their default" in (tmp_path / "dq.md").read_text()
