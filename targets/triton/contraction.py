@@ -194,6 +194,31 @@ def _int4_terms(em: Emitter, con: Contract, affine: tuple, per_segment: int, b_s
     return segments
 
 
+def _group_affine(em: Emitter, affine: tuple, scope: Scope, k: tuple, operand: str) -> tuple[str | None, str, str | None]:
+    """The fp16-pair terms' group constants at the codes' k positions `k`: the zero point (None for
+    8, which the PTX dot subtracts itself), the factor that undoes bf16 x's 2^-8 and the scale."""
+    _, zero, scale = affine
+    seg = scope.child(axes={"c": scope.axes["c"], "k": k}, fresh=True)
+    offset = None if zero == E.Const(8) else em.emit(zero, seg)
+    factor = f" * {2.0 ** X16_SHIFT}" if operand == "bf16" else ""
+    return offset, factor, em.emit(scale, seg) if scale is not None else None
+
+
+def _x_halves(em: Emitter, con: Contract, scope: Scope, row: int, kmask: bool, operand: str) -> list[str]:
+    """Row `row`'s x at the eight code positions as 16-bit patterns `xh0..xh7` in int32 lanes (bf16
+    x scaled by 2^-8 into fp16); returns the x expressions, which a zero point sums."""
+    scope.line(f"rmask{row} = r{row} < {em.emit(em.op.domain[0], scope)}")
+    xs = []
+    for j in range(8):
+        axes = {"r": (f"r{row}", f"rmask{row}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
+        x = em.emit(con.a, scope.child(axes=axes, fresh=True))
+        x16 = (f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16"
+               else f"{x}.to(tl.float16)")
+        scope.line(f"xh{j} = {x16}.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF")
+        xs.append(x)
+    return xs
+
+
 def _int4_pair_terms(em: Emitter, con: Contract, affine: tuple, words: str, scope: Scope, block_m: int,
                      kmask: bool, operand: str) -> None:
     """A GEMV k step of int4 codes on the ALUs in fp16 pairs (`ptx_unpack`): per word and row, one
@@ -202,23 +227,11 @@ def _int4_pair_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
     + 16 * j + w % 16, so the pairs (j, j + 4) meet x 64 apart; every code of a word shares its group
     (the rules ask for groups of 128 k or more). A zero point other than 8 adds (8 - zero) times the
     word's sum of x. bf16 x enters fp16 scaled by 2^-8, and the dot is scaled back."""
-    _, zero, scale = affine
     for j in range(8):
         _code_k(em, con, scope, kmask, j)
-    seg = scope.child(axes={"c": scope.axes["c"], "k": ("ka0", "kmask0" if kmask else None)}, fresh=True)
-    offset = None if zero == E.Const(8) else em.emit(zero, seg)
-    factor = f" * {2.0 ** X16_SHIFT}" if operand == "bf16" else ""
-    scale_v = em.emit(scale, seg) if scale is not None else None
+    offset, factor, scale_v = _group_affine(em, affine, scope, ("ka0", "kmask0" if kmask else None), operand)
     for i in range(block_m):
-        scope.line(f"rmask{i} = r{i} < {em.emit(em.op.domain[0], scope)}")
-        xs = []
-        for j in range(8):
-            axes = {"r": (f"r{i}", f"rmask{i}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
-            x = em.emit(con.a, scope.child(axes=axes, fresh=True))
-            x16 = (f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16"
-                   else f"{x}.to(tl.float16)")
-            scope.line(f"xh{j} = {x16}.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF")
-            xs.append(x)
+        xs = _x_halves(em, con, scope, i, kmask, operand)
         for q in range(4):
             scope.line(f"xp{q} = tl.broadcast_to(xh{q} | (xh{q + 4} << 16), [BLOCK_K // 8, BLOCK_N])")
         scope.line(f"d{i} = tl.inline_asm_elementwise(\"{_ptx_word_dot()}\", \"=r,r,r,r,r,r\", "
@@ -243,7 +256,6 @@ def _int4_quad_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
     registers where a thread holds four consecutive words, as 16-byte loads give it), and one
     inline-PTX dot (`_ptx_quad_dot`) sums a quad's 32 codes, which share their group, before one
     `part += dot * scale`."""
-    _, zero, scale = affine
     for j in range(8):
         _code_k(em, con, scope, kmask, j)
 
@@ -258,20 +270,9 @@ def _int4_quad_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
                f"+ 4 * tl.arange(0, BLOCK_K // 32)[:, None] % {RUN}")  # code 0 of each quad's first word
     if kmask:
         scope.line(f"kqmask = kq < {em.emit(con.extent, scope)}")
-    seg = scope.child(axes={"c": scope.axes["c"], "k": ("kq", "kqmask" if kmask else None)}, fresh=True)
-    offset = None if zero == E.Const(8) else em.emit(zero, seg)
-    factor = f" * {2.0 ** X16_SHIFT}" if operand == "bf16" else ""
-    scale_v = em.emit(scale, seg) if scale is not None else None
+    offset, factor, scale_v = _group_affine(em, affine, scope, ("kq", "kqmask" if kmask else None), operand)
     for r in range(block_m):
-        scope.line(f"rmask{r} = r{r} < {em.emit(em.op.domain[0], scope)}")
-        xs = []
-        for j in range(8):
-            axes = {"r": (f"r{r}", f"rmask{r}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
-            x = em.emit(con.a, scope.child(axes=axes, fresh=True))
-            x16 = (f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16"
-                   else f"{x}.to(tl.float16)")
-            scope.line(f"xh{j} = {x16}.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF")
-            xs.append(x)
+        xs = _x_halves(em, con, scope, r, kmask, operand)
         pairs = [split4(f"xh{q} | (xh{q + 4} << 16)", "1", f"xp{q}_") for q in range(4)]
         args = ", ".join(f"tl.broadcast_to({pairs[q][i]}, [BLOCK_K // 32, BLOCK_N])" for i in range(4) for q in range(4))
         scope.line(f"d{r} = tl.inline_asm_elementwise(\"{_ptx_quad_dot()}\", \"={','.join(['r'] * 21)}\", "
