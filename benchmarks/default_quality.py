@@ -33,17 +33,17 @@ def main() -> None:
     with replayed_records(args.records) as (db, _):
         samples = samples_from_records(db.records(), "contraction")
     times: dict[tuple, dict[str, float]] = defaultdict(dict)
-    found: dict[tuple, tuple] = {}
+    spaces: dict[tuple, tuple] = {}
     for wl, schedule, target, latency in samples:
         if args.m is not None and wl.dim["M"] != args.m:
             continue
         group = (wl.key, target.id)
-        found[group] = (wl, target)
-        key = schedule_key(ScheduleSpace(wl, target).complete(schedule))
+        if group not in spaces:
+            spaces[group] = (wl, ScheduleSpace(wl, target))
+        key = schedule_key(spaces[group][1].complete(schedule))
         times[group][key] = min(latency, times[group].get(key, float("inf")))
     rows, unmeasured = [], 0
-    for group, (wl, target) in sorted(found.items(), key=lambda g: (g[1][0].op.name, str(g[1][0].dim))):
-        space = ScheduleSpace(wl, target)
+    for group, (wl, space) in sorted(spaces.items(), key=lambda g: (g[1][0].op.name, str(g[1][0].dim))):
         default = times[group].get(schedule_key(space.complete(space.default())))
         if default is None:
             unmeasured += 1

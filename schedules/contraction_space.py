@@ -231,10 +231,10 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     kn = knobs(wl, target)
     stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
     sms = max(int(target.sm_count), 1)
-    if m <= GEMV_INT4_DEFAULT_M and int4_affine(wl) and 2 in kn["ptx_unpack"] and 1 in kn["num_stages"]:
+    if m <= GEMV_INT4_DEFAULT_M and 2 in kn["ptx_unpack"]:
         # NVIDIA: quads of words in fp16 pairs, 2048-deep k steps loaded straight into registers (the
-        # H200's M=1 records: within 0-10% of the best schedule on qkv, o, gate_up and down, and
-        # 1.35-1.54x faster than the pipelined fp32 tile below).
+        # H200's M=1 records: within 0-12% of the best schedule on the five shapes, and 1.31-1.54x
+        # faster than the pipelined fp32 tile below).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 1,
              "ptx_unpack": 2, "group_m": 1, "split_k": 1, "persistent": 0}
     elif m <= GEMV_INT4_DEFAULT_M and int4_affine(wl):
@@ -253,12 +253,12 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         split = max([sp for sp in (1, 2, 4) if tiles * sp <= 2 * sms and -(-k // 128) >= sp * SPLIT_K_MIN_STEPS] or [1])
         s = {"block_m": max(16, _p2(m)), "block_n": 64, "block_k": 128, "num_warps": 4,
              "num_stages": min(4, kn["num_stages"][-1]), "group_m": 8, "split_k": split, "persistent": 0,
-             "ptx_unpack": max(b for b in kn["ptx_unpack"] if b <= 1)}
+             "ptx_unpack": int(1 in kn["ptx_unpack"])}
     elif int4_affine(wl) and 1 in kn["operand_scale"]:
         # Large M, NVIDIA: PTX-unpacked code pairs times their group scale, one accumulator, so 256-row
         # tiles fit; 2 persistent programs per SM where such tiles fill the SMs, 128-row tiles where they
         # would not (the H200's M = 256 and 4096 records: within 0-7% of the best on the shapes they
-        # fill, 1.3-1.4x faster than the two-accumulator tile below).
+        # fill, 1.2-1.6x faster than the two-accumulator tile below).
         wide = -(-m // 256) * -(-n // 128) >= sms
         s = {"block_m": 256 if wide else 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3,
              "group_m": 8, "split_k": 1, "persistent": 2 if wide else 0, "ptx_unpack": 1, "operand_scale": 1}
@@ -266,10 +266,10 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         # Large M: int4 matrix tiles of 128 x 128 (a group's sums and the tile's in registers), 8 warps.
         s = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
              "split_k": 1, "persistent": 0}
-    elif m == 1 and 1 in kn["block_m"] and target.vendor != "amd":
+    elif m == 1 and target.vendor != "amd":
         # One row on the ALUs, 16 columns, 512-deep pipelined steps, the first before the wait where the
-        # target launches dependents early (the H200's M=1 bf16 records: 1.07-1.30x faster than the
-        # 16-row tile below on qkv, o and down).
+        # target launches dependents early (the H200's M=1 records: bf16 1.02-1.30x faster than the
+        # 16-row tile below on the five shapes; W8A8 within 0-15% of its best).
         s = {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "group_m": 1,
              "split_k": 1, "persistent": 0, "early_load": max(kn["early_load"])}
     elif m <= 16:
@@ -284,8 +284,8 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     else:
         # Wide tiles feed Hopper's warpgroup MMA best; older matrix units prefer square 128 tiles. A k
         # step is 128 bytes of a row; 16-bit operands come by TMA where the target has it (the H200's
-        # M = 256 and 4096 records: 1-byte operands 128 deep, 4 stages, 1.3-2x faster than 64 deep;
-        # 16-bit ones 3-11% faster by TMA).
+        # M = 256 and 4096 records: 1-byte operands 128 deep, 4 stages, 1.2-2.1x faster than 64 deep;
+        # 16-bit ones 3-12% faster by TMA).
         wide = (target.capability >= 90
                 and -(-m // 128) * -(-n // 256) >= sms)  # and the wide tiles still fill the SMs
         one_byte = operand_bytes(wl) == 1

@@ -35,28 +35,25 @@ PAIR = {"bf16": ("bf16x2", 0x3F803F80, 0xC308C308), "fp16": ("f16x2", 0x3C003C00
 RUN = prologue.RUN
 
 
-def _ptx_codes(operand: str, j: int) -> str:
+def _ptx_codes(operand: str, j: int, scaled: bool = False) -> str:
     """Inline PTX for code j - 8 of two words at once (`pack=2`: the two 16-bit results share a
     register): PRMT gathers the half-words holding code j of both words, a shift and one LOP3 put each
-    code under the 16-bit float's exponent, one paired FMA subtracts magic + 8."""
+    code under the 16-bit float's exponent, one paired FMA subtracts magic + 8. `scaled`
+    (`operand_scale`): the pair is then multiplied by the rows' group scale in the same 16-bit float
+    ($3: the two words' scales, one 16-bit pair, as both words lie in one row), so that the matrix
+    instruction accumulates every group into one tile."""
     kind, one, minus = PAIR[operand]
     magic = INT4_MAGIC[operand][0]
     shift = f"shr.b32 t, t, {4 * (j % 4)}; " if j % 4 else ""
-    return ("{ .reg .b32 t, one, minus; "
+    scale = ""
+    if scaled:  # bf16x2 has no mul before sm_90: an FMA adding -0
+        scale = (" mul.rn.f16x2 $0, t, $3;" if operand == "fp16"
+                 else " mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z;")
+    return (f"{{ .reg .b32 {'z, ' if scaled else ''}t, one, minus; "
             f"prmt.b32 t, $1, $2, {0x5410 if j < 4 else 0x7632:#x}; {shift}"
             f"lop3.b32 t, t, 0x000F000F, {magic << 16 | magic:#x}, 0xEA; "
-            f"mov.b32 one, {one:#x}; mov.b32 minus, {minus:#x}; fma.rn.{kind} $0, t, one, minus; }}")
-
-
-def _ptx_scaled_codes(operand: str, j: int) -> str:
-    """`_ptx_codes` times the rows' group scale (`operand_scale`): the two codes' pair, minus 8, is
-    multiplied by the scale in the same 16-bit float ($3: the two words' scales, one 16-bit pair, as
-    both words lie in one row), so that the matrix instruction accumulates every group into one tile."""
-    kind = PAIR[operand][0]
-    body = _ptx_codes(operand, j).removesuffix(" }").replace("fma.rn." + kind + " $0,", "fma.rn." + kind + " t,")
-    scaled = ("mul.rn.f16x2 $0, t, $3;" if operand == "fp16"  # bf16x2 has no mul before sm_90: an FMA adding -0
-              else "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z;")
-    return body.replace(".reg .b32 t,", ".reg .b32 z, t,") + " " + scaled + " }"
+            f"mov.b32 one, {one:#x}; mov.b32 minus, {minus:#x}; fma.rn.{kind} {'t' if scaled else '$0'}, t, one, minus;"
+            f"{scale} }}")
 
 
 # fp16 pairs: 1.0, -(1024 + 8), 1/16 and -(64 + 8). A code under 0x6400 reads 1024 + code (or, four bits
@@ -421,7 +418,7 @@ def _mma_int4(em: Emitter, con: Contract, lets: dict, affine: tuple, per_segment
             body.line(f"sc{b} = tl.broadcast_to(({em.emit(scale, sc_scope)}).to({dtypes.TL[operand]}), [BLOCK_N, {RUN}])")
         for jj in range(j, j + per_dot):
             if oscale:
-                body.line(f"c{jj} = tl.inline_asm_elementwise(\"{_ptx_scaled_codes(operand, jj)}\", \"=r,r,r,r\", "
+                body.line(f"c{jj} = tl.inline_asm_elementwise(\"{_ptx_codes(operand, jj, scaled=True)}\", \"=r,r,r,r\", "
                           f"[words{b}, sc{b}], dtype={dtypes.TL[operand]}, is_pure=True, pack=2)")
             elif s.get("ptx_unpack"):
                 body.line(f"c{jj} = tl.inline_asm_elementwise(\"{_ptx_codes(operand, jj)}\", \"=r,r,r\", [words{b}], "
