@@ -4,7 +4,8 @@ For each call the dispatcher binds the op's dims from the tensors (row dims such
 then picks a schedule: the database's best for exactly this workload; else the best of the nearest
 tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
 largest below, and among those the nearest in the other row dims, such as a decode's context
-length; failing that, the same in the other 16-bit float dtype); else the analytic default.
+length; failing that, the same in the other 16-bit float dtype, then the workload's plain form: a
+fused norm's base GEMM, epilogues left out, which streams the same weights); else the analytic default.
 Kernels are compiled once per (workload, schedule) and come from the on-disk artifact cache after
 that, so a warm start compiles nothing. Every decision is kept
 (and logged at DEBUG) for `flashgen explain`.
@@ -40,12 +41,14 @@ class Decision:
     workload: Workload
     target: str
     schedule: Schedule
-    source: str  # "exact", "bucket M=...", "bucket M=..., tuned in fp16", "default"
+    source: str  # "exact", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "default"
 
     @property
     def kind(self) -> str:
-        """exact, bucket, other-dtype bucket or default."""
-        return "other-dtype bucket" if "tuned in" in self.source else self.source.split(" ")[0]
+        """exact, bucket, other-dtype bucket, plain-form bucket or default."""
+        if "tuned in" in self.source:
+            return "other-dtype bucket"
+        return "plain-form bucket" if "tuned as" in self.source else self.source.split(" ")[0]
 
 
 def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mapping[str, int]) -> dict[str, int]:
@@ -128,15 +131,24 @@ class Dispatcher:
     def _bucket(self, db: Database, wl: Workload, target: Target, space: ScheduleSpace) -> Decision | None:
         """The nearest tuned workload differing only in row dims: M rounded up, else the largest below.
         Failing that, the same in the other 16-bit float dtype (fp16 and bf16 kernels of one schedule
-        run alike: a schedule tuned in one serves the other)."""
+        run alike: a schedule tuned in one serves the other), then in the workload's plain form
+        (`Op.plain_form`: the same weights streamed, without the fused norm or epilogue)."""
         row = wl.op.row_dims[0]
         fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
-        best = [rec for rec in db.best_all(target.id) if rec.workload.get("op") == wl.op_name and
-                all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
+        plain_op, plain_attrs = wl.op.plain_form(wl.attr)
+        forms = [(wl.op_name, wl.attr, "")]
         other = _other_half(wl.attr)
-        for attrs, note in [(wl.attr, "")] + ([(other, f", tuned in {other['dtype']}")] if other else []):
+        if other:
+            forms.append((wl.op_name, other, f", tuned in {other['dtype']}"))
+        if (plain_op, plain_attrs) != (wl.op_name, wl.attr):
+            changed = " ".join(f"{a}={v}" for a, v in sorted(plain_attrs.items()) if wl.attr.get(a) != v)
+            forms.append((plain_op, plain_attrs, f", tuned as {plain_op}" + (f" {changed}" if changed else "")))
+        ops = {f[0] for f in forms}
+        best = [rec for rec in db.best_all(target.id) if rec.workload.get("op") in ops and
+                all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
+        for op_name, attrs, note in forms:
             tuned = [(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
-                     if rec.workload.get("attrs") == attrs]
+                     if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs]
             if tuned:
                 m = wl.dim[row]
                 above = [t for t in tuned if t[0] >= m]

@@ -7,6 +7,12 @@ tuning database's measurements of both on this layer's shape (small M is bandwid
 4-bit weights, large M compute-bound and favours int8 tensor cores), falling back to a crossover of
 M = 64 where nothing is measured. On a GPU each mode runs its generated GEMM; on the CPU the weight is
 dequantized and torch multiplies (reported as a fallback).
+
+A linear may take the RMSNorm that feeds it (`norm`) and the residual it adds (`residual`, the GEMM's
+epilogue). Up to FUSED_NORM_MAX_ROWS rows the norm runs inside the GEMM (the `rmsnorm_` ops: each
+program normalizes its few rows itself, and a decode step launches no norm kernel); above that, and
+on the CPU, a norm kernel runs first, as the GEMM's programs would each read many rows again. w8a8
+normalizes and quantizes its activations in one kernel (rmsnorm_quant).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from flashgen.workload import recorded_workload
 
 MODES = ("bf16", "w8a16", "w4a16", "w8a8", "mixed")
 DEFAULT_CROSSOVER_M = 64
+FUSED_NORM_MAX_ROWS = 16  # a decode batch: the rows a GEMM's programs each normalize again cost little
 
 
 @dataclass
@@ -84,21 +91,36 @@ def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
 
 
 def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None, fallbacks: set[str],
-          chooser=None) -> torch.Tensor:
-    if x.device.type != "cuda":
+          chooser=None, norm: torch.Tensor | None = None, eps: float = 1e-6,
+          residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = linear(rmsnorm(x) * norm if norm is given, else x) + bias + residual, in `mode`."""
+    n, k = q.shape
+    if mode == "mixed" and x.device.type == "cuda":
+        mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
+    gpu = x.device.type == "cuda"
+    fused = norm is not None and gpu and x.shape[0] <= FUSED_NORM_MAX_ROWS and mode != "w8a8"
+    if norm is not None and not fused and (mode != "w8a8" or not gpu):
+        x, norm = torch.ops.flashgen.rmsnorm(x, norm, eps), None
+    if not gpu:
         if mode != "bf16":
             fallbacks.add(f"{mode} linear (torch on the dequantized weight on cpu)")
-        return F.linear(x, q.weight, bias)
-    n, k = q.shape
-    if mode == "mixed":
-        mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
+        y = F.linear(x, q.weight, bias)
+        return y if residual is None else y + residual
     epi = {"with_bias": "yes", "bias": bias} if bias is not None else {}
+    if residual is not None:
+        epi.update(with_residual="yes", residual=residual)
+    pre, normed = ("rmsnorm_", {"norm_w": norm, "eps": eps}) if fused else ("", {})
+    ops = torch.ops.flashgen
     if mode == "bf16":
-        return torch.ops.flashgen.gemm(x, q.weight, **epi)
+        return getattr(ops, pre + "gemm")(x, w=q.weight, **normed, **epi)
     if mode == "w8a16":
-        return torch.ops.flashgen.gemm_w8a16(x, q.w8, q.w8_scale, **epi)
+        return getattr(ops, pre + "gemm_w8a16")(x, w=q.w8, w_scale=q.w8_scale, **normed, **epi)
     if mode == "w4a16":
-        return torch.ops.flashgen.gemm_w4a16(x, q.w4, q.w4_scales, group="group" if q.group != k else "channel",
-                                             dims=[x.shape[0], n, k, q.group], **epi)
-    xq, xs = torch.ops.flashgen.dynamic_quant(x, out_dtype="int8")
-    return torch.ops.flashgen.gemm_w8a8(xq, xs, q.w8, q.w8_scale, dtype=dtypes.of_torch(x.dtype), **epi)
+        return getattr(ops, pre + "gemm_w4a16")(x, w_packed=q.w4, scales=q.w4_scales, **normed,
+                                                 group="group" if q.group != k else "channel",
+                                                 dims=[x.shape[0], n, k, q.group], **epi)
+    if norm is not None:
+        xq, xs = ops.rmsnorm_quant(x, norm, eps, out_dtype="int8")
+    else:
+        xq, xs = ops.dynamic_quant(x, out_dtype="int8")
+    return ops.gemm_w8a8(xq, xs, q.w8, q.w8_scale, dtype=dtypes.of_torch(x.dtype), **epi)

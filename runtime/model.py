@@ -4,7 +4,8 @@ KV cache, computing with flashgen's generated kernels.
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
 decode token), packed along one token axis. Norms, the residual add, SiLU·mul and RoPE (with the
 new tokens' keys and values written into the cache in the same launch) run as
-`torch.ops.flashgen` ops on every device; linears and attention run as generated GEMM and attention
+`torch.ops.flashgen` ops on every device (on a GPU at decode sizes, the norms inside the linears they
+feed, and the residual adds in the epilogues of the linears before); linears and attention run as generated GEMM and attention
 kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one used). Linears may
 be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
 """
@@ -67,11 +68,13 @@ class Decoder:
         self.cos_sin = cos_sin_cache(config.max_position_embeddings, config.head_dim, config.rope_theta).to(self.device)
 
     # ---- building blocks ------------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A layer's linear in the decoder's quantization mode (see runtime/linear.py)."""
+    def linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None,
+               norm: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's linear in the decoder's quantization mode, with the RMSNorm that feeds it and the
+        residual it adds (see runtime/linear.py)."""
         if self.device.type != "cuda":
             self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
-        return apply(x, w, self.quant, bias, self.fallbacks, self._choose)
+        return apply(x, w, self.quant, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, residual)
 
     def _choose(self, n: int, k: int, m: int) -> str:
         target = dispatcher().target_for(self.device)
@@ -146,14 +149,9 @@ class Decoder:
         c = self.c
         if self.uses_tables and batch.tables is None:
             batch = self.with_tables(batch, cache)
-        x = self.embed[batch.tokens]
-        residual = None
+        x = self.embed[batch.tokens]  # the residual stream: each linear into it adds it in its epilogue
         for i, L in enumerate(self.layers):
-            if residual is None:
-                h, residual = torch.ops.flashgen.rmsnorm(x, L["in_norm"], c.rms_norm_eps), x
-            else:
-                h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["in_norm"], c.rms_norm_eps)
-            qkv = self.linear(h, L["qkv"], L.get("qkv_bias"))
+            qkv = self.linear(x, L["qkv"], L.get("qkv_bias"), norm=L["in_norm"])
             nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             q = qkv[:, :nq].reshape(-1, c.num_heads, c.head_dim)
             k = qkv[:, nq:nq + nk].reshape(-1, c.num_kv_heads, c.head_dim)
@@ -162,10 +160,10 @@ class Decoder:
             q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin, v,
                                                  batch.slots, *cache.slot_views(i))
             a = self.attention(q, k, v, cache, i, batch).reshape(-1, nq)
-            x = self.linear(a, L["o"])
-            h, residual = torch.ops.flashgen.add_rmsnorm(x, residual, L["post_norm"], c.rms_norm_eps)
-            x = self.linear(torch.ops.flashgen.silu_mul(self.linear(h, L["gate_up"])), L["down"])
-        h, _ = torch.ops.flashgen.add_rmsnorm(x, residual, self.final_norm, c.rms_norm_eps)
+            x = self.linear(a, L["o"], residual=x)
+            x = self.linear(torch.ops.flashgen.silu_mul(self.linear(x, L["gate_up"], norm=L["post_norm"])), L["down"],
+                            residual=x)
+        h = torch.ops.flashgen.rmsnorm(x, self.final_norm, c.rms_norm_eps)
         if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
             h = h[ends]

@@ -423,3 +423,52 @@ def test_quantized_linear_on_gpu(mode):
     out = apply(x.to(DEVICE), dev, mode, None, set(), chooser=lambda n, k, m: "w8a8").float().cpu()
     ref = torch.nn.functional.linear(x.float(), cpu.weight.float())
     assert torch.allclose(out, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item()), (out - ref).abs().max()
+
+
+NORM_CASES = [(flashgen.workload(op, M=m, N=330, K=1152, dtype="bf16", **kw), s) for op, kw, m, s in (
+    ("rmsnorm_gemm", {}, 1, {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "early_load": 1}),
+    ("rmsnorm_gemm", {"with_residual": "yes"}, 3, {"block_m": 2, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 1}),
+    ("rmsnorm_gemm", {}, 17, {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "split_k": 2}),
+    ("rmsnorm_gemm_w4a16", {"G": 128}, 1, {"block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 1,
+                                          "ptx_unpack": 2, "early_load": 1}),
+    ("rmsnorm_gemm_w4a16", {"G": 128, "zp": "asym"}, 3, {"block_m": 4, "block_n": 16, "block_k": 512, "num_warps": 2,
+                                                        "num_stages": 3, "ptx_unpack": 1}),
+    ("rmsnorm_gemm_w4a16", {"G": 128}, 16, {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3,
+                                           "ptx_unpack": 1}),
+    ("rmsnorm_gemm_w8a16", {"with_bias": "yes"}, 5, {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4,
+                                                    "num_stages": 3}))]
+
+
+@pytest.mark.parametrize("wl, s", NORM_CASES, ids=lambda v: case_id(v) if hasattr(v, "op") else str(len(v)))
+def test_fused_rmsnorm_gemm_on_gpu(wl, s):
+    """A GEMM with the RMSNorm of its input fused (a row pass before the k loop): GEMV tiles of 1-4
+    rows (fp32, fp16 pairs and quads of int4 codes, early weight loads, one stage), matrix tiles,
+    the transposed int4 tile and split K; K=1152 and N=330 leave partial k and column tiles."""
+    s = {"group_m": 1, **s}
+    assert ScheduleSpace(wl, TARGET).is_valid(s), ScheduleSpace(wl, TARGET).why_invalid(s)
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    for c in check(wl, _run(kernel), 31, DEVICE):
+        assert c.ok, (c, s)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w8a8"])
+def test_decoder_fused_norms_match_separate_ones(mode, monkeypatch):
+    """The decoder's decode steps with each norm fused into the linear it feeds against the same
+    model with separate norm kernels (runtime/linear.py's row limit set to 0): logits within bf16
+    rounding."""
+    import flashgen.runtime.linear as linear
+    from flashgen.runtime.bench import CONFIGS, random_weights
+    from flashgen.runtime.engine import Engine
+    from flashgen.runtime.model import Batch, Decoder
+    c = CONFIGS["tiny"]
+    model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16, quant=mode)
+    eng = Engine(model, num_blocks=64)
+    m, seqs, positions = eng.cache.manager, [0, 1, 2], [39, 11, 25]
+    slots = [m.reserve(i, p + 1)[p // m.block_size] * m.block_size + p % m.block_size for i, p in zip(seqs, positions)]
+    batch = Batch(torch.tensor([5, 7, 9], device=DEVICE), torch.tensor(positions, device=DEVICE),
+                  torch.tensor(slots, device=DEVICE), seqs, [1, 1, 1], [p + 1 for p in positions])
+    fused = model.forward(batch, eng.cache).float()
+    monkeypatch.setattr(linear, "FUSED_NORM_MAX_ROWS", 0)
+    separate = model.forward(batch, eng.cache).float()
+    err = ((fused - separate).abs().max() / separate.abs().max()).item()
+    assert err < 2e-2, err

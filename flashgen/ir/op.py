@@ -3,7 +3,10 @@
 A kernel of the `rowwise` or `pointwise` class walks a domain of rows x cols. Each row is independent;
 `rowwise` ops may reduce along the columns of a row (Reduce statements, giving one value per row), and
 `pointwise` ops may not. Statements run in order: Let names a value, Reduce names a per-row reduction,
-Store writes an output element. Backends lower this one description to Triton and TVM.
+Store writes an output element. In a `contraction` body, the statements before the Contract are a row
+pass: Reduces along k and Lets of them, evaluated once per row before the k loop, which the
+prologues may refer to (a fused RMSNorm's inverse root). Backends lower this one description to
+Triton and TVM.
 """
 from __future__ import annotations
 
@@ -108,6 +111,15 @@ class Op:
     attrs: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: {"dtype": ("bf16", "fp16", "fp32")})
     params: Mapping[str, float] = field(default_factory=dict)
     check_dims: Callable[[Mapping[str, int], Attrs], str | None] = lambda dims, attrs: None
+    # Where a workload has no tuning records, those of its plain form serve its dispatch: the same
+    # dims and weights, this op's `plain` op (a fused variant's base; "" for itself) with the attrs of
+    # fused work (`fused_attrs`, such as epilogues) at their first values.
+    plain: str = ""
+    fused_attrs: tuple[str, ...] = ()
+
+    def plain_form(self, attrs: Attrs) -> tuple[str, dict[str, str]]:
+        """The op name and attrs whose records serve a workload of these attrs that has none."""
+        return self.plain or self.name, {**attrs, **{a: self.attrs[a][0] for a in self.fused_attrs}}
 
     def body(self, attrs: Attrs) -> tuple[Stmt, ...]:
         stmts = self.build(attrs)

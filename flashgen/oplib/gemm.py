@@ -2,16 +2,19 @@
 
 Weights are in nn.Linear layout [N, K]. Prologues unpack and dequantize; epilogues apply per-token and
 per-channel scales. Per-channel weight scales multiply the accumulator once (exact, and K times fewer
-multiplies); group scales must apply inside the k loop.
+multiplies); group scales must apply inside the k loop. The `rmsnorm_` variants of the ops with
+16-bit activations normalize x on the way in (Llama's RMSNorm, fused into the linear it feeds).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
-from flashgen.ir.expr import Const, Dim, Index, Load, Ref, clamp, erf, rint, sigmoid
-from flashgen.ir.op import DTYPE, Contract, Op, Store, TensorSpec
+from flashgen.ir.expr import Const, Dim, Index, Load, Param, Ref, clamp, erf, rint, rsqrt, sigmoid
+from flashgen.ir.op import DTYPE, Contract, Let, Op, Reduce, Store, TensorSpec
 from flashgen.oplib._common import M, N, c, f64, r, randn
 from flashgen.ir.prologue import int4_code
 from flashgen.quant import pack_int4, packed_words, quantize_rtn, unpack_int4
@@ -84,7 +87,7 @@ def _contraction_op(name: str, doc: str, dims: tuple, inputs: tuple, attrs: dict
     return Op(name=name, kclass="contraction", doc=doc, dims=dims, row_dims=("M",),
               inputs=inputs + EPILOGUE_INPUTS, outputs=OUTPUTS, domain=(M, N), attrs={**attrs, **EPILOGUE},
               build=build, reference=lambda t, p, d, a: _epilogue_ref(base_ref(t, p, d, a), t, a),
-              make_inputs=_with_epilogue(make, base_ref), check_dims=check)
+              make_inputs=_with_epilogue(make, base_ref), check_dims=check, fused_attrs=tuple(EPILOGUE))
 
 
 def _xw_inputs(d, a, g, w_dtype: str | None = None) -> dict:
@@ -191,4 +194,46 @@ W8A8 = _scaled("gemm_w8a8", "int8", "int32",
 FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
               "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90)")
 
-OPS = (GEMM, W8A16, W4A16, W8A8, FP8)
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * ((x * x).mean(-1, keepdim=True) + eps).rsqrt() * w
+
+
+def rmsnorm_fused(base: Op) -> Op:
+    """`rmsnorm_<op>`: y = op(rmsnorm(x) * norm_w), for a linear that a norm feeds. Before its k loop
+    each program sums the squares of its rows of x (a few kilobytes, read from the L2 by every
+    program that shares them); the prologue then scales x by the rows' inverse root and the norm's
+    weight. A decode step so needs no norm kernel, and no launch, between the residual stream and
+    the linear; the residual add moves into the epilogue of the linear before (`with_residual`)."""
+    x = Load("x", (r, k))
+
+    def build(a) -> tuple:
+        stmts = base.body(a)
+        [con] = [st for st in stmts if isinstance(st, Contract)]
+        assert con.a == x, f"{base.name}: only a plain x prologue can take a norm"
+        normed = replace(con, a=x * Ref("inv") * Load("norm_w", (k,)))
+        return (Reduce("ss", "sum", x * x), Let("inv", rsqrt(Ref("ss") / K + Param("eps"))),
+                *(normed if st is con else st for st in stmts))
+
+    def normed_inputs(t: dict, p) -> dict:
+        return {**t, "x": _rms_ref(f64(t["x"]), f64(t["norm_w"]), p.get("eps", 1e-6))}
+
+    def reference(t, p, d, a) -> dict:
+        return base.reference(normed_inputs(t, p), p, d, a)
+
+    def make_inputs(d, a, g) -> dict:
+        t = base.make_inputs(d, a, g)
+        t["norm_w"] = randn((d["K"],), a["dtype"], g, 1.0, 0.2)
+        if a["out"] == "int8":  # the output scale fits the normalized product
+            plain = reference(t, {"eps": 1e-6}, d, {**a, "out": "none"})["y"]
+            t["out_scale"] = (plain.abs().amax().clamp_min(1e-6) / 127.0).float().reshape(1)
+        return t
+
+    inputs = (base.inputs[0], TensorSpec("norm_w", (K,), DTYPE), *base.inputs[1:])  # required before optional
+    return replace(base, name=f"rmsnorm_{base.name}", doc=f"{base.doc}, x RMS-normalized on the way in (rmsnorm(x) * norm_w)",
+                   inputs=inputs, build=build, reference=reference, make_inputs=make_inputs,
+                   params={"eps": 1e-6}, plain=base.name)
+
+
+OPS = (GEMM, W8A16, W4A16, W8A8, FP8) + tuple(rmsnorm_fused(op) for op in (GEMM, W8A16, W4A16))

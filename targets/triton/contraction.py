@@ -17,7 +17,7 @@ import math
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
-from flashgen.ir.op import Contract, Let, Store, eval_int
+from flashgen.ir.op import Contract, Let, Reduce, Stmt, Store, eval_int
 from flashgen.schedules.contraction_space import MMA_MIN_ROWS, int4_affine, operand_dtype, tma_operands
 from flashgen.schedules.space import Schedule
 from flashgen.ir import prologue
@@ -116,6 +116,48 @@ def _ptx_quad_dot() -> str:
     return "{ " + " ".join(lines) + " }"
 
 
+ROW_PASS_ELEMENTS = 4096  # x elements a row pass loads per step: [rows, k] tiles of at most this many
+
+
+def _row_pass(em: Emitter, con: Contract, pre: tuple[Stmt, ...], scope: Scope, rows: str, k_axis: int | None,
+              step: int, suffix: str = "") -> None:
+    """The row pass (the statements before the Contract: sums along k and values of them) over all of
+    K, after the wait for the previous kernel and before the k loop, `step` k at a time. `rows` is the
+    row index: a scalar (`k_axis` None, a GEMV tile's row), [block_m, 1] (`k_axis` 1) or [1, block_m]
+    (`k_axis` 0, the transposed int4 matrix tile). Each value is named `name + suffix`, and em.named
+    maps the statement's name to it (a GEMV tile rebinds the names per row, `_bind_row`)."""
+    k_extent = em.emit(con.extent, scope)
+    scope.line(f"rmask_p{suffix} = {rows} < {em.emit(em.op.domain[0], scope)}")
+    for st in pre:
+        name = f"{st.name}{suffix}"
+        if isinstance(st, Let):
+            scope.line(f"{name} = {em.emit(st.value, scope.child(fresh=True))}")
+        else:
+            assert isinstance(st, Reduce) and st.kind == "sum", st
+            shape = "[]" if k_axis is None else "[BLOCK_M, 1]" if k_axis == 1 else "[1, BLOCK_M]"
+            scope.line(f"{name} = tl.zeros({shape}, dtype=tl.float32)")
+            scope.line(f"for kp0 in range(0, {k_extent}, {step}):")
+            inner = scope.child(scope.indent + "    ", {"r": (rows, f"rmask_p{suffix}"), "k": ("kp", "kpmask")}, fresh=True)
+            inner.line(f"kp = kp0 + tl.arange(0, {step}){ {None: '', 0: '[:, None]', 1: '[None, :]'}[k_axis]}")
+            inner.line(f"kpmask = kp < {k_extent}")
+            v = em.emit(st.value, inner)
+            total = {None: "tl.sum(v_p)", 0: "tl.sum(v_p, axis=0)[None, :]", 1: "tl.sum(v_p, axis=1)[:, None]"}[k_axis]
+            inner.line(f"v_p = tl.where(kpmask, {v}, 0.0)")
+            inner.line(f"{name} += {total}")
+        em.named[st.name] = name
+
+
+def row_pass_step(k: int, rows: int) -> int:
+    """k per step of a row pass over `rows` rows: [rows, step] tiles of at most ROW_PASS_ELEMENTS."""
+    return min(max(16, ROW_PASS_ELEMENTS // rows), 1 << max(0, (k - 1).bit_length()))
+
+
+def _bind_row(em: Emitter, i: int) -> None:
+    """Point the row pass's names at GEMV row i's values."""
+    for st in em.row_pass:
+        em.named[st.name] = f"{st.name}_r{i}"
+
+
 def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
     while isinstance(e, E.Ref) and e.name in lets:
         e = lets[e.name]
@@ -205,6 +247,7 @@ def _x_halves(em: Emitter, con: Contract, scope: Scope, row: int, kmask: bool, o
     """Row `row`'s x at the eight code positions as 16-bit patterns `xh0..xh7` in int32 lanes (bf16
     x scaled by 2^-8 into fp16); returns the x expressions, which a zero point sums."""
     scope.line(f"rmask{row} = r{row} < {em.emit(em.op.domain[0], scope)}")
+    _bind_row(em, row)
     xs = []
     for j in range(8):
         axes = {"r": (f"r{row}", f"rmask{row}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
@@ -282,7 +325,8 @@ def _int4_quad_terms(em: Emitter, con: Contract, affine: tuple, words: str, scop
 
 
 def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: dict, affine: tuple | None,
-          per_segment: int, top: Scope, b_scope: Scope, s: Schedule, kmask: bool, acc: str, operand: str) -> None:
+          per_segment: int, top: Scope, b_scope: Scope, s: Schedule, kmask: bool, acc: str, operand: str,
+          row_step: int) -> None:
     """The k loop of a tile of fewer rows than a matrix instruction takes, on the ALUs (`top` is the
     scope around the loop, `b_scope` its body): the weight tile is multiplied, in the layout it was
     loaded in, by a column of x per row, into a tile of partial sums per row that is summed over k only
@@ -291,7 +335,7 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     `ptx_unpack`). With `early_load`, the
     first k step's weights (which no kernel writes) are loaded before the wait for the previous kernel
     (`grid_dependency`), so that a GEMV's first DRAM round trip overlaps the kernel before it; only
-    x and what follows wait."""
+    x and what follows wait. A row pass (`_row_pass`) runs per row after the wait."""
     rows = em.emit(em.op.domain[0], top)
     acc_t = ACC[con.acc]
     block_m = s["block_m"]
@@ -304,12 +348,20 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
         # register, it lets one LOP3 do both the AND and the OR of each code.
         top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
 
+    def row_passes(scope: Scope) -> None:
+        for i in range(block_m):
+            _row_pass(em, con, em.row_pass, scope, f"r{i}", None, row_step, f"_r{i}")
+
+    if not s.get("early_load"):
+        row_passes(top)
+
     def k_step(scope: Scope, before_x: bool = False) -> None:
         """One k step at k0: the weight terms, then (after the wait when `before_x`) x and the products."""
         if affine and s.get("ptx_unpack"):
             words = _load_words(em, scope, affine[0], kmask)
             if before_x:
                 grid_dependency(scope)
+                row_passes(scope)
             terms = _int4_quad_terms if s["ptx_unpack"] == 2 else _int4_pair_terms
             terms(em, con, affine, words, scope, block_m, kmask, operand)
             return
@@ -321,8 +373,10 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
             segments = [(None, [("kb", "kmask_b" if kmask else None, w, 1.0)])]
         if before_x:
             grid_dependency(scope)
+            row_passes(scope)
         for i in range(block_m):
             scope.line(f"rmask{i} = r{i} < {rows}")
+            _bind_row(em, i)
             sums = []
             for scale, terms in segments:
                 products = []
@@ -537,6 +591,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     [con] = [st for st in body if isinstance(st, Contract)]
     m_extent, n_extent = op.domain
     em = Emitter(op, attrs, lets)
+    em.row_pass = body[:body.index(con)]
     name = f"{op.name}_kernel"
     split_k = s.get("split_k", 1)
     consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"],
@@ -591,8 +646,16 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     affine = int4_affine(wl) if s["block_k"] % INT4_PERIOD == 0 else None
     per_segment = segment_runs(affine, wl.dim, s["block_k"]) if affine else 0
     operand = operand_dtype(wl)
-    if s["block_m"] < MMA_MIN_ROWS:
-        _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc, operand)
+    gemv = s["block_m"] < MMA_MIN_ROWS
+    row_step = row_pass_step(k_val, 1 if gemv else s["block_m"])
+    if em.row_pass and not gemv:
+        if affine and operand in INT4_MAGIC:  # the transposed int4 tile reads x^T: rows along dim 1
+            top.line("r_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
+            _row_pass(em, con, em.row_pass, top, "r_p", 0, row_step)
+        else:
+            _row_pass(em, con, em.row_pass, top, "r", 1, row_step)
+    if gemv:
+        _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc, operand, row_step)
     elif affine and operand in INT4_MAGIC:
         _mma_int4(em, con, lets, affine, per_segment, top, b_scope, s, kmask, acc, operand)
     elif s.get("tma"):

@@ -90,6 +90,7 @@ class Emitter:
     def __init__(self, op: Op, attrs: Mapping[str, str], lets: Mapping[str, E.Expr]):
         self.op, self.attrs, self.lets = op, attrs, lets
         self.named: dict[str, str] = {}  # values computed outside expressions (reductions, accumulators)
+        self.row_pass: tuple = ()  # a contraction's statements before its Contract (evaluated per row)
         self.ntemp = 0
 
     def temp(self, scope: Scope, code: str) -> str:
