@@ -297,7 +297,11 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     for key in ("block_m", "block_n", "block_k"):
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]
     while why_invalid(wl, target, s):
-        if s["num_stages"] > max(kn["num_stages"][0], min_stages(target, s)):
+        threads = s["num_warps"] * target.warp_size
+        if (s["block_m"] < MMA_MIN_ROWS and s["num_warps"] > 2
+                and s["block_m"] * s["block_n"] * s["block_k"] < threads * MIN_PRODUCTS_PER_THREAD):
+            s["num_warps"] //= 2  # a GEMV tile of a short K: fewer threads, not shallower steps
+        elif s["num_stages"] > max(kn["num_stages"][0], min_stages(target, s)):
             s["num_stages"] -= 1
         elif s["block_k"] > max(kn["block_k"][0], min_block_k(wl)):
             s["block_k"] //= 2

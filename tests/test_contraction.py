@@ -290,12 +290,18 @@ def test_aot_uses_matrix_instructions(op, kw, target):
 
 
 def test_contraction_defaults_valid():
+    """Every op's default is in its space, for the Llama shapes and for a tiny model's (K=128, whose
+    one-row GEMV tile needs fewer warps, not a shallower k step)."""
     for t in ("h200", "a100", "mi300x", "mi250"):
         for m in (1, 16, 33, 256, 4096):
-            for op, kw in CASES + [("gemm_fp8", {})]:
-                wl = flashgen.workload(op, M=m, N=6144, K=4096, **({**kw, "G": 4096} if kw.get("group") == "channel" else kw))
-                space = ScheduleSpace(wl, get_target(t))
-                assert space.why_invalid(space.default()) is None
+            for op, kw in CASES + [("gemm_fp8", {}), ("rmsnorm_gemm", {}), ("rmsnorm_gemm_w4a16", dict(G=128))]:
+                for n, k in ((6144, 4096), (256, 128)):
+                    group = {"G": k} if kw.get("group") == "channel" else {"G": min(kw["G"], k)} if "G" in kw else {}
+                    wl = flashgen.workload(op, M=m, N=n, K=k, **{**kw, **group})
+                    space = ScheduleSpace(wl, get_target(t))
+                    assert space.why_invalid(space.default()) is None, (wl, t)
+    tiny = ScheduleSpace(flashgen.workload("gemm", M=1, N=256, K=128, dtype="bf16"), get_target("h200")).default()
+    assert (tiny["block_k"], tiny["num_warps"], tiny["num_stages"]) == (128, 2, 3), tiny
 
 
 def test_shared_memory_rule_counts_what_prologues_load():

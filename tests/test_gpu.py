@@ -436,14 +436,18 @@ NORM_CASES = [(flashgen.workload(op, M=m, N=330, K=1152, dtype="bf16", **kw), s)
     ("rmsnorm_gemm_w4a16", {"G": 128}, 16, {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3,
                                            "ptx_unpack": 1}),
     ("rmsnorm_gemm_w8a16", {"with_bias": "yes"}, 5, {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4,
-                                                    "num_stages": 3}))]
+                                                    "num_stages": 3}),
+    ("rmsnorm_gemm", {}, 2, {"block_m": 2, "block_n": 16, "block_k": 256, "num_warps": 2, "num_stages": 3, "split_k": 2}))] + [
+    (flashgen.workload("rmsnorm_gemm_w4a16", M=1, N=330, K=1152, G=128, dtype="fp16"),
+     {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 2, "num_stages": 3, "ptx_unpack": 2})]
 
 
 @pytest.mark.parametrize("wl, s", NORM_CASES, ids=lambda v: case_id(v) if hasattr(v, "op") else str(len(v)))
 def test_fused_rmsnorm_gemm_on_gpu(wl, s):
-    """A GEMM with the RMSNorm of its input fused (a row pass before the k loop): GEMV tiles of 1-4
-    rows (fp32, fp16 pairs and quads of int4 codes, early weight loads, one stage), matrix tiles,
-    the transposed int4 tile and split K; K=1152 and N=330 leave partial k and column tiles."""
+    """A GEMM with the RMSNorm of its input fused: unsplit GEMV tiles of 1-4 rows sum the squares in
+    their k loop and scale each row's sum after it (fp32, fp16 pairs and quads of int4 codes, bf16
+    and fp16 x, early weight loads, one stage); matrix tiles, the transposed int4 tile and split
+    GEMV tiles run a row pass before the k loop. K=1152 and N=330 leave partial k and column tiles."""
     s = {"group_m": 1, **s}
     assert ScheduleSpace(wl, TARGET).is_valid(s), ScheduleSpace(wl, TARGET).why_invalid(s)
     kernel = flashgen.compile(wl, TARGET, schedule=s)

@@ -14,6 +14,7 @@ stores) runs on the accumulator tile.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
@@ -158,6 +159,40 @@ def _bind_row(em: Emitter, i: int) -> None:
         em.named[st.name] = f"{st.name}_r{i}"
 
 
+def row_factors(a: E.Expr, names: set[str]) -> tuple[E.Expr, tuple[E.Ref, ...]]:
+    """The A prologue without its row-constant factors (Refs to row-pass values in its product tree),
+    and those factors: a GEMV tile multiplies each row's sum by them once, after the k loop."""
+    if isinstance(a, E.Ref) and a.name in names:
+        return E.Const(1.0), (a,)
+    if isinstance(a, E.Binary) and a.op == "mul":
+        (ra, fa), (rb, fb) = row_factors(a.a, names), row_factors(a.b, names)
+        rest = rb if ra == E.Const(1.0) else ra if rb == E.Const(1.0) else E.Binary("mul", ra, rb)
+        return rest, fa + fb
+    return a, ()
+
+
+def _sum_in_loop(em: Emitter, scope: Scope, i: int) -> None:
+    """A GEMV k step's part of row i's row-pass sums, at the k positions of `scope` (where the step's
+    x loads are, which the sums share): accumulated per k position, summed after the loop."""
+    mask = scope.axes["k"][1]
+    for st in em.row_pass:
+        if isinstance(st, Reduce):
+            v = em.emit(st.value, scope)
+            scope.line(f"{st.name}_p{i} += " + (f"tl.where({mask}, {v}, 0.0)" if mask else v))
+
+
+def prologue_refs(e: E.Expr, pre: tuple[Stmt, ...]) -> bool:
+    """Whether an expression still refers to row-pass values."""
+    names = {st.name for st in pre}
+    return any(isinstance(n, E.Ref) and n.name in names for n in E.walk(e))
+
+
+def _x16_scaled(em: Emitter, operand: str) -> bool:
+    """Whether x enters the fp16 pairs scaled by 2^-X16_SHIFT: bf16 x (for fp16's range), and x whose
+    norm's inverse root was taken out of the prologue (not normalized: it may be large)."""
+    return operand == "bf16" or bool(em.row_factors)
+
+
 def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
     while isinstance(e, E.Ref) and e.name in lets:
         e = lets[e.name]
@@ -239,7 +274,7 @@ def _group_affine(em: Emitter, affine: tuple, scope: Scope, k: tuple, operand: s
     _, zero, scale = affine
     seg = scope.child(axes={"c": scope.axes["c"], "k": k}, fresh=True)
     offset = None if zero == E.Const(8) else em.emit(zero, seg)
-    factor = f" * {2.0 ** X16_SHIFT}" if operand == "bf16" else ""
+    factor = f" * {2.0 ** X16_SHIFT}" if _x16_scaled(em, operand) else ""
     return offset, factor, em.emit(scale, seg) if scale is not None else None
 
 
@@ -251,8 +286,11 @@ def _x_halves(em: Emitter, con: Contract, scope: Scope, row: int, kmask: bool, o
     xs = []
     for j in range(8):
         axes = {"r": (f"r{row}", f"rmask{row}"), "k": (f"ka{j}", f"kmask{j}" if kmask else None)}
-        x = em.emit(con.a, scope.child(axes=axes, fresh=True))
-        x16 = (f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if operand == "bf16"
+        x_scope = scope.child(axes=axes, fresh=True)
+        x = em.emit(con.a, x_scope)
+        if em.row_factors:
+            _sum_in_loop(em, x_scope, row)
+        x16 = (f"({x}.to(tl.float32) * {2.0 ** -X16_SHIFT}).to(tl.float16)" if _x16_scaled(em, operand)
                else f"{x}.to(tl.float16)")
         scope.line(f"xh{j} = {x16}.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF")
         xs.append(x)
@@ -348,8 +386,14 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
         # register, it lets one LOP3 do both the AND and the OR of each code.
         top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
 
+    in_loop = bool(em.row_factors)  # the row pass's sums accumulate in the k loop, over x it loads anyway
+    for i in range(block_m) if in_loop else ():
+        for st in em.row_pass:
+            if isinstance(st, Reduce):
+                top.line(f"{st.name}_p{i} = tl.zeros([BLOCK_K{' // 8' if affine else ''}, 1], dtype=tl.float32)")
+
     def row_passes(scope: Scope) -> None:
-        for i in range(block_m):
+        for i in range(block_m) if not in_loop else ():
             _row_pass(em, con, em.row_pass, scope, f"r{i}", None, row_step, f"_r{i}")
 
     if not s.get("early_load"):
@@ -381,7 +425,10 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
             for scale, terms in segments:
                 products = []
                 for k, kmask_k, w, factor in terms:
-                    x = em.emit(con.a, scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True))
+                    x_scope = scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True)
+                    x = em.emit(con.a, x_scope)
+                    if in_loop:
+                        _sum_in_loop(em, x_scope, i)
                     products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
                 sums.append(f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products))
             scope.line(f"part{i} += " + " + ".join(sums))
@@ -396,7 +443,17 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     k_step(b_scope)
     top.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
     for i in range(block_m):
-        top.line(f"{acc} = tl.where(row_ids == {i}, tl.sum(part{i}, axis=0)[None, :], {acc})")
+        scaled = ""
+        if in_loop:  # the row pass's values from the summed parts, then the factors taken out of x
+            for st in em.row_pass:
+                if isinstance(st, Reduce):
+                    top.line(f"{st.name}_r{i} = tl.sum({st.name}_p{i})")
+                    em.named[st.name] = f"{st.name}_r{i}"
+                else:
+                    top.line(f"{st.name}_r{i} = {em.emit(st.value, top.child(fresh=True))}")
+                    em.named[st.name] = f"{st.name}_r{i}"
+            scaled = "".join(f" * {em.emit(f, top.child(fresh=True))}" for f in em.row_factors)
+        top.line(f"{acc} = tl.where(row_ids == {i}, (tl.sum(part{i}, axis=0){scaled})[None, :], {acc})")
 
 
 def _operand_tile(em: Emitter, e: E.Expr, scope: Scope, lets: dict, operand: str) -> str:
@@ -589,6 +646,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     body = op.body(attrs)
     lets = {st.name: st.value for st in body if isinstance(st, Let)}
     [con] = [st for st in body if isinstance(st, Contract)]
+    epilogue = body[body.index(con) + 1:]
     m_extent, n_extent = op.domain
     em = Emitter(op, attrs, lets)
     em.row_pass = body[:body.index(con)]
@@ -648,6 +706,12 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     operand = operand_dtype(wl)
     gemv = s["block_m"] < MMA_MIN_ROWS
     row_step = row_pass_step(k_val, 1 if gemv else s["block_m"])
+    if em.row_pass and gemv and split_k == 1:
+        # An unsplit GEMV tile loads every x of its rows: the row pass's sums accumulate along with the
+        # products, and its values scale each row's sum at the end, so nothing waits before the k loop.
+        rest, factors = row_factors(con.a, {st.name for st in em.row_pass})
+        if factors and not prologue_refs(rest, em.row_pass):
+            con, em.row_factors = replace(con, a=rest), factors
     if em.row_pass and not gemv:
         if affine and operand in INT4_MAGIC:  # the transposed int4 tile reads x^T: rows along dim 1
             top.line("r_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
@@ -664,7 +728,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         _k_loop(em, con, lets, b_expr, unpacked, grouped, top, b_scope, kmask, acc, operand)
     em.named[con.name] = acc
     out = _merge_splits(top, acc, con.acc) if split_k > 1 else top
-    for st in body[body.index(con) + 1:]:
+    for st in epilogue:
         if isinstance(st, Store):
             em.store(st, out)
     return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], s["block_n"]), tile_cols=True, flat=True,

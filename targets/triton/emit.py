@@ -91,6 +91,7 @@ class Emitter:
         self.op, self.attrs, self.lets = op, attrs, lets
         self.named: dict[str, str] = {}  # values computed outside expressions (reductions, accumulators)
         self.row_pass: tuple = ()  # a contraction's statements before its Contract (evaluated per row)
+        self.row_factors: tuple = ()  # row-pass values a GEMV tile took out of the A prologue (see contraction.py)
         self.ntemp = 0
 
     def temp(self, scope: Scope, code: str) -> str:
