@@ -2,7 +2,7 @@
 against transformers' generate (eager, and static cache with torch.compile), and the bandwidth limit.
 
     python benchmarks/model.py [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
-                               [--no-cuda-graphs] [--peer-batch 1,64] [--fused-norm-rows 16,0]
+                               [--no-cuda-graphs] [--peer-batch 1,64] [--fused-rows 1,0]
 """
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="flashgen decode steps run eagerly")
     ap.add_argument("--peer-batch", default=None,
                     help="batches for the transformers peers (default: --batch; 'none': no peers)")
-    ap.add_argument("--fused-norm-rows", default=str(linear.FUSED_NORM_MAX_ROWS),
-                    help="comma-separated row limits for norms fused into the linears they feed, one run of each "
-                         "(0: separate norm kernels)")
+    ap.add_argument("--fused-rows", default=str(linear.FUSED_MAX_ROWS),
+                    help="comma-separated row limits for norms and SiLU·mul fused into the linears they feed "
+                         "(runtime/linear.py), one run of each (0: their own kernels)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="model", help="result files: <out-dir>/<name>.json and .md")
     args = ap.parse_args()
@@ -76,12 +76,12 @@ def main() -> None:
                       "call (its prefill). decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
                       "a record of the tuning database (exact, or a bucket) and how many the analytic default.")
 
-    for quant, fused_rows in ((q, int(f)) for q in args.quant.split(",") for f in args.fused_norm_rows.split(",")):
-        linear.FUSED_NORM_MAX_ROWS = fused_rows
+    for quant, fused_rows in ((q, int(f)) for q in args.quant.split(",") for f in args.fused_rows.split(",")):
+        linear.FUSED_MAX_ROWS = fused_rows
         for r in bench.run("llama3-8b", batches, args.prompt_len, args.new_tokens, quant, bw,
                            cuda_graphs=not args.no_cuda_graphs):
             name = ("flashgen " + quant + ("" if r["cuda_graphs"] else " eager")
-                    + ("" if fused_rows >= r["batch"] else " (separate norms)"))
+                    + ("" if fused_rows >= r["batch"] and quant in linear.FUSED_MODES else " (unfused)"))
             rows.append([name, r["batch"], r["ttft_s"], r["decode_tokens_per_s"], r["bandwidth_limit_tokens_per_s"],
                          r["of_limit"], describe_sources(r["decode_gemm_schedules"])])
             print(rows[-1], flush=True)

@@ -8,11 +8,15 @@ tuning database's measurements of both on this layer's shape (small M is bandwid
 M = 64 where nothing is measured. On a GPU each mode runs its generated GEMM; on the CPU the weight is
 dequantized and torch multiplies (reported as a fallback).
 
-A linear may take the RMSNorm that feeds it (`norm`) and the residual it adds (`residual`, the GEMM's
-epilogue). Up to FUSED_NORM_MAX_ROWS rows the norm runs inside the GEMM (the `rmsnorm_` ops: each
-program normalizes its few rows itself, and a decode step launches no norm kernel); above that, and
-on the CPU, a norm kernel runs first, as the GEMM's programs would each read many rows again. w8a8
-normalizes and quantizes its activations in one kernel (rmsnorm_quant).
+A linear may take the RMSNorm that feeds it (`norm`), a gated input (`gated`: x = [g | u], the
+linear's input being silu(g) * u) and the residual it adds (`residual`, the GEMM's epilogue). In the
+FUSED_MODES, up to FUSED_MAX_ROWS rows, the norm and the gate run inside the GEMM (the `rmsnorm_` and
+`silu_mul_` ops), and a decode step launches no kernel for them; otherwise their own kernels run
+first. On the H200 at batch 1 (benchmarks/results/model_fused_*.md), fused norms gave the bf16
+decoder 237 tokens/s against 233; at 16 rows the matrix tiles' row pass (each program normalizes
+its rows again before its k loop) cost 12%, and the int4 GEMVs, which are issue-bound, lost 2%
+to the norm's extra work on x. w8a8 normalizes and quantizes its activations in one kernel
+(rmsnorm_quant).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from flashgen.workload import recorded_workload
 
 MODES = ("bf16", "w8a16", "w4a16", "w8a8", "mixed")
 DEFAULT_CROSSOVER_M = 64
-FUSED_NORM_MAX_ROWS = 16  # a decode batch: the rows a GEMM's programs each normalize again cost little
+FUSED_MODES = ("bf16",)
+FUSED_MAX_ROWS = 1
 
 
 @dataclass
@@ -91,16 +96,20 @@ def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
 
 
 def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None, fallbacks: set[str],
-          chooser=None, norm: torch.Tensor | None = None, eps: float = 1e-6,
+          chooser=None, norm: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """y = linear(rmsnorm(x) * norm if norm is given, else x) + bias + residual, in `mode`."""
+    """y = linear(x') + bias + residual in `mode`, x' being rmsnorm(x) * norm when `norm` is given,
+    silu(g) * u of x = [g | u] when `gated`, else x."""
     n, k = q.shape
-    if mode == "mixed" and x.device.type == "cuda":
-        mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
     gpu = x.device.type == "cuda"
-    fused = norm is not None and gpu and x.shape[0] <= FUSED_NORM_MAX_ROWS and mode != "w8a8"
+    if mode == "mixed" and gpu:
+        mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
+    fused = gpu and mode in FUSED_MODES and x.shape[0] <= FUSED_MAX_ROWS
+    ops = torch.ops.flashgen
     if norm is not None and not fused and (mode != "w8a8" or not gpu):
-        x, norm = torch.ops.flashgen.rmsnorm(x, norm, eps), None
+        x, norm = ops.rmsnorm(x, norm, eps), None
+    if gated and not fused:
+        x, gated = ops.silu_mul(x), False
     if not gpu:
         if mode != "bf16":
             fallbacks.add(f"{mode} linear (torch on the dequantized weight on cpu)")
@@ -109,16 +118,16 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
     epi = {"with_bias": "yes", "bias": bias} if bias is not None else {}
     if residual is not None:
         epi.update(with_residual="yes", residual=residual)
-    pre, normed = ("rmsnorm_", {"norm_w": norm, "eps": eps}) if fused else ("", {})
-    ops = torch.ops.flashgen
+    pre, arg = ("silu_mul_", "xg") if gated else ("rmsnorm_", "x") if norm is not None else ("", "x")
+    args = {arg: x, **({"norm_w": norm, "eps": eps} if norm is not None else {}), **epi}
     if mode == "bf16":
-        return getattr(ops, pre + "gemm")(x, w=q.weight, **normed, **epi)
+        return getattr(ops, pre + "gemm")(w=q.weight, **args)
     if mode == "w8a16":
-        return getattr(ops, pre + "gemm_w8a16")(x, w=q.w8, w_scale=q.w8_scale, **normed, **epi)
+        return getattr(ops, pre + "gemm_w8a16")(w=q.w8, w_scale=q.w8_scale, **args)
     if mode == "w4a16":
-        return getattr(ops, pre + "gemm_w4a16")(x, w_packed=q.w4, scales=q.w4_scales, **normed,
+        return getattr(ops, pre + "gemm_w4a16")(w_packed=q.w4, scales=q.w4_scales,
                                                  group="group" if q.group != k else "channel",
-                                                 dims=[x.shape[0], n, k, q.group], **epi)
+                                                 dims=[x.shape[0], n, k, q.group], **args)
     if norm is not None:
         xq, xs = ops.rmsnorm_quant(x, norm, eps, out_dtype="int8")
     else:

@@ -69,12 +69,14 @@ class Decoder:
 
     # ---- building blocks ------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None,
-               norm: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """A layer's linear in the decoder's quantization mode, with the RMSNorm that feeds it and the
-        residual it adds (see runtime/linear.py)."""
+               norm: torch.Tensor | None = None, gated: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's linear in the decoder's quantization mode, with the RMSNorm or SiLU·mul that feeds
+        it and the residual it adds (see runtime/linear.py)."""
         if self.device.type != "cuda":
             self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
-        return apply(x, w, self.quant, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, residual)
+        return apply(x, w, self.quant, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, gated,
+                     residual)
 
     def _choose(self, n: int, k: int, m: int) -> str:
         target = dispatcher().target_for(self.device)
@@ -161,8 +163,7 @@ class Decoder:
                                                  batch.slots, *cache.slot_views(i))
             a = self.attention(q, k, v, cache, i, batch).reshape(-1, nq)
             x = self.linear(a, L["o"], residual=x)
-            x = self.linear(torch.ops.flashgen.silu_mul(self.linear(x, L["gate_up"], norm=L["post_norm"])), L["down"],
-                            residual=x)
+            x = self.linear(self.linear(x, L["gate_up"], norm=L["post_norm"]), L["down"], gated=True, residual=x)
         h = torch.ops.flashgen.rmsnorm(x, self.final_norm, c.rms_norm_eps)
         if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from flashgen.targets import target_for_device  # noqa: E402
 from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.runtime.torch_ops import dispatcher  # noqa: E402
 
 DEVICE = torch.device("cuda")
 TARGET = target_for_device(torch.cuda.get_device_name(), device_arch(DEVICE))
@@ -439,12 +440,18 @@ NORM_CASES = [(flashgen.workload(op, M=m, N=330, K=1152, dtype="bf16", **kw), s)
                                                     "num_stages": 3}),
     ("rmsnorm_gemm", {}, 2, {"block_m": 2, "block_n": 16, "block_k": 256, "num_warps": 2, "num_stages": 3, "split_k": 2}))] + [
     (flashgen.workload("rmsnorm_gemm_w4a16", M=1, N=330, K=1152, G=128, dtype="fp16"),
-     {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 2, "num_stages": 3, "ptx_unpack": 2})]
+     {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 2, "num_stages": 3, "ptx_unpack": 2})] + [
+    (flashgen.workload(op, M=m, N=330, K=1152, dtype="bf16", **kw), s) for op, kw, m, s in (
+        ("silu_mul_gemm", {"with_residual": "yes"}, 1, {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 4,
+                                                         "num_stages": 3, "early_load": 1}),
+        ("silu_mul_gemm", {}, 17, {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}),
+        ("silu_mul_gemm_w4a16", {"G": 128}, 1, {"block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4,
+                                               "num_stages": 1, "ptx_unpack": 2, "early_load": 1}))]
 
 
 @pytest.mark.parametrize("wl, s", NORM_CASES, ids=lambda v: case_id(v) if hasattr(v, "op") else str(len(v)))
-def test_fused_rmsnorm_gemm_on_gpu(wl, s):
-    """A GEMM with the RMSNorm of its input fused: unsplit GEMV tiles of 1-4 rows sum the squares in
+def test_fused_prologue_gemm_on_gpu(wl, s):
+    """A GEMM with the SiLU·mul of its input fused (an elementwise prologue), or its RMSNorm: unsplit GEMV tiles of 1-4 rows sum the squares in
     their k loop and scale each row's sum after it (fp32, fp16 pairs and quads of int4 codes, bf16
     and fp16 x, early weight loads, one stage); matrix tiles, the transposed int4 tile and split
     GEMV tiles run a row pass before the k loop. K=1152 and N=330 leave partial k and column tiles."""
@@ -455,11 +462,11 @@ def test_fused_rmsnorm_gemm_on_gpu(wl, s):
         assert c.ok, (c, s)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w8a8"])
-def test_decoder_fused_norms_match_separate_ones(mode, monkeypatch):
-    """The decoder's decode steps with each norm fused into the linear it feeds against the same
-    model with separate norm kernels (runtime/linear.py's row limit set to 0): logits within bf16
-    rounding."""
+@pytest.mark.parametrize("mode", ["bf16", "w4a16", "w8a16"])
+def test_decoder_fused_prologues_match_separate_kernels(mode, monkeypatch):
+    """A decode step of 3 sequences with each norm and SiLU·mul fused into the linear it feeds (the
+    row limit and modes of runtime/linear.py widened to it) against the same model with their own
+    kernels: logits within bf16 rounding."""
     import flashgen.runtime.linear as linear
     from flashgen.runtime.bench import CONFIGS, random_weights
     from flashgen.runtime.engine import Engine
@@ -471,8 +478,16 @@ def test_decoder_fused_norms_match_separate_ones(mode, monkeypatch):
     slots = [m.reserve(i, p + 1)[p // m.block_size] * m.block_size + p % m.block_size for i, p in zip(seqs, positions)]
     batch = Batch(torch.tensor([5, 7, 9], device=DEVICE), torch.tensor(positions, device=DEVICE),
                   torch.tensor(slots, device=DEVICE), seqs, [1, 1, 1], [p + 1 for p in positions])
+    monkeypatch.setattr(linear, "FUSED_MODES", (mode,))
+    monkeypatch.setattr(linear, "FUSED_MAX_ROWS", 16)
     fused = model.forward(batch, eng.cache).float()
-    monkeypatch.setattr(linear, "FUSED_NORM_MAX_ROWS", 0)
+    ops = {d.workload.op_name for d in dispatcher().decisions.values()}
+    assert {"rmsnorm_" + linear_op(mode), "silu_mul_" + linear_op(mode)} <= ops, ops
+    monkeypatch.setattr(linear, "FUSED_MAX_ROWS", 0)
     separate = model.forward(batch, eng.cache).float()
     err = ((fused - separate).abs().max() / separate.abs().max()).item()
     assert err < 2e-2, err
+
+
+def linear_op(mode: str) -> str:
+    return {"bf16": "gemm", "w4a16": "gemm_w4a16", "w8a16": "gemm_w8a16"}[mode]

@@ -2,8 +2,9 @@
 
 Weights are in nn.Linear layout [N, K]. Prologues unpack and dequantize; epilogues apply per-token and
 per-channel scales. Per-channel weight scales multiply the accumulator once (exact, and K times fewer
-multiplies); group scales must apply inside the k loop. The `rmsnorm_` variants of the ops with
-16-bit activations normalize x on the way in (Llama's RMSNorm, fused into the linear it feeds).
+multiplies); group scales must apply inside the k loop. The `rmsnorm_` and `silu_mul_` variants of
+the ops with 16-bit activations normalize x (Llama's RMSNorm) or gate it (SiLU·mul of the MLP) on
+the way in, fused into the linear they feed.
 """
 from __future__ import annotations
 
@@ -236,4 +237,37 @@ def rmsnorm_fused(base: Op) -> Op:
                    params={"eps": 1e-6}, plain=base.name)
 
 
-OPS = (GEMM, W8A16, W4A16, W8A8, FP8) + tuple(rmsnorm_fused(op) for op in (GEMM, W8A16, W4A16))
+def silu_mul_fused(base: Op) -> Op:
+    """`silu_mul_<op>`: y = op(silu(g) * u) with x = [g | u] (M x 2K), for the MLP's down projection:
+    the prologue gates x as it loads it, so that a decode step launches no SiLU·mul kernel between
+    the gate/up projection and the down one."""
+    x = Load("x", (r, k))
+    xg = Load("xg", (r, k))
+    gated = xg * sigmoid(xg) * Load("xg", (r, k + K))
+
+    def build(a) -> tuple:
+        stmts = base.body(a)
+        [con] = [st for st in stmts if isinstance(st, Contract)]
+        assert con.a == x, f"{base.name}: only a plain x prologue can take a gate"
+        return tuple(replace(con, a=gated) if st is con else st for st in stmts)
+
+    def gated_inputs(t: dict) -> dict:
+        g, u = f64(t["xg"]).chunk(2, dim=-1)
+        return {**{n: v for n, v in t.items() if n != "xg"}, "x": g * torch.sigmoid(g) * u}
+
+    def make_inputs(d, a, g) -> dict:
+        t = base.make_inputs(d, a, g)
+        t["xg"] = randn((d["M"], 2 * d["K"]), a["dtype"], g)
+        del t["x"]
+        if a["out"] == "int8":
+            plain = base.reference(gated_inputs(t), {}, d, {**a, "out": "none"})["y"]
+            t["out_scale"] = (plain.abs().amax().clamp_min(1e-6) / 127.0).float().reshape(1)
+        return t
+
+    inputs = (TensorSpec("xg", (M, Const(2) * K), DTYPE), *base.inputs[1:])
+    return replace(base, name=f"silu_mul_{base.name}", doc=f"{base.doc}, x = silu(g) * u of xg = [g | u] (M x 2K)",
+                   inputs=inputs, build=build, reference=lambda t, p, d, a: base.reference(gated_inputs(t), p, d, a),
+                   make_inputs=make_inputs, plain=base.name)
+
+
+OPS = (GEMM, W8A16, W4A16, W8A8, FP8) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused) for op in (GEMM, W8A16, W4A16))
