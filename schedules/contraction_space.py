@@ -298,15 +298,22 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]
     while why_invalid(wl, target, s):
         threads = s["num_warps"] * target.warp_size
-        if (s["block_m"] < MMA_MIN_ROWS and s["num_warps"] > 2
-                and s["block_m"] * s["block_n"] * s["block_k"] < threads * MIN_PRODUCTS_PER_THREAD):
+        idle = s["block_m"] < MMA_MIN_ROWS and s["block_m"] * s["block_n"] * s["block_k"] < threads * MIN_PRODUCTS_PER_THREAD
+        if idle and s["num_warps"] > 2:
             s["num_warps"] //= 2  # a GEMV tile of a short K: fewer threads, not shallower steps
+        elif idle and s["block_n"] < kn["block_n"][-1]:
+            s["block_n"] *= 2  # and then wider (64-thread warps)
         elif s["num_stages"] > max(kn["num_stages"][0], min_stages(target, s)):
             s["num_stages"] -= 1
         elif s["block_k"] > max(kn["block_k"][0], min_block_k(wl)):
             s["block_k"] //= 2
         elif s["num_warps"] < 8 and s["block_m"] * s["block_n"] > s["num_warps"] * target.warp_size * MAX_ACC_PER_THREAD:
             s["num_warps"] *= 2
+        elif s["block_m"] >= MMA_MIN_ROWS and max(s["block_m"], s["block_n"]) > 64:
+            # pipelined tiles too big for shared memory at the fewest stages (a fused norm's A tile
+            # loads its weight too): the longer side halves, not the warps, which the accumulator needs
+            side = "block_m" if s["block_m"] >= s["block_n"] else "block_n"
+            s[side] //= 2
         elif s["num_warps"] > 2:
             s["num_warps"] //= 2
         else:

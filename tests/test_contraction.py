@@ -291,7 +291,8 @@ def test_aot_uses_matrix_instructions(op, kw, target):
 
 def test_contraction_defaults_valid():
     """Every op's default is in its space, for the Llama shapes and for a tiny model's (K=128, whose
-    one-row GEMV tile needs fewer warps, not a shallower k step)."""
+    one-row GEMV tile needs fewer warps, not a shallower k step); a fused norm's 256-row int4 tile,
+    too big for shared memory with the norm's weight, halves its rows."""
     for t in ("h200", "a100", "mi300x", "mi250"):
         for m in (1, 16, 33, 256, 4096):
             for op, kw in CASES + [("gemm_fp8", {}), ("rmsnorm_gemm", {}), ("rmsnorm_gemm_w4a16", dict(G=128))]:
@@ -302,6 +303,8 @@ def test_contraction_defaults_valid():
                     assert space.why_invalid(space.default()) is None, (wl, t)
     tiny = ScheduleSpace(flashgen.workload("gemm", M=1, N=256, K=128, dtype="bf16"), get_target("h200")).default()
     assert (tiny["block_k"], tiny["num_warps"], tiny["num_stages"]) == (128, 2, 3), tiny
+    big = ScheduleSpace(flashgen.workload("rmsnorm_gemm_w4a16", M=4096, N=6144, K=4096, G=128), get_target("h200")).default()
+    assert (big["block_m"], big["block_n"], big["num_warps"]) == (128, 128, 8), big
 
 
 def test_shared_memory_rule_counts_what_prologues_load():
@@ -454,6 +457,51 @@ def test_fused_epilogues(interpreter, op, kw):
         assert c.ok, c
     k = flashgen.compile(wl, "sm_90")
     assert k.binary[:4] == b"\x7fELF"
+
+
+FUSED = [("rmsnorm_gemm", {}, 3, 200, dict(block_m=1, block_n=16, block_k=128, num_warps=2, num_stages=2, early_load=1)),
+         ("rmsnorm_gemm", {"with_residual": "yes"}, 5, 200, dict(block_m=2, block_n=32, block_k=64, num_warps=2,
+                                                              num_stages=2, split_k=2)),
+         ("rmsnorm_gemm", {}, 17, 200, dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)),
+         ("rmsnorm_gemm_w4a16", {"G": 128}, 3, 384, dict(block_m=2, block_n=16, block_k=128, num_warps=2, num_stages=2)),
+         ("rmsnorm_gemm_w4a16", {"G": 64, "zp": "asym"}, 17, 384, dict(block_m=16, block_n=32, block_k=128, num_warps=4,
+                                                                        num_stages=2)),
+         ("silu_mul_gemm", {"with_residual": "yes"}, 3, 200, dict(block_m=1, block_n=16, block_k=128, num_warps=2,
+                                                                   num_stages=2, early_load=1)),
+         ("silu_mul_gemm_w8a16", {}, 17, 200, dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)),
+         ("silu_mul_gemm_w4a16", {"G": 128}, 3, 384, dict(block_m=2, block_n=16, block_k=128, num_warps=2, num_stages=2))]
+
+
+@pytest.mark.parametrize("op, kw, m, k, s", FUSED, ids=[f"{o}-m{m}-bm{s['block_m']}" for o, _, m, _, s in FUSED])
+def test_fused_prologue_numerics(interpreter, op, kw, m, k, s):
+    """A norm or SiLU·mul fused into the GEMM it feeds: unsplit GEMV tiles sum the norm's squares in the
+    k loop, split ones and matrix tiles (the transposed int4 tile too) in a row pass before it; fp16,
+    K=200 and 384 leave partial k steps, M=3, 5 and 17 partial row tiles, N=40 a partial column tile."""
+    wl = flashgen.workload(op, M=m, N=40, K=k, dtype="fp16", **kw)
+    s = {"group_m": 1, **s}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s), ScheduleSpace(wl, get_target("h200")).why_invalid(s)
+    for c in interpreter.check(wl, s, "h200", seed=m):
+        assert c.ok, c
+
+
+def test_fused_norm_sums_squares_where_the_tile_loads_x():
+    """Where the squares are summed: in an unsplit GEMV tile's k loop (the inverse root scales each row's
+    sum after it, and x enters the int4 tiles' fp16 pairs scaled by 2^-8, as it is not normalized),
+    else in a row pass over K before the loop."""
+    from flashgen.ir import expr as E
+    from flashgen.targets.triton.codegen import generate
+    from flashgen.targets.triton.contraction import row_factors
+    x, inv, nw = E.Load("x", (E.Index("r"), E.Index("k"))), E.Ref("inv"), E.Load("norm_w", (E.Index("k"),))
+    assert row_factors(x * inv * nw, {"inv"}) == (x * nw, (inv,))
+    assert row_factors(x + inv, {"inv"}) == (x + inv, ())
+    wl = flashgen.workload("rmsnorm_gemm_w4a16", M=1, N=256, K=1024, G=128, dtype="fp16")
+    gemv = {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "group_m": 1, "ptx_unpack": 2}
+    src = generate(wl, gemv).source
+    assert "ss_p0 +=" in src and "for kp0" not in src and "* inv_r0)[None, :]" in src and "* 0.00390625).to(tl.float16)" in src
+    split = generate(wl, {**gemv, "ptx_unpack": 0, "split_k": 2}).source
+    assert "for kp0 in range(0, K, 1024)" in split and "ss_p0" not in split
+    matrix = generate(wl.with_dims(M=16), {**gemv, "block_m": 16, "block_k": 128, "ptx_unpack": 1}).source
+    assert "r_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]" in matrix
 
 
 def test_search_proposes_valid_gemm_schedules():

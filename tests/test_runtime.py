@@ -98,6 +98,52 @@ def test_dispatch_exact_bucket_default(tmp_path, capsys):
     assert "bucket M=64" in capsys.readouterr().out
 
 
+def test_dispatch_falls_back_to_the_plain_form(tmp_path):
+    """A fused variant (a norm or gate in the prologue, a residual in the epilogue) without records of
+    its own runs the schedule tuned for its plain form, which streams the same weights; its own
+    records win once it has them, and a plain-form schedule outside its space is not taken."""
+    h200 = get_target("h200")
+    db_path = tmp_path / "t.db"
+    gemv = {"block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 4, "group_m": 1,
+            "early_load": 1}
+    with Database(db_path) as db:
+        _record(db, flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16"), gemv, 13.0)
+        _record(db, flashgen.workload("gemm", M=64, N=4096, K=4096, dtype="bf16"),
+                {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8, "tma": 1}, 20.0)
+    d = Dispatcher(h200, db_path)
+    normed = d.choose(flashgen.workload("rmsnorm_gemm", M=1, N=4096, K=4096, dtype="bf16"), h200)
+    assert (normed.source, normed.kind) == ("bucket M=1, tuned as gemm", "plain-form bucket")
+    assert {k: v for k, v in normed.schedule.items() if k in gemv} == gemv
+    gated = d.choose(flashgen.workload("silu_mul_gemm", M=1, N=4096, K=4096, dtype="bf16", with_residual="yes"), h200)
+    assert gated.source == "bucket M=1, tuned as gemm with_residual=no"
+    residual = d.choose(flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16", with_residual="yes"), h200)
+    assert residual.source == "bucket M=1, tuned as gemm with_residual=no"
+    # a TMA schedule needs plain operand loads: the normed GEMM at M=64 cannot take it (nor the
+    # one-row tile, outside the space at 64 rows)
+    assert d.choose(flashgen.workload("rmsnorm_gemm", M=64, N=4096, K=4096, dtype="bf16"), h200).source == "default"
+    with Database(db_path) as db:
+        _record(db, flashgen.workload("rmsnorm_gemm", M=1, N=4096, K=4096, dtype="bf16"), {**gemv, "num_stages": 3}, 12.0)
+    assert Dispatcher(h200, db_path).choose(normed.workload, h200).source == "exact"
+
+
+def test_linear_takes_its_norm_gate_and_residual_on_cpu():
+    """runtime/linear.py on CPU tensors: the norm's and the gate's own kernels, torch's product, the
+    residual added; equal to the float64 composition."""
+    from flashgen.runtime.linear import apply, prepare
+    g = torch.Generator().manual_seed(5)
+    w, x, r = torch.randn(48, 96, generator=g), torch.randn(3, 96, generator=g), torch.randn(3, 48, generator=g)
+    nw = torch.randn(96, generator=g) * 0.2 + 1
+    q = prepare(w, "bf16")
+    x64 = x.double()
+    normed = x64 * (x64.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt() * nw.double()
+    out = apply(x, q, "bf16", None, set(), norm=nw, eps=1e-6, residual=r)
+    assert rel(out, normed @ w.double().T + r.double()) < 1e-5
+    xg = torch.randn(3, 192, generator=g)
+    gate, up = xg.double().chunk(2, dim=-1)
+    out = apply(xg, q, "bf16", None, set(), gated=True)
+    assert rel(out, (gate * torch.sigmoid(gate) * up) @ w.double().T) < 1e-5
+
+
 def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
     """Decode records of one batch size tuned at several context capacities: a call takes the nearest
     capacity's schedule, whichever record the database lists first."""

@@ -9,7 +9,9 @@ loop over `num_stages` buffers. Tiles of fewer rows are GEMVs on the ALUs (`_gem
 a third grid axis shares each tile's k range, and the last split to finish merges (`_merge_splits`).
 With `persistent`, a fixed number of programs per SM walk the tiles in turn. With `tma` (sm_90,
 operands without a prologue), TMA descriptors copy the A and W tiles. The epilogue (scales,
-stores) runs on the accumulator tile.
+stores) runs on the accumulator tile. Statements before the Contract (a fused norm's sum of squares
+and inverse root) are a row pass: matrix tiles run it over K before their k loop, unsplit GEMV tiles
+fold it into theirs.
 """
 from __future__ import annotations
 
@@ -373,7 +375,9 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     `ptx_unpack`). With `early_load`, the
     first k step's weights (which no kernel writes) are loaded before the wait for the previous kernel
     (`grid_dependency`), so that a GEMV's first DRAM round trip overlaps the kernel before it; only
-    x and what follows wait. A row pass (`_row_pass`) runs per row after the wait."""
+    x and what follows wait. An unsplit tile sums its row pass's reductions in the k loop, over the x
+    it loads (`_sum_in_loop`), and scales each row's sum by the factors taken out of the prologue
+    (`row_factors`) after it; a split tile runs the row pass (`_row_pass`) per row after the wait."""
     rows = em.emit(em.op.domain[0], top)
     acc_t = ACC[con.acc]
     block_m = s["block_m"]
