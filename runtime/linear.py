@@ -12,10 +12,10 @@ A linear may take the RMSNorm that feeds it (`norm`), a gated input (`gated`: x 
 linear's input being silu(g) * u) and the residual it adds (`residual`, the GEMM's epilogue). In the
 FUSED_MODES, up to FUSED_MAX_ROWS rows, the norm and the gate run inside the GEMM (the `rmsnorm_` and
 `silu_mul_` ops), and a decode step launches no kernel for them; otherwise their own kernels run
-first. On the H200 at batch 1 (benchmarks/results/model_fused_*.md), fused norms gave the bf16
-decoder 237 tokens/s against 233; at 16 rows the matrix tiles' row pass (each program normalizes
-its rows again before its k loop) cost 12%, and the int4 GEMVs, which are issue-bound, lost 2%
-to the norm's extra work on x. w8a8 normalizes and quantizes its activations in one kernel
+first. On the H200 at batch 1 (benchmarks/results/model_fused_*.md), fused norms and gates gave the
+bf16 decoder 238 tokens/s against 233; at 16 rows the matrix tiles' row pass (each program
+normalizes its rows again before its k loop) cost 12%, and the int4 GEMVs, which are issue-bound,
+lost 2% to the norm's extra work on x. w8a8 normalizes and quantizes its activations in one kernel
 (rmsnorm_quant).
 """
 from __future__ import annotations

@@ -2,12 +2,12 @@
 KV cache, computing with flashgen's generated kernels.
 
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
-decode token), packed along one token axis. Norms, the residual add, SiLU·mul and RoPE (with the
-new tokens' keys and values written into the cache in the same launch) run as
-`torch.ops.flashgen` ops on every device (on a GPU at decode sizes, the norms inside the linears they
-feed, and the residual adds in the epilogues of the linears before); linears and attention run as generated GEMM and attention
-kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one used). Linears may
-be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
+decode token), packed along one token axis. Norms, SiLU·mul and RoPE (with the new tokens' keys and
+values written into the cache in the same launch) run as `torch.ops.flashgen` ops on every device;
+in bf16 decode steps of one row on a GPU the norms and SiLU·mul run inside the linears they feed.
+Each residual add is the epilogue of the linear before it. Linears and attention run as generated
+GEMM and attention kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one
+used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
 """
 from __future__ import annotations
 

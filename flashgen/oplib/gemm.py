@@ -196,17 +196,17 @@ FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
               "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90)")
 
 
-
 def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * ((x * x).mean(-1, keepdim=True) + eps).rsqrt() * w
 
 
 def rmsnorm_fused(base: Op) -> Op:
-    """`rmsnorm_<op>`: y = op(rmsnorm(x) * norm_w), for a linear that a norm feeds. Before its k loop
-    each program sums the squares of its rows of x (a few kilobytes, read from the L2 by every
-    program that shares them); the prologue then scales x by the rows' inverse root and the norm's
-    weight. A decode step so needs no norm kernel, and no launch, between the residual stream and
-    the linear; the residual add moves into the epilogue of the linear before (`with_residual`)."""
+    """`rmsnorm_<op>`: y = op(rmsnorm(x) * norm_w), for a linear that a norm feeds: a row pass sums
+    the squares of each row of x (the statements before the Contract), and the prologue scales x by
+    the row's inverse root and the norm's weight. Tiles evaluate the pass as suits them
+    (targets/triton/contraction.py). A decode step so needs no norm kernel, and no launch, between
+    the residual stream and the linear; the residual add moves into the epilogue of the linear
+    before (`with_residual`)."""
     x = Load("x", (r, k))
 
     def build(a) -> tuple:
@@ -270,4 +270,5 @@ def silu_mul_fused(base: Op) -> Op:
                    make_inputs=make_inputs, plain=base.name)
 
 
-OPS = (GEMM, W8A16, W4A16, W8A8, FP8) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused) for op in (GEMM, W8A16, W4A16))
+OPS = (GEMM, W8A16, W4A16, W8A8, FP8) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
+                                             for op in (GEMM, W8A16, W4A16))
