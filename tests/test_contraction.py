@@ -497,9 +497,9 @@ def test_fused_norm_sums_squares_where_the_tile_loads_x():
     wl = flashgen.workload("rmsnorm_gemm_w4a16", M=1, N=256, K=1024, G=128, dtype="fp16")
     gemv = {"block_m": 1, "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3, "group_m": 1, "ptx_unpack": 2}
     src = generate(wl, gemv).source
-    assert "ss_p0 +=" in src and "for kp0" not in src and "* inv_r0)[None, :]" in src and "* 0.00390625).to(tl.float16)" in src
+    assert "ss_part_r0 +=" in src and "for kp0" not in src and "* inv_r0)[None, :]" in src and "* 0.00390625).to(tl.float16)" in src
     split = generate(wl, {**gemv, "ptx_unpack": 0, "split_k": 2}).source
-    assert "for kp0 in range(0, K, 1024)" in split and "ss_p0" not in split
+    assert "for kp0 in range(0, K, 1024)" in split and "ss_part" not in split
     matrix = generate(wl.with_dims(M=16), {**gemv, "block_m": 16, "block_k": 128, "ptx_unpack": 1}).source
     assert "r_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]" in matrix
 

@@ -14,9 +14,11 @@ import torch
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
-from flashgen.ir.expr import Const, Dim, Index, Load, Param, Ref, clamp, erf, rint, rsqrt, sigmoid
-from flashgen.ir.op import DTYPE, Contract, Let, Op, Reduce, Store, TensorSpec
+from flashgen.ir.expr import Const, Dim, Index, Load, Ref, clamp, erf, rint, sigmoid
+from flashgen.ir.op import DTYPE, Contract, Op, Store, TensorSpec
 from flashgen.oplib._common import M, N, c, f64, r, randn
+from flashgen.oplib.activation import _silu_mul
+from flashgen.oplib.norm import _rms, rms_inverse
 from flashgen.ir.prologue import int4_code
 from flashgen.quant import pack_int4, packed_words, quantize_rtn, unpack_int4
 
@@ -72,10 +74,14 @@ def _with_epilogue(make, base_ref):
         if a["with_residual"] == "yes":
             t["residual"] = randn((d["M"], d["N"]), a["dtype"], g)
         if a["out"] == "int8":
-            plain = _epilogue_ref(base_ref(t, {}, d, a), t, {**a, "out": "none"})["y"]
-            t["out_scale"] = (plain.abs().amax().clamp_min(1e-6) / 127.0).float().reshape(1)
+            fit_out_scale(t, _epilogue_ref(base_ref(t, {}, d, a), t, {**a, "out": "none"})["y"])
         return t
     return inputs
+
+
+def fit_out_scale(t: dict, y: torch.Tensor) -> None:
+    """The static int8 output scale that fits `y`, the output it will quantize."""
+    t["out_scale"] = (y.abs().amax().clamp_min(1e-6) / 127.0).float().reshape(1)
 
 
 def _contraction_op(name: str, doc: str, dims: tuple, inputs: tuple, attrs: dict, prologue, base_ref, make,
@@ -196,8 +202,7 @@ FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
               "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90)")
 
 
-def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * ((x * x).mean(-1, keepdim=True) + eps).rsqrt() * w
+PARAMS = {"eps": 1e-6}  # the fused norm's
 
 
 def rmsnorm_fused(base: Op) -> Op:
@@ -214,11 +219,10 @@ def rmsnorm_fused(base: Op) -> Op:
         [con] = [st for st in stmts if isinstance(st, Contract)]
         assert con.a == x, f"{base.name}: only a plain x prologue can take a norm"
         normed = replace(con, a=x * Ref("inv") * Load("norm_w", (k,)))
-        return (Reduce("ss", "sum", x * x), Let("inv", rsqrt(Ref("ss") / K + Param("eps"))),
-                *(normed if st is con else st for st in stmts))
+        return (*rms_inverse(x, K), *(normed if st is con else st for st in stmts))
 
     def normed_inputs(t: dict, p) -> dict:
-        return {**t, "x": _rms_ref(f64(t["x"]), f64(t["norm_w"]), p.get("eps", 1e-6))}
+        return {**t, "x": _rms(f64(t["x"]), f64(t["norm_w"]), p["eps"])}
 
     def reference(t, p, d, a) -> dict:
         return base.reference(normed_inputs(t, p), p, d, a)
@@ -227,14 +231,13 @@ def rmsnorm_fused(base: Op) -> Op:
         t = base.make_inputs(d, a, g)
         t["norm_w"] = randn((d["K"],), a["dtype"], g, 1.0, 0.2)
         if a["out"] == "int8":  # the output scale fits the normalized product
-            plain = reference(t, {"eps": 1e-6}, d, {**a, "out": "none"})["y"]
-            t["out_scale"] = (plain.abs().amax().clamp_min(1e-6) / 127.0).float().reshape(1)
+            fit_out_scale(t, reference(t, PARAMS, d, {**a, "out": "none"})["y"])
         return t
 
     inputs = (base.inputs[0], TensorSpec("norm_w", (K,), DTYPE), *base.inputs[1:])  # required before optional
     return replace(base, name=f"rmsnorm_{base.name}", doc=f"{base.doc}, x RMS-normalized on the way in (rmsnorm(x) * norm_w)",
                    inputs=inputs, build=build, reference=reference, make_inputs=make_inputs,
-                   params={"eps": 1e-6}, plain=base.name)
+                   params=PARAMS, plain=base.name)
 
 
 def silu_mul_fused(base: Op) -> Op:
@@ -252,16 +255,15 @@ def silu_mul_fused(base: Op) -> Op:
         return tuple(replace(con, a=gated) if st is con else st for st in stmts)
 
     def gated_inputs(t: dict) -> dict:
-        g, u = f64(t["xg"]).chunk(2, dim=-1)
-        return {**{n: v for n, v in t.items() if n != "xg"}, "x": g * torch.sigmoid(g) * u}
+        x = _silu_mul(f64(t["xg"]), t["xg"].shape[-1] // 2)["y"]
+        return {**{n: v for n, v in t.items() if n != "xg"}, "x": x}
 
     def make_inputs(d, a, g) -> dict:
         t = base.make_inputs(d, a, g)
         t["xg"] = randn((d["M"], 2 * d["K"]), a["dtype"], g)
         del t["x"]
         if a["out"] == "int8":
-            plain = base.reference(gated_inputs(t), {}, d, {**a, "out": "none"})["y"]
-            t["out_scale"] = (plain.abs().amax().clamp_min(1e-6) / 127.0).float().reshape(1)
+            fit_out_scale(t, base.reference(gated_inputs(t), {}, d, {**a, "out": "none"})["y"])
         return t
 
     inputs = (TensorSpec("xg", (M, Const(2) * K), DTYPE), *base.inputs[1:])

@@ -10,11 +10,15 @@ def _rms(x, w, eps):
     return x * ((x * x).mean(-1, keepdim=True) + eps).rsqrt() * w
 
 
+def rms_inverse(x, n=N) -> tuple:
+    """inv = 1 / sqrt(mean(x^2) + eps) over the n values of a row, as statements (the reduction's axis
+    is the kernel class's: a row's columns, or a contraction's k)."""
+    return (Reduce("ss", "sum", x * x), Let("inv", rsqrt(Ref("ss") / n + Param("eps"))))
+
+
 def rmsnorm_stmts(x: Ref) -> tuple:
     """y = x / sqrt(mean(x^2) + eps) * w, as statements over a value `x` already named in the body."""
-    return (Reduce("ss", "sum", x * x),
-            Let("inv", rsqrt(Ref("ss") / N + Param("eps"))),
-            Let("y", x * Ref("inv") * Load("w", (c,))))
+    return (*rms_inverse(x), Let("y", x * Ref("inv") * Load("w", (c,))))
 
 
 RMSNORM = Op(

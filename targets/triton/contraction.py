@@ -122,19 +122,23 @@ def _ptx_quad_dot() -> str:
 ROW_PASS_ELEMENTS = 4096  # x elements a row pass loads per step: [rows, k] tiles of at most this many
 
 
-def _row_pass(em: Emitter, con: Contract, pre: tuple[Stmt, ...], scope: Scope, rows: str, k_axis: int | None,
-              step: int, suffix: str = "") -> None:
+def _row_pass(em: Emitter, con: Contract, scope: Scope, rows: str, k_axis: int | None, step: int,
+              suffix: str = "", summed: bool = False) -> None:
     """The row pass (the statements before the Contract: sums along k and values of them) over all of
-    K, after the wait for the previous kernel and before the k loop, `step` k at a time. `rows` is the
-    row index: a scalar (`k_axis` None, a GEMV tile's row), [block_m, 1] (`k_axis` 1) or [1, block_m]
-    (`k_axis` 0, the transposed int4 matrix tile). Each value is named `name + suffix`, and em.named
-    maps the statement's name to it (a GEMV tile rebinds the names per row, `_bind_row`)."""
+    K, after the wait for the previous kernel and before the k loop, `step` k at a time; or, `summed`,
+    after a GEMV tile's k loop, which accumulated each sum's partial tile (`_sum_in_loop`). `rows` is
+    the row index: a scalar (`k_axis` None, a GEMV tile's row), [block_m, 1] (`k_axis` 1) or
+    [1, block_m] (`k_axis` 0, the transposed int4 matrix tile). Each value is named `name + suffix`,
+    and em.named maps the statement's name to it (a GEMV tile rebinds the names per row, `_bind_row`)."""
     k_extent = em.emit(con.extent, scope)
-    scope.line(f"rmask_p{suffix} = {rows} < {em.emit(em.op.domain[0], scope)}")
-    for st in pre:
+    if not summed:
+        scope.line(f"rmask_p{suffix} = {rows} < {em.emit(em.op.domain[0], scope)}")
+    for st in em.row_pass:
         name = f"{st.name}{suffix}"
         if isinstance(st, Let):
             scope.line(f"{name} = {em.emit(st.value, scope.child(fresh=True))}")
+        elif summed:
+            scope.line(f"{name} = tl.sum({st.name}_part{suffix})")
         else:
             assert isinstance(st, Reduce) and st.kind == "sum", st
             shape = "[]" if k_axis is None else "[BLOCK_M, 1]" if k_axis == 1 else "[1, BLOCK_M]"
@@ -180,7 +184,7 @@ def _sum_in_loop(em: Emitter, scope: Scope, i: int) -> None:
     for st in em.row_pass:
         if isinstance(st, Reduce):
             v = em.emit(st.value, scope)
-            scope.line(f"{st.name}_p{i} += " + (f"tl.where({mask}, {v}, 0.0)" if mask else v))
+            scope.line(f"{st.name}_part_r{i} += " + (f"tl.where({mask}, {v}, 0.0)" if mask else v))
 
 
 def prologue_refs(e: E.Expr, pre: tuple[Stmt, ...]) -> bool:
@@ -394,11 +398,11 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     for i in range(block_m) if in_loop else ():
         for st in em.row_pass:
             if isinstance(st, Reduce):
-                top.line(f"{st.name}_p{i} = tl.zeros([BLOCK_K{' // 8' if affine else ''}, 1], dtype=tl.float32)")
+                top.line(f"{st.name}_part_r{i} = tl.zeros([BLOCK_K{' // 8' if affine else ''}, 1], dtype=tl.float32)")
 
     def row_passes(scope: Scope) -> None:
         for i in range(block_m) if not in_loop else ():
-            _row_pass(em, con, em.row_pass, scope, f"r{i}", None, row_step, f"_r{i}")
+            _row_pass(em, con, scope, f"r{i}", None, row_step, f"_r{i}")
 
     if not s.get("early_load"):
         row_passes(top)
@@ -449,13 +453,7 @@ def _gemv(em: Emitter, con: Contract, b_expr: E.Expr, unpacked: dict, grouped: d
     for i in range(block_m):
         scaled = ""
         if in_loop:  # the row pass's values from the summed parts, then the factors taken out of x
-            for st in em.row_pass:
-                if isinstance(st, Reduce):
-                    top.line(f"{st.name}_r{i} = tl.sum({st.name}_p{i})")
-                    em.named[st.name] = f"{st.name}_r{i}"
-                else:
-                    top.line(f"{st.name}_r{i} = {em.emit(st.value, top.child(fresh=True))}")
-                    em.named[st.name] = f"{st.name}_r{i}"
+            _row_pass(em, con, top, f"r{i}", None, row_step, f"_r{i}", summed=True)
             scaled = "".join(f" * {em.emit(f, top.child(fresh=True))}" for f in em.row_factors)
         top.line(f"{acc} = tl.where(row_ids == {i}, (tl.sum(part{i}, axis=0){scaled})[None, :], {acc})")
 
@@ -719,9 +717,9 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     if em.row_pass and not gemv:
         if affine and operand in INT4_MAGIC:  # the transposed int4 tile reads x^T: rows along dim 1
             top.line("r_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
-            _row_pass(em, con, em.row_pass, top, "r_p", 0, row_step)
+            _row_pass(em, con, top, "r_p", 0, row_step)
         else:
-            _row_pass(em, con, em.row_pass, top, "r", 1, row_step)
+            _row_pass(em, con, top, "r", 1, row_step)
     if gemv:
         _gemv(em, con, b_expr, unpacked, grouped, affine, per_segment, top, b_scope, s, kmask, acc, operand, row_step)
     elif affine and operand in INT4_MAGIC:
