@@ -4,7 +4,7 @@ plus the prior's best few schedules, every candidate checked against the float64
 database's best is what is timed.
 
     python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
-        [--shapes 8192x8192,qkv,o,gate_up,down] [--name gemm] [--fix tma=1 ...]
+        [--shapes 8192x8192,qkv,o,gate_up,down] [--name gemm] [--fix tma=1 ...] [--rounds 2]
 
 Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
 dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="gemm", help="result files: <out-dir>/<name>.json and .md")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds of flashgen and its peer")
     ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
                     help="tune only schedules with this knob value (repeatable); the database's best is timed")
     args = ap.parse_args()
@@ -110,7 +111,7 @@ def main() -> None:
                     if p is not None:
                         fns["peer"] = p
                     nbytes = bytes_moved(wl)
-                    t = bench_side_by_side(fns, nbytes, target.get("l2_bytes"), rounds=2)
+                    t = bench_side_by_side(fns, nbytes, target.get("l2_bytes"), rounds=args.rounds)
                     flops = 2.0 * m * n * k
                     peak = target.peak_tflops.get(wl.tensor_dtype("x"), target.peak_tflops["bf16"])
                     roof = max(flops / (peak * 1e6), nbytes / (bw * 1e3))

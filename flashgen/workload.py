@@ -89,6 +89,29 @@ def recorded_workload(workload_json: Mapping[str, Any], workload_key: str) -> Wo
     return wl if wl.key == workload_key else None
 
 
+def other_half(attrs: Mapping[str, str]) -> dict[str, str]:
+    """The attrs with dtype fp16 and bf16 swapped; empty when the dtype is neither (fp16 and bf16
+    kernels of one schedule run alike, so a schedule tuned in one serves the other)."""
+    swap = {"fp16": "bf16", "bf16": "fp16"}
+    return {**attrs, "dtype": swap[attrs["dtype"]]} if attrs.get("dtype") in swap else {}
+
+
+def dequant_forms(wl: Workload) -> tuple[Workload, Workload] | None:
+    """(the pointwise workload that writes `wl`'s weight dequantized, the dense contraction workload
+    that runs on it) when the op has a weight prologue (`Op.dequant`), else None: each binds the dims
+    and attrs of `wl` that its op has."""
+    if not wl.op.dequant:
+        return None
+
+    def bind(name: str) -> Workload:
+        o = get_op(name)
+        return workload(name, **{d: v for d, v in wl.dim.items() if d in o.dims},
+                        **{a: v for a, v in wl.attr.items() if a in o.attrs})
+
+    stage, dense = wl.op.dequant
+    return bind(stage), bind(dense)
+
+
 def workload(op: str, **kw: Any) -> Workload:
     """Bind an op's dims and attrs, validating each: `workload("rmsnorm", M=4096, N=8192, dtype="bf16")`."""
     o = get_op(op)

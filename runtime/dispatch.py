@@ -31,7 +31,7 @@ from flashgen.oplib import get_op
 from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target, target_for_device
 from flashgen.targets.kernel import MAX_CALL_SIGNATURES, Kernel
-from flashgen.workload import Workload, workload
+from flashgen.workload import Workload, other_half, workload
 
 log = logging.getLogger("flashgen.dispatch")
 
@@ -79,12 +79,6 @@ def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mappin
 def describe_sources(counts: Mapping[str, int]) -> str:
     """`Dispatcher.sources` as text: "bucket 2, default 1, exact 4"."""
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-
-
-def _other_half(attrs: Mapping[str, str]) -> dict[str, str]:
-    """The attrs with dtype fp16 and bf16 swapped; empty when the dtype is neither."""
-    swap = {"fp16": "bf16", "bf16": "fp16"}
-    return {**attrs, "dtype": swap[attrs["dtype"]]} if attrs.get("dtype") in swap else {}
 
 
 def _distance(dims: Mapping[str, int], wl: Workload) -> float:
@@ -137,7 +131,7 @@ class Dispatcher:
         fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
         plain_op, plain_attrs = wl.op.plain_form(wl.attr)
         forms = [(wl.op_name, wl.attr, "")]
-        other = _other_half(wl.attr)
+        other = other_half(wl.attr)
         if other:
             forms.append((wl.op_name, other, f", tuned in {other['dtype']}"))
         if (plain_op, plain_attrs) != (wl.op_name, wl.attr):

@@ -15,13 +15,13 @@ import numpy as np
 
 from flashgen.ir import dtypes
 from flashgen.roofline import bytes_moved
-from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, load_bytes, operand_dtype
+from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, load_bytes, min_block_k, operand_dtype
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
 KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k", "persistent", "tma",
-         "ptx_unpack", "early_load", "operand_scale")
-SIZES = KNOBS[:-5]  # the knobs that are sizes or counts, never 0: also given as log2
+         "ptx_unpack", "early_load", "operand_scale", "dequant_first")
+SIZES = KNOBS[:7]  # the knobs that are sizes or counts, never 0: also given as log2
 FEATURE_NAMES: tuple[str, ...] = (
     *KNOBS, *(f"log2_{k}" for k in SIZES),
     "log2_m", "log2_n", "log2_k", "operand_bytes", "log2_flops", "log2_bytes_moved", "log2_roofline_us",
@@ -63,6 +63,13 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     # Split-K writes each partial tile once and the merging program reads them all back.
     partials = np.where(split > 1, 2.0 * tiles * bm * bn * 4, 0.0)
     traffic = w_bytes * w_reads + a_bytes * tn + (nbytes - w_bytes - a_bytes) + partials
+    # A weight dequantized first: the dequant kernel reads the codes and writes the operand-dtype
+    # weight, which the GEMM's tiles then read as W.
+    staged = kv["dequant_first"] > 0
+    if staged.any():
+        coded = n * k * load_bytes(wl, max(min_block_k(wl), 128))[1]
+        traffic = np.where(staged, n * k * ob * w_reads + a_bytes * tn + (nbytes - coded - a_bytes) + partials
+                           + coded + n * k * ob, traffic)
     mma_eff = np.clip((bm * bn) / (128.0 * 256.0), 0.05, 1.0) ** 0.3 * np.clip(bm / 64.0, 0.25, 1.0)
     # Tiles under 16 rows run on the ALUs: about 4 instructions per weight and row (fp32 rate).
     alu_peak = float(target.peak_tflops.get("fp32", 1.0)) * 1e6 / 4.0
@@ -72,7 +79,8 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     memory_us = traffic / bw / in_flight
     k_steps = np.ceil(k / (bk * split))
     latency_us = k_steps * STEP_LATENCY_US / kv["num_stages"]
-    est = np.maximum(compute_us, memory_us) * (full / np.maximum(waves, 1e-9)).clip(1, 8) + latency_us + 2.0
+    est = (np.maximum(compute_us, memory_us) * (full / np.maximum(waves, 1e-9)).clip(1, 8) + latency_us
+           + 2.0 * (1 + staged))  # a launch each
     smem = kv["num_stages"] * (bm + bn) * bk * ob
     roof_us = max(flops / peak, nbytes / bw)
     cols = {name: kv[name] for name in KNOBS}

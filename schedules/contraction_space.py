@@ -12,7 +12,9 @@ per quad of consecutive words (2)), operand_scale (NVIDIA
 PTX-unpacked int4 matrix tiles, symmetric codes in groups of 128 k or more: each code pair is multiplied
 by its group scale in the 16-bit float, so that all groups accumulate in one tile), early_load (GEMV tiles
 on targets with programmatic dependent launch: the first k step's weights are loaded before waiting
-for the previous kernel).
+for the previous kernel), dequant_first (ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more:
+the weight is dequantized by a pointwise kernel of its own, and the dense GEMM's tiles, with the dense
+op's knobs and rules, run on it; targets/staged.py).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
@@ -35,7 +37,7 @@ from flashgen.ir import prologue
 from flashgen.ir.op import Contract, Let, eval_int
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.descriptor import Target
-from flashgen.workload import Workload
+from flashgen.workload import Workload, dequant_forms
 
 MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread
 MMA_MIN_ROWS = 16  # the fewest rows a matrix instruction takes: fewer rows are summed on the ALUs
@@ -45,9 +47,16 @@ MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
 GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row: the default up to 4 rows
 SPLIT_K_MIN_STEPS = 2  # k steps per split, at least: fewer only adds partial sums to merge
 # Knobs added after records existed, and the value a record without them was measured with.
-ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0}
+ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0,
+               "dequant_first": 0}
 MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
+# From this M, a weight may be dequantized first (`dequant_first`): its round trip through memory (a
+# 16-bit weight written and read back, besides the codes) moves 4 bytes per weight more than a fused
+# tile, about 40 us for 8192² at the H200's copy bandwidth: some 5% of the GEMM's time at M = 4096,
+# half of it at M = 512, and more than all of a fused GEMM at M <= 256, where it is not offered.
+DEQUANT_FIRST_MIN_M = 512
+DEQUANT_FIRST_DEFAULT_M = 2048  # and the default from here (measured: 5% of the staged 8192² GEMM at M = 4096)
 
 
 @functools.lru_cache(maxsize=256)
@@ -65,20 +74,33 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
     m, n, k, _ = _extents(wl)
     amd = target.vendor == "amd"
     gemv_rows = tuple(b for b in (1, 2, 4, 8) if m <= GEMV_MAX_M and b <= _p2(m))
-    return {"block_m": gemv_rows + tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(m))),
-            "block_n": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(n))),
-            "block_k": tuple(b for b in (32, 64, 128, 256, 512, 1024, 2048)
-                             if b % min_block_k(wl) == 0 and b <= max(min_block_k(wl), _p2(k))),
-            "num_warps": (2, 4, 8),
-            "num_stages": (1, 2) if amd else (1, 2, 3, 4, 5) if gemv_rows else (2, 3, 4, 5),
-            "group_m": (1, 8),
-            "split_k": (1, 2, 4, 8),
-            "persistent": (0, 1, 2),
-            "tma": (0, 1) if tma_operands(wl) and target.capability >= 90 else (0,),
-            "ptx_unpack": ((0, 1, 2) if gemv_rows and whole_block_groups(wl) else (0, 1))
-                          if target.vendor == "nvidia" and int4_affine(wl) else (0,),
-            "early_load": (0, 1) if gemv_rows and target.pdl else (0,),
-            "operand_scale": (0, 1) if target.vendor == "nvidia" and symmetric_block_groups(wl) else (0,)}
+    kn = {"block_m": gemv_rows + tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(m))),
+          "block_n": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(n))),
+          "block_k": tuple(b for b in (32, 64, 128, 256, 512, 1024, 2048)
+                           if b % min_block_k(wl) == 0 and b <= max(min_block_k(wl), _p2(k))),
+          "num_warps": (2, 4, 8),
+          "num_stages": (1, 2) if amd else (1, 2, 3, 4, 5) if gemv_rows else (2, 3, 4, 5),
+          "group_m": (1, 8),
+          "split_k": (1, 2, 4, 8),
+          "persistent": (0, 1, 2),
+          "tma": (0, 1) if tma_operands(wl) and target.capability >= 90 else (0,),
+          "ptx_unpack": ((0, 1, 2) if gemv_rows and whole_block_groups(wl) else (0, 1))
+                        if target.vendor == "nvidia" and int4_affine(wl) else (0,),
+          "early_load": (0, 1) if gemv_rows and target.pdl else (0,),
+          "operand_scale": (0, 1) if target.vendor == "nvidia" and symmetric_block_groups(wl) else (0,)}
+    dense = dequant_first_form(wl)
+    if dense is None:
+        return {**kn, "dequant_first": (0,)}
+    # dequantized first, the tiles take the dense op's knobs (16-bit k steps of 32 and 64, TMA)
+    kd = knobs(dense, target)
+    return {**{name: tuple(sorted(set(v) | set(kd[name]))) for name, v in kn.items()}, "dequant_first": (0, 1)}
+
+
+@functools.lru_cache(maxsize=256)
+def dequant_first_form(wl: Workload) -> Workload | None:
+    """The dense workload a weight dequantized first runs, where the space offers it, else None."""
+    forms = dequant_forms(wl)
+    return forms[1] if forms and _extents(wl)[0] >= DEQUANT_FIRST_MIN_M else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,6 +204,12 @@ def min_stages(target: Target, s: dict[str, Any]) -> int:
 
 
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    if s["dequant_first"]:
+        if s["ptx_unpack"] or s["operand_scale"]:
+            return "a weight dequantized first has no codes to unpack or scale"
+        return why_invalid(dequant_first_form(wl), target, {**s, "dequant_first": 0})
+    if s["tma"] and not tma_operands(wl):
+        return "TMA copies serve operands without a prologue (or a weight dequantized first)"
     if s["block_k"] % min_block_k(wl):
         return f"int4 words interleave {INT4_PERIOD} k: block_k must be a multiple of {INT4_PERIOD}"
     if operand_bytes(wl) == 1 and dtypes.is_float(operand_dtype(wl)) and _extents(wl)[2] % s["block_k"]:
@@ -228,6 +256,10 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
 def default(wl: Workload, target: Target) -> dict[str, int]:
     """Analytic choice per regime, shrunk until it satisfies the rules."""
     m, n, k, con = _extents(wl)
+    dense = dequant_first_form(wl)
+    if dense is not None and m >= DEQUANT_FIRST_DEFAULT_M:
+        # Thousands of rows share each weight tile: the dense op's tile on the weight dequantized first.
+        return {**default(dense, target), "dequant_first": 1}
     kn = knobs(wl, target)
     stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
     sms = max(int(target.sm_count), 1)
@@ -291,7 +323,7 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         one_byte = operand_bytes(wl) == 1
         s = {"block_m": 128, "block_n": 256 if wide else 128, "block_k": 128 if one_byte else 64, "num_warps": 8,
              "num_stages": (4 if one_byte else 3) if target.vendor != "amd" else stages, "group_m": 8,
-             "split_k": 1, "persistent": 0, "tma": int(not one_byte and 1 in kn["tma"])}
+             "split_k": 1, "persistent": 0, "tma": int(not one_byte and 1 in kn["tma"] and tma_operands(wl) is not None)}
     s = {**ADDED_KNOBS, **s}
     s["block_k"] = max(s["block_k"], min_block_k(wl))
     for key in ("block_m", "block_n", "block_k"):

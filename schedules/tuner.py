@@ -2,10 +2,13 @@
 
 Schedules the database already holds for this workload and target are never measured again, so a
 stopped tune resumes where it was. The analytic default is measured first, so a tune can only end with
-a best at least as fast as what `flashgen compile` gives untuned.
+a best at least as fast as what `flashgen compile` gives untuned. A workload whose weight can be
+dequantized first then tries its dense form's fastest records on the dequantized weight: that GEMM
+is the dense op's, whose records the model cannot map onto the quantized op's.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +22,11 @@ from flashgen.schedules.builder import Builder
 from flashgen.schedules.cost_model import CostModel
 from flashgen.schedules.measure import MeasureResult, Runner
 from flashgen.schedules.search import make_strategy
-from flashgen.schedules.space import ScheduleSpace
+from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target
-from flashgen.workload import Workload
+from flashgen.workload import Workload, dequant_forms, other_half, workload
+
+DENSE_SEEDS = 3  # the dense form's fastest records tried on a weight dequantized first
 
 
 @dataclass
@@ -72,6 +77,25 @@ def _record(wl: Workload, target: Target, device: str, r: MeasureResult) -> Reco
                   device=device, extra=extra)
 
 
+def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
+    """The fastest few records of the workload's dense form (in either 16-bit dtype) as schedules of
+    this space that dequantize first; none where the space cannot."""
+    forms = dequant_forms(space.workload)
+    if forms is None or 1 not in space.knobs()["dequant_first"]:
+        return []
+    dense = forms[1]
+    other = other_half(dense.attr)
+    keys = [dense.key] + ([workload(dense.op_name, **dense.dim, **other).key] if other else [])
+    recs = sorted((r for key in keys for r in db.records(key, space.target.id) if r.status == "ok"),
+                  key=lambda r: r.latency_us)
+    seeds: list[Schedule] = []
+    for r in recs:
+        s = space.complete({**r.schedule, "dequant_first": 1})
+        if space.is_valid(s) and s not in seeds:
+            seeds.append(s)
+    return seeds[:DENSE_SEEDS]
+
+
 def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: str = "evolutionary",
          seed: int = 0, batch: int = 16, builder: Builder | None = None, runner: Runner | None = None,
          device_name: str | None = None, progress: TextIO | None = None,
@@ -92,15 +116,17 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
     strat = make_strategy(strategy, space, model, seed,
                           measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in in_space])
     default = space.pinned_default()
-    pending_default = default is not None and schedule_key(default) not in known
-    total = min(trials, len(list(space)) - len(in_space))
+    pending = [c for c in ([default] if default is not None else []) + dense_seeds(space, db)
+               if schedule_key(space.complete(c)) not in known]
+    # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5)
+    total = min(trials, sum(1 for _ in itertools.islice(space, trials + len(in_space))) - len(in_space))
     bar = Progress(wl, total, roofline_us(wl, target), progress)
     history: list[float | None] = []
     try:
         while len(history) < total:
             want = min(batch, total - len(history))
-            cands = ([default] if pending_default else []) + strat.propose(want - int(pending_default))
-            pending_default = False
+            cands = pending + strat.propose(max(0, want - len(pending)))
+            pending = []
             keys = set(known)
             cands = [s for s in cands if schedule_key(s) not in keys and not keys.add(schedule_key(s))][:want]
             if not cands:

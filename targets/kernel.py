@@ -66,6 +66,9 @@ class Kernel:
     binary_kind: str            # "cubin" | "hsaco" | "so"
     metadata: dict[str, Any]
     launcher: Launcher = field(repr=False)
+    # A kernel of several launches (a weight dequantized first, then the dense GEMM: targets/staged.py)
+    # keeps each launch's kernel here, in order; its own source, asm and binary are the last one's.
+    parts: tuple["Kernel", ...] = field(default=(), repr=False)
     # Per call signature (each input's shape, dtype and last stride): the checked dims and the outputs'
     # shapes and dtypes, so a repeated call skips the checks (decode calls the same shapes all along).
     _calls: dict[tuple, tuple[dict[str, int], list[tuple[str, tuple[int, ...], torch.dtype]]]] = field(
@@ -124,6 +127,8 @@ class Kernel:
         return outs
 
     def files(self) -> dict[str, bytes]:
+        if self.parts:
+            return {name: data for part in self.parts for name, data in part.files().items()}
         ext = {"triton": "py", "tvm": "tvm.py"}[self.target.backend]
         out = {f"{self.name}.{ext}": self.source.encode(), f"{self.name}.{self.binary_kind}": self.binary}
         for kind, text in self.asm.items():

@@ -292,9 +292,10 @@ def test_aot_uses_matrix_instructions(op, kw, target):
 def test_contraction_defaults_valid():
     """Every op's default is in its space, for the Llama shapes and for a tiny model's (K=128, whose
     one-row GEMV tile needs fewer warps, not a shallower k step); a fused norm's 256-row int4 tile,
-    too big for shared memory with the norm's weight, halves its rows."""
+    too big for shared memory with the norm's weight, halves its rows; from 2048 rows a quantized
+    weight is dequantized first, under the dense op's tile."""
     for t in ("h200", "a100", "mi300x", "mi250"):
-        for m in (1, 16, 33, 256, 4096):
+        for m in (1, 16, 33, 256, 1024, 4096):
             for op, kw in CASES + [("gemm_fp8", {}), ("rmsnorm_gemm", {}), ("rmsnorm_gemm_w4a16", dict(G=128))]:
                 for n, k in ((6144, 4096), (256, 128)):
                     group = {"G": k} if kw.get("group") == "channel" else {"G": min(kw["G"], k)} if "G" in kw else {}
@@ -303,8 +304,13 @@ def test_contraction_defaults_valid():
                     assert space.why_invalid(space.default()) is None, (wl, t)
     tiny = ScheduleSpace(flashgen.workload("gemm", M=1, N=256, K=128, dtype="bf16"), get_target("h200")).default()
     assert (tiny["block_k"], tiny["num_warps"], tiny["num_stages"]) == (128, 2, 3), tiny
-    big = ScheduleSpace(flashgen.workload("rmsnorm_gemm_w4a16", M=4096, N=6144, K=4096, G=128), get_target("h200")).default()
-    assert (big["block_m"], big["block_n"], big["num_warps"]) == (128, 128, 8), big
+    big = ScheduleSpace(flashgen.workload("rmsnorm_gemm_w4a16", M=1024, N=6144, K=4096, G=128), get_target("h200")).default()
+    assert (big["block_m"], big["block_n"], big["num_warps"], big["dequant_first"]) == (128, 128, 8, 0), big
+    for op in ("gemm_w4a16", "rmsnorm_gemm_w4a16", "gemm_w8a16"):
+        wl = flashgen.workload(op, M=4096, N=6144, K=4096, **({"G": 128} if "w4" in op else {}))
+        dense = ScheduleSpace(flashgen.workload(op.replace("_w4a16", "").replace("_w8a16", ""), M=4096, N=6144, K=4096),
+                              get_target("h200")).default()
+        assert ScheduleSpace(wl, get_target("h200")).default() == {**dense, "dequant_first": 1}, op
 
 
 def test_shared_memory_rule_counts_what_prologues_load():
@@ -587,3 +593,80 @@ def test_default_quality_replay(tmp_path, monkeypatch):
     out = json.loads((tmp_path / "dq.json").read_text())
     assert out["rows"] == [["gemm", "bf16", "M=1 N=4096 K=4096", 16.0, 10.0, 0.625]]
     assert "1 more have records but none of their default" in (tmp_path / "dq.md").read_text()
+
+
+DEQUANT = [("dequant_w4a16", dict(N=40, K=320, G=64, zp="asym")), ("dequant_w4a16", dict(N=33, K=256, G=256, group="channel")),
+           ("dequant_w4a16", dict(N=7, K=200, G=40)), ("dequant_w8a16", dict(N=37, K=200))]
+
+
+@pytest.mark.parametrize("op, kw", DEQUANT, ids=[f"{o}-{'-'.join(map(str, kw.values()))}" for o, kw in DEQUANT])
+def test_dequant_ops_numerics(interpreter, op, kw):
+    """The weight prologues as pointwise ops: int4 codes less their zero point times their group or
+    channel scale (K=200 and 320 pad the last packed block), int8 codes times the channel scale; odd
+    N leaves a partial row tile."""
+    wl = flashgen.workload(op, dtype="fp16" if "zp" in kw else "bf16", **kw)
+    space = ScheduleSpace(wl, get_target("h200"))
+    for s in (space.default(), {"block_r": 4, "block_c": 64, "num_warps": 2}):
+        assert space.is_valid(s), space.why_invalid(s)
+        for c in interpreter.check(wl, s, "h200", seed=5):
+            assert c.ok, c
+
+
+STAGED = [("gemm_w4a16", dict(G=64, zp="asym"), 320, 1), ("gemm_w4a16", dict(G=320, group="channel", with_bias="yes"), 320, 1),
+          ("gemm_w8a16", dict(with_residual="yes"), 200, 0), ("rmsnorm_gemm_w4a16", dict(G=128), 256, 0)]
+
+
+@pytest.mark.parametrize("op, kw, k, tma", STAGED, ids=[f"{o}-{'-'.join(map(str, kw.values()))}" for o, kw, _, _ in STAGED])
+def test_dequant_first_numerics(interpreter, op, kw, k, tma):
+    """dequant_first: the weight dequantized by its own kernel into a scratch buffer, then the dense
+    op's tiles (TMA copies where the operands allow; a fused norm runs in the dense op) on it. M=515,
+    N=40 and K=200 / 320 leave partial tiles on every side; two seeds reuse the scratch weight."""
+    wl = flashgen.workload(op, M=515, N=40, K=k, dtype="fp16", **kw)
+    s = {"block_m": 64, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 8,
+         "dequant_first": 1, "tma": tma}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s), ScheduleSpace(wl, get_target("h200")).why_invalid(s)
+    for seed in (8, 9):
+        for c in interpreter.check(wl, s, "h200", seed=seed):
+            assert c.ok, c
+
+
+def test_dequant_first_rules_and_build(tmp_path):
+    """The knob is offered to ops with a weight prologue from DEQUANT_FIRST_MIN_M rows, with the dense
+    op's knobs (16-bit k steps, TMA) and rules, never with code unpacking; from 2048 rows it is the
+    default. The sm_90 binary of the GEMM is warpgroup MMA on TMA copies; the kernel saves both parts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import opcodes, summary
+    from flashgen.schedules.contraction_space import DEQUANT_FIRST_MIN_M
+    h200 = get_target("h200")
+    wl = flashgen.workload("gemm_w4a16", M=4096, N=512, K=1024, G=128, dtype="bf16")
+    space = ScheduleSpace(wl, h200)
+    assert space.knobs()["dequant_first"] == (0, 1) and 64 in space.knobs()["block_k"] and space.knobs()["tma"] == (0, 1)
+    assert ScheduleSpace(wl.with_dims(M=DEQUANT_FIRST_MIN_M - 1), h200).knobs()["dequant_first"] == (0,)
+    for op in ("gemm", "gemm_w8a8", "gemm_fp8"):
+        assert ScheduleSpace(flashgen.workload(op, M=4096, N=512, K=1024), h200).knobs()["dequant_first"] == (0,)
+    s = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": 1,
+         "dequant_first": 1}
+    assert space.is_valid(s)
+    assert "no codes to unpack" in space.why_invalid({**s, "ptx_unpack": 1})
+    assert "TMA" in space.why_invalid({**s, "dequant_first": 0, "block_k": 128})
+    assert "int4 words" in space.why_invalid({**s, "dequant_first": 0, "tma": 0})
+    assert space.default()["dequant_first"] == 1
+    assert ScheduleSpace(wl.with_dims(M=1024), h200).default()["dequant_first"] == 0
+    k = flashgen.compile(wl, "sm_90", schedule=s)
+    assert [p.workload.op_name for p in k.parts] == ["dequant_w4a16", "gemm"]
+    sass = summary(opcodes(k.binary))
+    assert sass["wgmma"] > 0 and sass["tma"] > 0, sass
+    names = {p.name for p in k.save(tmp_path)}
+    assert {"dequant_w4a16_kernel.cubin", "gemm_kernel.cubin", "gemm_w4a16_staged.json"} <= names
+    amd = flashgen.compile(wl, "gfx942", schedule={**s, "tma": 0, "block_n": 128, "num_stages": 2})
+    assert [p.binary_kind for p in amd.parts] == ["hsaco", "hsaco"]
+
+
+def test_word_unpacking_pointwise_default():
+    """A pointwise op that shifts codes out of loaded words gets 64 columns a thread (2048 a program,
+    one warp), so each thread loads its words once for four codes; other pointwise ops keep 8."""
+    h200 = get_target("h200")
+    w4 = ScheduleSpace(flashgen.workload("dequant_w4a16", N=8192, K=4096, G=128), h200).default()
+    assert w4 == {"block_r": 1, "block_c": 2048, "num_warps": 1}
+    w8 = ScheduleSpace(flashgen.workload("dequant_w8a16", N=8192, K=4096), h200).default()
+    assert w8["block_c"] * w8["block_r"] // (w8["num_warps"] * 32) == 8

@@ -54,7 +54,7 @@ def test_row_count_differs_from_compiled():
 
 
 GEMM_CASES = [flashgen.workload(op, M=m, N=320, K=512, dtype=dt, **kw)
-              for m in (1, 17, 256) for dt in ("bf16", "fp16")
+              for m in (1, 17, 256, 2100) for dt in ("bf16", "fp16")
               for op, kw in (("gemm", {}), ("gemm_w8a16", {}), ("gemm_w4a16", {"G": 128}),
                              ("gemm_w4a16", {"G": 512, "group": "channel", "zp": "asym"}),
                              ("gemm_w4a16", {"G": 64, "zp": "asym"}), ("gemm_w8a8", {}),
@@ -64,7 +64,8 @@ GEMM_CASES = [flashgen.workload(op, M=m, N=320, K=512, dtype=dt, **kw)
 
 @pytest.mark.parametrize("wl", GEMM_CASES, ids=case_id)
 def test_gemm_on_gpu(wl):
-    """bf16 GEMMs are checked here only: Triton's interpreter multiplies bf16 dot operands wrongly."""
+    """bf16 GEMMs are checked here only: Triton's interpreter multiplies bf16 dot operands wrongly.
+    At M=2100 the quantized ops' defaults dequantize the weight first."""
     kernel = flashgen.compile(wl, TARGET)
     for c in check(wl, _run(kernel), 1, DEVICE):
         assert c.ok, (c, kernel.schedule)
@@ -207,6 +208,40 @@ def test_tma_tiles_on_gpu(op, kw):
             assert c.ok, (c, seed)
     inputs = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(14))
     inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
+    out = poisoned(wl, wl.dim, DEVICE)
+    kernel.run(inputs, out, wl.op.params)
+    eager = {k: v.clone() for k, v in out.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.run(inputs, out, wl.op.params)
+    for v in out.values():
+        v.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for k, v in out.items():
+        assert torch.equal(v, eager[k]), k
+
+
+STAGED_CASES = [("gemm_w4a16", {"G": 128}, 1152, 1), ("gemm_w4a16", {"G": 80, "zp": "asym", "with_residual": "yes"}, 1040, 0),
+                ("gemm_w4a16", {"G": 1040, "group": "channel"}, 1040, 1), ("gemm_w8a16", {"with_bias": "yes"}, 1040, 1)]
+
+
+@pytest.mark.parametrize("op, kw, k, tma", STAGED_CASES, ids=[f"{o}-{len(kw)}-tma{t}" for o, kw, _, t in STAGED_CASES])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_dequant_first_on_gpu(op, kw, k, tma, dt):
+    """A weight dequantized by its own kernel, then the dense GEMM on it (TMA tiles where the target
+    has them), tails on every side (M=600, N=1000, K=1040 under 64-deep k steps), twice; then
+    replayed from a CUDA graph captured with a different input."""
+    wl = flashgen.workload(op, M=600, N=1000, K=k, dtype=dt, **kw)
+    tma = tma if ScheduleSpace(wl, TARGET).knobs()["tma"] != (0,) else 0
+    s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": tma,
+         "dequant_first": 1}
+    assert ScheduleSpace(wl, TARGET).is_valid(s), ScheduleSpace(wl, TARGET).why_invalid(s)
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    for seed in (41, 42):
+        for c in check(wl, _run(kernel), seed, DEVICE):
+            assert c.ok, (c, seed)
+    inputs = {k: v.to(DEVICE) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(43)).items()}
     out = poisoned(wl, wl.dim, DEVICE)
     kernel.run(inputs, out, wl.op.params)
     eager = {k: v.clone() for k, v in out.items()}

@@ -89,3 +89,22 @@ def test_tune_fix_pins_a_knob_and_counts_only_its_subspace(tmp_path, capsys):
         code = main(["tune", "silu_mul", "--dim", "M=16", "--dim", "N=1000", "--dtype", "fp32", "--target", "cpu",
                      "--trials", "1", "--db", str(tmp_path / "t.db"), *bad])
         assert code == 2 and msg in capsys.readouterr().err
+
+
+def test_tune_seeds_a_weight_dequantized_first_with_dense_records(tmp_path):
+    """A tune of a quantized GEMM that may dequantize first tries the fastest records of its dense
+    form (here recorded in the other 16-bit dtype) as its first candidates, with dequant_first=1."""
+    from flashgen.db import Record
+    from flashgen.schedules.tuner import dense_seeds
+    h200 = get_target("h200")
+    dense = flashgen.workload("gemm", M=4096, N=512, K=1024, dtype="bf16")
+    fast = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4, "group_m": 8, "tma": 1}
+    slow = {**fast, "num_stages": 3, "persistent": 2}
+    with Database(tmp_path / "db.sqlite") as db:
+        db.add_many([Record(workload_key=dense.key, workload=dense.to_json(), target_key=h200.id, schedule=s,
+                            status="ok", latency_us=us, spread_us=0.1, device="NVIDIA H200") for s, us in ((slow, 90.0), (fast, 80.0))])
+        wl = flashgen.workload("gemm_w4a16", M=4096, N=512, K=1024, G=128, dtype="fp16")
+        seeds = dense_seeds(ScheduleSpace(wl, h200), db)
+        assert [(s["num_stages"], s["dequant_first"]) for s in seeds] == [(4, 1), (3, 1)]
+        assert dense_seeds(ScheduleSpace(wl.with_dims(M=256), h200), db) == []
+        assert dense_seeds(ScheduleSpace(wl, h200, (("dequant_first", 0),)), db) == []

@@ -11,7 +11,7 @@ from flashgen.check import check
 from flashgen.errors import FlashgenError
 from flashgen.oplib import OPS
 
-ROW_OPS = [name for name, o in OPS.items() if o.kclass in ("rowwise", "pointwise")]
+ROW_OPS = [name for name, o in OPS.items() if o.kclass in ("rowwise", "pointwise") and "M" in o.dims]
 from flashgen.schedules.space import CPU_MAX_BLOCK_C, ScheduleSpace, domain
 from flashgen.targets import get_target
 from flashgen.workload import Workload, workload
@@ -47,6 +47,11 @@ CASES += [workload("rope", M=m, Hq=4, Hkv=2, D=64, L=50, style=s, dtype=dt)
           for m, dt in ((3, "fp32"), (17, "bf16")) for s in ("neox", "gptj")]
 CASES += [workload(op, M=17, N=5120, dtype=dt, **({"out_dtype": "int8"} if "quant" in op else {}))
           for op in ROW_OPS if not op.startswith("rope") for dt in ("fp32", "bf16")]
+# weights dequantized (the ops over a weight's N x K): int4 codes with zero points and a padded last
+# block of 128 k, per-channel scales, int8 codes
+CASES += [workload("dequant_w4a16", N=33, K=320, G=64, zp="asym", dtype="bf16"),
+          workload("dequant_w4a16", N=7, K=256, G=256, group="channel", dtype="fp16"),
+          workload("dequant_w8a16", N=17, K=200, dtype="bf16")]
 
 
 def test_cases_cover_the_brief():

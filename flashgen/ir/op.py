@@ -116,6 +116,9 @@ class Op:
     # fused work (`fused_attrs`, such as epilogues) at their first values.
     plain: str = ""
     fused_attrs: tuple[str, ...] = ()
+    # A contraction with a weight prologue: (the pointwise op that writes its weight dequantized, the
+    # contraction op that runs on that weight), for schedules that dequantize first (`dequant_first`).
+    dequant: tuple[str, str] = ()
 
     def plain_form(self, attrs: Attrs) -> tuple[str, dict[str, str]]:
         """The op name and attrs whose records serve a workload of these attrs that has none."""

@@ -85,7 +85,7 @@ def fit_out_scale(t: dict, y: torch.Tensor) -> None:
 
 
 def _contraction_op(name: str, doc: str, dims: tuple, inputs: tuple, attrs: dict, prologue, base_ref, make,
-                    check=lambda d, a: None) -> Op:
+                    check=lambda d, a: None, dequant: tuple[str, str] = ()) -> Op:
     """A GEMM op: `prologue(attrs)` gives (Contract statement, scaled accumulator expression)."""
     def build(a):
         con, y = prologue(a)
@@ -94,7 +94,8 @@ def _contraction_op(name: str, doc: str, dims: tuple, inputs: tuple, attrs: dict
     return Op(name=name, kclass="contraction", doc=doc, dims=dims, row_dims=("M",),
               inputs=inputs + EPILOGUE_INPUTS, outputs=OUTPUTS, domain=(M, N), attrs={**attrs, **EPILOGUE},
               build=build, reference=lambda t, p, d, a: _epilogue_ref(base_ref(t, p, d, a), t, a),
-              make_inputs=_with_epilogue(make, base_ref), check_dims=check, fused_attrs=tuple(EPILOGUE))
+              make_inputs=_with_epilogue(make, base_ref), check_dims=check, fused_attrs=tuple(EPILOGUE),
+              dequant=dequant)
 
 
 def _xw_inputs(d, a, g, w_dtype: str | None = None) -> dict:
@@ -116,21 +117,33 @@ def _w8a16_inputs(d, a, g) -> dict:
     return {"x": x, "w": qw.codes, "w_scale": qw.scales[:, 0].contiguous()}
 
 
+def _w8_weight_ref(t, d, a) -> torch.Tensor:
+    return f64(t["w"]) * f64(t["w_scale"])[:, None]
+
+
 W8A16 = _contraction_op(
     "gemm_w8a16", "y = epilogue(x @ (w_int8 * w_scale[n]).T): int8 weights, per-channel fp32 scales, "
     "fp16/bf16 activations", ("M", "N", "K"),
     (TensorSpec("x", (M, K), DTYPE), TensorSpec("w", (N, K), "int8"), TensorSpec("w_scale", (N,), "fp32")),
     {"dtype": HALF},
     lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, DTYPE), Ref("acc") * Load("w_scale", (c,))),
-    lambda t, p, d, a: f64(t["x"]) @ (f64(t["w"]) * f64(t["w_scale"])[:, None]).T, _w8a16_inputs)
+    lambda t, p, d, a: f64(t["x"]) @ _w8_weight_ref(t, d, a).T, _w8a16_inputs, dequant=("dequant_w8a16", "gemm"))
+
+
+def _w4_codes(a) -> E.Expr:
+    """The int4 code at (c, k) less its zero point."""
+    return int4_code("w_packed") - (Const(8) if a["zp"] == "sym" else Load("zeros", (c, k // Dim("G"))))
+
+
+def _w4_weight(a) -> E.Expr:
+    """The dequantized weight at (c, k); per-channel scales have G = K, so k // G is their column 0."""
+    return _w4_codes(a) * Load("scales", (c, k // Dim("G")))
 
 
 def _w4_prologue(a) -> tuple:
-    code = int4_code("w_packed")
-    zero = Const(8) if a["zp"] == "sym" else Load("zeros", (c, k // Dim("G")))
     if a["group"] == "channel":
-        return Contract("acc", Load("x", (r, k)), code - zero, K, DTYPE), Ref("acc") * Load("scales", (c, 0))
-    return Contract("acc", Load("x", (r, k)), (code - zero) * Load("scales", (c, k // Dim("G"))), K, DTYPE), Ref("acc")
+        return Contract("acc", Load("x", (r, k)), _w4_codes(a), K, DTYPE), Ref("acc") * Load("scales", (c, 0))
+    return Contract("acc", Load("x", (r, k)), _w4_weight(a), K, DTYPE), Ref("acc")
 
 
 def _w4_inputs(d, a, g) -> dict:
@@ -143,11 +156,14 @@ def _w4_inputs(d, a, g) -> dict:
     return t
 
 
-def _w4_reference(t, p, d, a) -> torch.Tensor:
+def _w4_weight_ref(t, d, a) -> torch.Tensor:
     codes = unpack_int4(t["w_packed"], d["K"]).to(torch.float64)
     zeros = f64(t["zeros"]) if a["zp"] == "asym" else torch.full_like(f64(t["scales"]), 8.0)
-    w = (codes - zeros.repeat_interleave(d["G"], 1)) * f64(t["scales"]).repeat_interleave(d["G"], 1)
-    return f64(t["x"]) @ w.T
+    return (codes - zeros.repeat_interleave(d["G"], 1)) * f64(t["scales"]).repeat_interleave(d["G"], 1)
+
+
+def _w4_reference(t, p, d, a) -> torch.Tensor:
+    return f64(t["x"]) @ _w4_weight_ref(t, d, a).T
 
 
 def _w4_dims(d, a) -> str | None:
@@ -168,7 +184,7 @@ W4A16 = _contraction_op(
     # group: scales per G consecutive k (applied in the k loop), or channel: G=K, applied to the sum.
     # pack: the packed layout the kernels read (a new layout is a new workload, with records of its own).
     {"dtype": HALF, "zp": ("sym", "asym"), "group": ("group", "channel"), "pack": ("k128",)},
-    _w4_prologue, _w4_reference, _w4_inputs, _w4_dims)
+    _w4_prologue, _w4_reference, _w4_inputs, _w4_dims, dequant=("dequant_w4a16", "gemm"))
 
 
 def _scaled_inputs(d, a, g, qdtype: str) -> dict:
@@ -202,7 +218,41 @@ FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
               "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90)")
 
 
+def dequant_form(base: Op, weight, weight_ref) -> Op:
+    """The weight prologue of `base` (`weight(attrs)`, over (c, k)) as a pointwise op over (N, K)
+    that writes the weight in the activation dtype: `base.dequant`'s first op. Schedules with
+    `dequant_first` run it and then the dense GEMM on its output; at thousands of rows the matrix
+    tiles then do no unpacking, and the weight's round trip through memory costs a few percent of
+    their time (schedules/contraction_space.py)."""
+    axes = {"c": r, "k": c}  # the weight's (column of y, k) are this op's (row, column)
+    weight_in = tuple(t for t in base.inputs if t.name != "x" and t not in EPILOGUE_INPUTS)
+    attrs = {a: v for a, v in base.attrs.items() if a not in EPILOGUE}
+    plain = {a: v[0] for a, v in EPILOGUE.items()}
+
+    def build(a) -> tuple:
+        w = E.transform(weight(a), lambda n: axes.get(n.axis, n) if isinstance(n, Index) else n)
+        return (Store("weight", (r, c), w),)
+
+    def make_inputs(d, a, g) -> dict:
+        t = base.make_inputs({**d, "M": 1}, {**a, **plain}, g)
+        return {n: v for n, v in t.items() if n in {s.name for s in weight_in}}
+
+    return Op(name=base.dequant[0], kclass="pointwise", doc=f"the weight of {base.name}, dequantized to the activation dtype",
+              dims=tuple(d for d in base.dims if d != "M"), row_dims=("N",), inputs=weight_in,
+              outputs=(TensorSpec("weight", (N, K), DTYPE),), domain=(N, K), attrs=attrs, build=build,
+              reference=lambda t, p, d, a: {"weight": weight_ref(t, d, a)}, make_inputs=make_inputs,
+              check_dims=base.check_dims)
+
+
+DEQUANT_W8A16 = dequant_form(W8A16, lambda a: Load("w", (c, k)) * Load("w_scale", (c,)), _w8_weight_ref)
+DEQUANT_W4A16 = dequant_form(W4A16, _w4_weight, _w4_weight_ref)
+
 PARAMS = {"eps": 1e-6}  # the fused norm's
+
+
+def _fused_dequant(base: Op, prefix: str) -> tuple[str, str]:
+    """A fused variant's weight dequantizes as its base's, and the dense op runs the same fusion."""
+    return (base.dequant[0], prefix + base.dequant[1]) if base.dequant else ()
 
 
 def rmsnorm_fused(base: Op) -> Op:
@@ -237,7 +287,7 @@ def rmsnorm_fused(base: Op) -> Op:
     inputs = (base.inputs[0], TensorSpec("norm_w", (K,), DTYPE), *base.inputs[1:])  # required before optional
     return replace(base, name=f"rmsnorm_{base.name}", doc=f"{base.doc}, x RMS-normalized on the way in (rmsnorm(x) * norm_w)",
                    inputs=inputs, build=build, reference=reference, make_inputs=make_inputs,
-                   params=PARAMS, plain=base.name)
+                   params=PARAMS, plain=base.name, dequant=_fused_dequant(base, "rmsnorm_"))
 
 
 def silu_mul_fused(base: Op) -> Op:
@@ -269,8 +319,8 @@ def silu_mul_fused(base: Op) -> Op:
     inputs = (TensorSpec("xg", (M, Const(2) * K), DTYPE), *base.inputs[1:])
     return replace(base, name=f"silu_mul_{base.name}", doc=f"{base.doc}, x = silu(g) * u of xg = [g | u] (M x 2K)",
                    inputs=inputs, build=build, reference=lambda t, p, d, a: base.reference(gated_inputs(t), p, d, a),
-                   make_inputs=make_inputs, plain=base.name)
+                   make_inputs=make_inputs, plain=base.name, dequant=_fused_dequant(base, "silu_mul_"))
 
 
-OPS = (GEMM, W8A16, W4A16, W8A8, FP8) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
+OPS = (GEMM, W8A16, W4A16, W8A8, FP8, DEQUANT_W8A16, DEQUANT_W4A16) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
                                              for op in (GEMM, W8A16, W4A16))

@@ -10,7 +10,7 @@ import triton
 
 from flashgen import __version__
 from flashgen.schedules.space import Schedule
-from flashgen.targets import artifacts
+from flashgen.targets import artifacts, staged
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
 from flashgen.targets.triton.build import ast_source, compile_aot, for_target, load_compiled
@@ -29,6 +29,9 @@ def cache_key(ks: KernelSource, schedule: Schedule, target: Target) -> str:
 
 
 def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
+    parts = staged.plan(wl, schedule, target)
+    if parts is not None:
+        return staged.kernel(wl, schedule, target, *(build(w, s, target) for w, s in parts))
     ks = for_target(generate(wl, schedule), target)
     key = cache_key(ks, schedule, target)
     files = artifacts.lookup(key)

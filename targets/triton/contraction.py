@@ -644,6 +644,7 @@ def _merge_splits(top: Scope, acc: str, acc_type: str) -> Scope:
 
 
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
+    assert not s.get("dequant_first"), "a weight dequantized first is two kernels (targets/staged.py)"
     op, attrs = wl.op, wl.attr
     body = op.body(attrs)
     lets = {st.name: st.value for st in body if isinstance(st, Let)}

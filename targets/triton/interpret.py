@@ -18,13 +18,15 @@ from flashgen.workload import Workload
 
 def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seeds: list[int],
                     params: dict[str, float] | None) -> list[dict[str, Any]]:
+    from flashgen.targets import staged
     from flashgen.targets.descriptor import get_target
     from flashgen.targets.kernel import bind_dims
     from flashgen.targets.triton.codegen import generate
     from flashgen.targets.triton.launch import TritonLauncher
 
     wl = Workload.from_json(wl_json)
-    launcher = TritonLauncher(generate(wl, schedule), wl, get_target(target_name))
+    target = get_target(target_name)
+    launcher = staged.launcher(wl, schedule, target, lambda w, s: TritonLauncher(generate(w, s), w, target))
 
     def run(inputs, outputs, full_params):
         launcher({**inputs, **outputs}, full_params, bind_dims(wl, inputs))

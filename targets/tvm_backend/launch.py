@@ -34,7 +34,7 @@ class TVMLauncher:
                 dims: Mapping[str, int]) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
         out: list[Any] = []
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        outputs = {t.name for t in self.wl.op.outputs} | {t.name for t in self.wl.op.inputs if t.written}
+        outputs = {t.name for t in self.wl.outputs} | {t.name for t in self.wl.inputs if t.written}
         for a in self.args:
             if a.kind == "tensor":
                 t = tensors[a.tensor]

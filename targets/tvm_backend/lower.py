@@ -50,7 +50,7 @@ SCALAR_ONLY = ("erf",)  # a column loop computing one of these runs serially
 BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})",
           "floordiv": "T.floordiv({}, {})", "mod": "T.floormod({}, {})", "max": "T.max({}, {})",
           "min": "T.min({}, {})", "lt": "({} < {})", "le": "({} <= {})", "gt": "({} > {})",
-          "ge": "({} >= {})", "eq": "({} == {})"}
+          "ge": "({} >= {})", "eq": "({} == {})", "shr": "({} >> {})", "and": "({} & {})"}
 COMPARE = ("lt", "le", "gt", "ge", "eq")
 IDENTITY = {"sum": 'T.float32(0.0)', "max": 'T.float32("-inf")'}
 FOLD = {"sum": "{} + {}", "max": "T.max({}, {})"}
@@ -112,7 +112,7 @@ class _Gen:
         self.row_dims = set(self.op.row_dims)
         taken = set(RESERVED) | set(self.op.dims)
         self.buf: dict[str, str] = {}
-        for t in self.op.inputs + self.op.outputs:
+        for t in self.wl.inputs + self.wl.outputs:  # the tensors present for the workload's attrs
             self.buf[t.name] = t.name if t.name not in taken else f"{t.name}_buf"
             taken.add(self.buf[t.name])
         self.param: dict[str, str] = {}
@@ -299,7 +299,7 @@ class _Gen:
         dt = self.tdtype(e.tensor)
         if dt == "bf16":
             code = f'T.reinterpret("float32", T.shift_left(T.Cast("uint32", {code}), T.uint32(16)))'
-        elif dt == "fp16":
+        elif dt == "fp16" or self.kind(e) == "f32" and not dtypes.is_float(dt):  # int8 codes compute in fp32
             code = f'T.Cast("float32", {code})'
         elif dt != "fp32" and dtypes.is_float(dt):
             raise NotImplementedError(f"the cpu target does not read {dt} tensors")
@@ -440,9 +440,9 @@ class _Gen:
     # ---- function ----------------------------------------------------------------------------
     def args(self) -> list[Arg]:
         op = self.op
-        out = [Arg(f"{self.buf[t.name]}_h", "tensor", t.name, self.tdtype(t.name))
-               for t in op.inputs + op.outputs]
-        bound = {e.name for t in op.inputs + op.outputs for e in t.shape if isinstance(e, E.Dim)}
+        present = self.wl.inputs + self.wl.outputs
+        out = [Arg(f"{self.buf[t.name]}_h", "tensor", t.name, self.tdtype(t.name)) for t in present]
+        bound = {e.name for t in present for e in t.shape if isinstance(e, E.Dim)}
         out += [Arg(d, "dim") for d in op.row_dims if d not in bound]
         out += [Arg(self.param[p], "param") for p in op.params]
         return out

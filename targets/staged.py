@@ -1,0 +1,87 @@
+"""Contractions that dequantize their weight first (`dequant_first`): two launches, one kernel.
+
+A quantized GEMM's weight prologue (int4 codes less their zero point, times their scale) runs as its
+own pointwise kernel (the op's `dequant` form, flashgen/oplib/gemm.py), which writes the weight in the
+activation dtype to a scratch buffer; the dense GEMM then runs on that buffer with the schedule's
+tiles. The matrix tiles so take plain 16-bit operands (TMA copies on sm_90) and no unpacking work,
+which pays where thousands of rows share each weight tile; the space offers it only there
+(schedules/contraction_space.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from flashgen.ir import dtypes
+from flashgen.ir.op import Contract, eval_int
+from flashgen.schedules.space import Schedule, ScheduleSpace
+from flashgen.targets.descriptor import Target
+from flashgen.targets.kernel import Kernel, Launcher
+from flashgen.workload import Workload, dequant_forms
+
+STAGE_OUTPUT = "weight"  # the dequant op's one output
+
+
+def plan(wl: Workload, schedule: Schedule, target: Target) -> tuple[tuple[Workload, Schedule], tuple[Workload, Schedule]] | None:
+    """((the dequant workload, its schedule), (the dense workload, its schedule)) for a schedule that
+    dequantizes first, else None. The dequant kernel takes its space's analytic default."""
+    if not schedule.get("dequant_first"):
+        return None
+    forms = dequant_forms(wl)
+    assert forms is not None, f"{wl.op_name} has no dequant form"
+    stage, dense = forms
+    return (stage, ScheduleSpace(stage, target).default()), (dense, {k: v for k, v in schedule.items() if k != "dequant_first"})
+
+
+def weight_input(dense: Workload) -> str:
+    """The dense op's weight tensor: the one its contraction's W operand loads."""
+    [con] = [st for st in dense.op.body(dense.attr) if isinstance(st, Contract)]
+    return con.b.tensor
+
+
+class StagedLauncher:
+    """Runs the dequant launcher into a scratch weight (one per device, kept), then the dense one on it."""
+
+    def __init__(self, stage: tuple[Workload, Launcher], main: tuple[Workload, Launcher]):
+        (self.stage_wl, self.stage), (self.main_wl, self.main) = stage, main
+        self.stage_inputs = tuple(t.name for t in self.stage_wl.inputs)
+        self.weight_name = weight_input(self.main_wl)
+        self.main_tensors = tuple(t.name for t in self.main_wl.inputs + self.main_wl.outputs if t.name != self.weight_name)
+        self._weights: dict[str, torch.Tensor] = {}
+
+    def weight(self, device: torch.device) -> torch.Tensor:
+        w = self._weights.get(str(device))
+        if w is None:
+            w = self._weights[str(device)] = torch.empty(
+                self.stage_wl.shape(STAGE_OUTPUT), dtype=dtypes.TORCH[self.stage_wl.tensor_dtype(STAGE_OUTPUT)],
+                device=device)
+        return w
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
+                 dims: Mapping[str, int]) -> None:
+        if eval_int(self.main_wl.op.domain[0], dims) == 0:
+            return
+        w = self.weight(next(iter(tensors.values())).device)
+        self.stage({**{n: tensors[n] for n in self.stage_inputs}, STAGE_OUTPUT: w}, {}, self.stage_wl.dim)
+        self.main({**{n: tensors[n] for n in self.main_tensors}, self.weight_name: w}, params, dims)
+
+
+def launcher(wl: Workload, schedule: Schedule, target: Target,
+             make: Callable[[Workload, Schedule], Launcher]) -> Launcher:
+    """`make(wl, schedule)`, or for a schedule that dequantizes first the staged pair of launchers."""
+    p = plan(wl, schedule, target)
+    if p is None:
+        return make(wl, schedule)
+    (stage, ss), (dense, ds) = p
+    return StagedLauncher((stage, make(stage, ss)), (dense, make(dense, ds)))
+
+
+def kernel(wl: Workload, schedule: Schedule, target: Target, stage: Kernel, main: Kernel) -> Kernel:
+    """One Kernel of the two built parts: the dense GEMM's source and binary, both parts' files."""
+    parts = [{"workload": k.workload.to_json(), "schedule": k.schedule, **k.metadata} for k in (stage, main)]
+    return Kernel(workload=wl, target=target, schedule=schedule, name=f"{wl.op_name}_staged", source=main.source,
+                  asm=main.asm, binary=main.binary, binary_kind=main.binary_kind,
+                  metadata={**main.metadata, "parts": parts},
+                  launcher=StagedLauncher((stage.workload, stage.launcher), (main.workload, main.launcher)),
+                  parts=(stage, main))
