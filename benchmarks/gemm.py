@@ -5,6 +5,7 @@ database's best is what is timed.
 
     python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
         [--shapes 8192x8192,qkv,o,gate_up,down] [--name gemm] [--fix tma=1 ...] [--rounds 2]
+        [--variant dequant_chunks=4 ...]
 
 Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
 dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
@@ -27,6 +28,7 @@ import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.quant import unpack_int4  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
+from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
 from flashgen.targets.triton.launch import device_arch  # noqa: E402
@@ -70,6 +72,12 @@ def peer(op: str, ins: dict):
         return None
 
 
+def _same_outputs(a: dict, b: dict) -> bool:
+    """Whether two kernels' outputs agree within 1% of the largest value (a variant checked against
+    the best schedule, which the tuner checked against the float64 reference)."""
+    return all((a[n].float() - b[n].float()).abs().max() <= 1e-2 * b[n].float().abs().max() for n in b)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", required=True)
@@ -80,10 +88,13 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="gemm", help="result files: <out-dir>/<name>.json and .md")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds of flashgen and its peer")
+    ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE",
+                    help="also time the best schedule with this knob changed, side by side (repeatable; a row each)")
     ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
                     help="tune only schedules with this knob value (repeatable); the database's best is timed")
     args = ap.parse_args()
     fixed = {k: int(v) for k, _, v in (f.partition("=") for f in args.fix)}
+    variants = [(k, int(v)) for k, _, v in (f.partition("=") for f in args.variant)]
     dev = torch.device("cuda")
     target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
     bw = copy_gbs()
@@ -107,6 +118,16 @@ def main() -> None:
                     ins = {kk: v.to(dev) for kk, v in wl.op.make_inputs(wl.dim, wl.attr, gen).items()}
                     out = kern.run(ins)
                     fns = {"flashgen": lambda: kern.run(ins, out)}
+                    scheds = {"flashgen": kern.schedule}
+                    space = ScheduleSpace(wl, target)
+                    for knob, value in variants:
+                        s = {**space.complete(kern.schedule), knob: value}
+                        if s != space.complete(kern.schedule) and space.is_valid(s):
+                            vk = flashgen.compile(wl, target, schedule=s)
+                            if not _same_outputs(vk.run(ins), out):  # timed only if it computes what the best does
+                                print(f"  variant {knob}={value}: outputs differ from the best schedule's; not timed")
+                                continue
+                            fns[f"{knob}={value}"], scheds[f"{knob}={value}"] = (lambda vk=vk: vk.run(ins, out)), s
                     p = peer(op, ins)
                     if p is not None:
                         fns["peer"] = p
@@ -116,10 +137,11 @@ def main() -> None:
                     peak = target.peak_tflops.get(wl.tensor_dtype("x"), target.peak_tflops["bf16"])
                     roof = max(flops / (peak * 1e6), nbytes / (bw * 1e3))
                     pt = t.get("peer", float("nan"))
-                    rows.append([op, shape, m, n, k, t["flashgen"], {"gemm": "cuBLAS bf16", "gemm_w4a16":
-                                 "cuBLAS fp16", "gemm_w8a8": "_int_mm", "gemm_fp8": "_scaled_mm"}[op], pt,
-                                 pt / t["flashgen"], roof, roof / t["flashgen"], flops / (t["flashgen"] * 1e6),
-                                 str(kern.schedule)])
+                    for label, sched in scheds.items():
+                        rows.append([op if label == "flashgen" else f"{op} [{label}]", shape, m, n, k, t[label],
+                                     {"gemm": "cuBLAS bf16", "gemm_w4a16": "cuBLAS fp16", "gemm_w8a8": "_int_mm",
+                                      "gemm_fp8": "_scaled_mm"}[op], pt, pt / t[label], roof, roof / t[label],
+                                     flops / (t[label] * 1e6), str(sched)])
                     print(f"{op:11s} {shape:9s} M={m:<5d} flashgen {t['flashgen']:9.2f} us  peer {pt:9.2f}  "
                           f"roof {roof:8.2f}  ({time.perf_counter() - t0:.0f}s)", flush=True)
                     write_results(args.name, header, rows, {**environment(), "target": target.id, "copy_gbs": bw},

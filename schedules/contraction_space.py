@@ -14,7 +14,8 @@ by its group scale in the 16-bit float, so that all groups accumulate in one til
 on targets with programmatic dependent launch: the first k step's weights are loaded before waiting
 for the previous kernel), dequant_first (ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more:
 the weight is dequantized by a pointwise kernel of its own, and the dense GEMM's tiles, with the dense
-op's knobs and rules, run on it; targets/staged.py).
+op's knobs and rules, run on it; targets/staged.py), dequant_chunks (with dequant_first: the weight's
+rows in 2 or 4 chunks, each chunk's dequant overlapping the previous chunk's GEMM).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
@@ -29,6 +30,7 @@ products each thread holds per k step.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 from flashgen.ir import dtypes
@@ -48,7 +50,7 @@ GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row
 SPLIT_K_MIN_STEPS = 2  # k steps per split, at least: fewer only adds partial sums to merge
 # Knobs added after records existed, and the value a record without them was measured with.
 ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0,
-               "dequant_first": 0}
+               "dequant_first": 0, "dequant_chunks": 1}
 MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 # From this M, a weight may be dequantized first (`dequant_first`): its round trip through memory (a
@@ -90,10 +92,11 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
           "operand_scale": (0, 1) if target.vendor == "nvidia" and symmetric_block_groups(wl) else (0,)}
     dense = dequant_first_form(wl)
     if dense is None:
-        return {**kn, "dequant_first": (0,)}
+        return {**kn, "dequant_first": (0,), "dequant_chunks": (1,)}
     # dequantized first, the tiles take the dense op's knobs (16-bit k steps of 32 and 64, TMA)
     kd = knobs(dense, target)
-    return {**{name: tuple(sorted(set(v) | set(kd[name]))) for name, v in kn.items()}, "dequant_first": (0, 1)}
+    return {**{name: tuple(sorted(set(v) | set(kd[name]))) for name, v in kn.items()}, "dequant_first": (0, 1),
+            "dequant_chunks": (1, 2, 4)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -204,10 +207,20 @@ def min_stages(target: Target, s: dict[str, Any]) -> int:
 
 
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    if s["dequant_chunks"] > 1 and not s["dequant_first"]:
+        return "chunks of a dequantized weight need dequant_first"
     if s["dequant_first"]:
         if s["ptx_unpack"] or s["operand_scale"]:
             return "a weight dequantized first has no codes to unpack or scale"
-        return why_invalid(dequant_first_form(wl), target, {**s, "dequant_first": 0})
+        dense, chunks = dequant_first_form(wl), s["dequant_chunks"]
+        n = dense.dim["N"]
+        if n % (chunks * 16):
+            return f"N={n} does not split into {chunks} chunks of a multiple of 16 rows"
+        stage = dequant_forms(wl)[0]
+        if chunks > 1 and any(math.prod(stage.shape(t.name)[1:]) * dtypes.BYTES[stage.tensor_dtype(t.name)] * (n // chunks) % 16
+                              for t in stage.inputs):
+            return f"chunks of {n // chunks} weight rows would start a quantized tensor off a 16-byte boundary"
+        return why_invalid(dense.with_dims(N=n // chunks), target, {**s, "dequant_first": 0, "dequant_chunks": 1})
     if s["tma"] and not tma_operands(wl):
         return "TMA copies serve operands without a prologue (or a weight dequantized first)"
     if s["block_k"] % min_block_k(wl):

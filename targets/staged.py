@@ -6,6 +6,12 @@ activation dtype to a scratch buffer; the dense GEMM then runs on that buffer wi
 tiles. The matrix tiles so take plain 16-bit operands (TMA copies on sm_90) and no unpacking work,
 which pays where thousands of rows share each weight tile; the space offers it only there
 (schedules/contraction_space.py).
+
+With `dequant_chunks` = c > 1 the weight's N rows go in c equal chunks: on a GPU the dequant of chunk
+j + 1 runs on a side stream while the GEMM of chunk j runs on the caller's (a GEMM kernel compiled for
+N / c columns, on views of the outputs and of the epilogue's per-column tensors), so that only the
+first chunk's dequant is not hidden behind the compute-bound GEMM. On CPU tensors the chunks run in
+turn.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Callable, Mapping
 import torch
 
 from flashgen.ir import dtypes
+from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, eval_int
 from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target
@@ -31,7 +38,17 @@ def plan(wl: Workload, schedule: Schedule, target: Target) -> tuple[tuple[Worklo
     forms = dequant_forms(wl)
     assert forms is not None, f"{wl.op_name} has no dequant form"
     stage, dense = forms
-    return (stage, ScheduleSpace(stage, target).default()), (dense, {k: v for k, v in schedule.items() if k != "dequant_first"})
+    chunks = schedule.get("dequant_chunks", 1)
+    dense = dense.with_dims(N=dense.dim["N"] // chunks)
+    return (stage, ScheduleSpace(stage, target).default()), (dense, {k: v for k, v in schedule.items()
+                                                                      if k not in ("dequant_first", "dequant_chunks")})
+
+
+def column_axes(wl: Workload) -> dict[str, int]:
+    """Each tensor of the dense op with an N axis (outputs, bias, residual): that axis, where a chunk of
+    the weight's rows takes a slice."""
+    n = E.Dim("N")
+    return {t.name: t.shape.index(n) for t in wl.inputs + wl.outputs if n in t.shape}
 
 
 def weight_input(dense: Workload) -> str:
@@ -41,14 +58,19 @@ def weight_input(dense: Workload) -> str:
 
 
 class StagedLauncher:
-    """Runs the dequant launcher into a scratch weight (one per device, kept), then the dense one on it."""
+    """Runs the dequant launcher into a scratch weight (one per device, kept), then the dense one on
+    it, chunk by chunk of the weight's rows when the dense kernel was built for a chunk."""
 
     def __init__(self, stage: tuple[Workload, Launcher], main: tuple[Workload, Launcher]):
         (self.stage_wl, self.stage), (self.main_wl, self.main) = stage, main
         self.stage_inputs = tuple(t.name for t in self.stage_wl.inputs)
         self.weight_name = weight_input(self.main_wl)
         self.main_tensors = tuple(t.name for t in self.main_wl.inputs + self.main_wl.outputs if t.name != self.weight_name)
+        self.chunk = self.main_wl.dim["N"]
+        self.chunks = self.stage_wl.dim["N"] // self.chunk
+        self.columns = column_axes(self.main_wl)
         self._weights: dict[str, torch.Tensor] = {}
+        self._streams: dict[str, tuple[torch.cuda.Stream, list[torch.cuda.Event]]] = {}
 
     def weight(self, device: torch.device) -> torch.Tensor:
         w = self._weights.get(str(device))
@@ -58,13 +80,44 @@ class StagedLauncher:
                 device=device)
         return w
 
+    def side_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]]:
+        """The device's side stream for the dequant chunks, and an event per chunk (kept: no
+        allocation per call, and CUDA-graph capture sees the same objects every time)."""
+        key = str(device)
+        if key not in self._streams:
+            self._streams[key] = (torch.cuda.Stream(device), [torch.cuda.Event() for _ in range(self.chunks)])
+        return self._streams[key]
+
     def __call__(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
                  dims: Mapping[str, int]) -> None:
         if eval_int(self.main_wl.op.domain[0], dims) == 0:
             return
-        w = self.weight(next(iter(tensors.values())).device)
-        self.stage({**{n: tensors[n] for n in self.stage_inputs}, STAGE_OUTPUT: w}, {}, self.stage_wl.dim)
-        self.main({**{n: tensors[n] for n in self.main_tensors}, self.weight_name: w}, params, dims)
+        device = next(iter(tensors.values())).device
+        w = self.weight(device)
+        staged = {**{n: tensors[n] for n in self.stage_inputs}, STAGE_OUTPUT: w}
+        main = {**{n: tensors[n] for n in self.main_tensors}, self.weight_name: w}
+        if self.chunks == 1:
+            self.stage(staged, {}, self.stage_wl.dim)
+            self.main(main, params, dims)
+            return
+        c = self.chunk
+        dims = {**dims, "N": c}
+        for j in range(self.chunks):
+            part = {n: v[j * c:(j + 1) * c] for n, v in staged.items()}
+            cols = {n: v.narrow(self.columns[n], j * c, c) if n in self.columns else v for n, v in main.items()}
+            cols[self.weight_name] = w[j * c:(j + 1) * c]
+            if device.type != "cuda":
+                self.stage(part, {}, {**self.stage_wl.dim, "N": c})
+                self.main(cols, params, dims)
+                continue
+            side, done = self.side_stream(device)
+            if j == 0:
+                side.wait_stream(torch.cuda.current_stream(device))  # the inputs, and the last call's GEMMs
+            with torch.cuda.stream(side):
+                self.stage(part, {}, {**self.stage_wl.dim, "N": c})
+                done[j].record(side)
+            torch.cuda.current_stream(device).wait_event(done[j])
+            self.main(cols, params, dims)
 
 
 def launcher(wl: Workload, schedule: Schedule, target: Target,

@@ -228,14 +228,16 @@ STAGED_CASES = [("gemm_w4a16", {"G": 128}, 1152, 1), ("gemm_w4a16", {"G": 80, "z
 
 @pytest.mark.parametrize("op, kw, k, tma", STAGED_CASES, ids=[f"{o}-{len(kw)}-tma{t}" for o, kw, _, t in STAGED_CASES])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
-def test_dequant_first_on_gpu(op, kw, k, tma, dt):
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_dequant_first_on_gpu(op, kw, k, tma, dt, chunks):
     """A weight dequantized by its own kernel, then the dense GEMM on it (TMA tiles where the target
-    has them), tails on every side (M=600, N=1000, K=1040 under 64-deep k steps), twice; then
-    replayed from a CUDA graph captured with a different input."""
-    wl = flashgen.workload(op, M=600, N=1000, K=k, dtype=dt, **kw)
+    has them), whole or in 4 chunks overlapped on two streams; tails on every side (M=600, N=1000 or
+    960 = 4 x 240 under 128-column tiles, K=1040 under 64-deep k steps), twice; then replayed from a
+    CUDA graph captured with a different input."""
+    wl = flashgen.workload(op, M=600, N=1000 if chunks == 1 else 960, K=k, dtype=dt, **kw)
     tma = tma if ScheduleSpace(wl, TARGET).knobs()["tma"] != (0,) else 0
     s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": tma,
-         "dequant_first": 1}
+         "dequant_first": 1, "dequant_chunks": chunks}
     assert ScheduleSpace(wl, TARGET).is_valid(s), ScheduleSpace(wl, TARGET).why_invalid(s)
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for seed in (41, 42):
