@@ -310,7 +310,7 @@ def test_contraction_defaults_valid():
         wl = flashgen.workload(op, M=4096, N=6144, K=4096, **({"G": 128} if "w4" in op else {}))
         dense = ScheduleSpace(flashgen.workload(op.replace("_w4a16", "").replace("_w8a16", ""), M=4096, N=6144, K=4096),
                               get_target("h200")).default()
-        assert ScheduleSpace(wl, get_target("h200")).default() == {**dense, "dequant_first": 1}, op
+        assert ScheduleSpace(wl, get_target("h200")).default() == {**dense, "dequant_first": 1, "dequant_chunks": 2}, op
 
 
 def test_shared_memory_rule_counts_what_prologues_load():
@@ -612,18 +612,22 @@ def test_dequant_ops_numerics(interpreter, op, kw):
             assert c.ok, c
 
 
-STAGED = [("gemm_w4a16", dict(G=64, zp="asym"), 320, 1), ("gemm_w4a16", dict(G=320, group="channel", with_bias="yes"), 320, 1),
-          ("gemm_w8a16", dict(with_residual="yes"), 200, 0), ("rmsnorm_gemm_w4a16", dict(G=128), 256, 0)]
+STAGED = [("gemm_w4a16", dict(G=64, zp="asym"), 40, 320, 1, 1), ("gemm_w4a16", dict(G=320, group="channel", with_bias="yes"), 40, 320, 1, 1),
+          ("gemm_w8a16", dict(with_residual="yes"), 40, 200, 0, 1), ("rmsnorm_gemm_w4a16", dict(G=128), 40, 256, 0, 1),
+          ("gemm_w4a16", dict(G=32, zp="asym", with_bias="yes", with_residual="yes"), 128, 320, 1, 4),
+          ("gemm_w8a16", dict(out="int8"), 128, 200, 0, 2), ("rmsnorm_gemm_w4a16", dict(G=128), 96, 256, 0, 2)]
 
 
-@pytest.mark.parametrize("op, kw, k, tma", STAGED, ids=[f"{o}-{'-'.join(map(str, kw.values()))}" for o, kw, _, _ in STAGED])
-def test_dequant_first_numerics(interpreter, op, kw, k, tma):
+@pytest.mark.parametrize("op, kw, n, k, tma, chunks", STAGED,
+                         ids=[f"{o}-{'-'.join(map(str, kw.values()))}-c{c}" for o, kw, _, _, _, c in STAGED])
+def test_dequant_first_numerics(interpreter, op, kw, n, k, tma, chunks):
     """dequant_first: the weight dequantized by its own kernel into a scratch buffer, then the dense
-    op's tiles (TMA copies where the operands allow; a fused norm runs in the dense op) on it. M=515,
-    N=40 and K=200 / 320 leave partial tiles on every side; two seeds reuse the scratch weight."""
-    wl = flashgen.workload(op, M=515, N=40, K=k, dtype="fp16", **kw)
-    s = {"block_m": 64, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "group_m": 8,
-         "dequant_first": 1, "tma": tma}
+    op's tiles (TMA copies where the operands allow; a fused norm runs in the dense op) on it, whole
+    or in chunks of its rows (each with its slice of the bias, residual and output). M=515, N=40 and
+    K=200 / 320 leave partial tiles on every side; two seeds reuse the scratch weight."""
+    wl = flashgen.workload(op, M=515, N=n, K=k, dtype="fp16", **kw)
+    s = {"block_m": 64, "block_n": 32 if chunks == 1 else 16, "block_k": 64, "num_warps": 4, "num_stages": 2,
+         "group_m": 8, "dequant_first": 1, "tma": tma, "dequant_chunks": chunks}
     assert ScheduleSpace(wl, get_target("h200")).is_valid(s), ScheduleSpace(wl, get_target("h200")).why_invalid(s)
     for seed in (8, 9):
         for c in interpreter.check(wl, s, "h200", seed=seed):
@@ -652,6 +656,14 @@ def test_dequant_first_rules_and_build(tmp_path):
     assert "int4 words" in space.why_invalid({**s, "dequant_first": 0, "tma": 0})
     assert space.default()["dequant_first"] == 1
     assert ScheduleSpace(wl.with_dims(M=1024), h200).default()["dequant_first"] == 0
+    assert space.knobs()["dequant_chunks"] == (1, 2, 4)
+    assert "need dequant_first" in space.why_invalid({**s, "dequant_first": 0, "dequant_chunks": 2})
+    assert space.is_valid({**s, "dequant_chunks": 4})
+    assert "chunks of a multiple of 16" in ScheduleSpace(wl.with_dims(N=480), h200).why_invalid({**s, "dequant_chunks": 4})
+    # chunks by default while each chunk's GEMM keeps about two waves of 128 x 256 tiles on 132 SMs
+    for (n, k), chunks in {(8192, 8192): 4, (6144, 4096): 2, (4096, 4096): 2, (28672, 4096): 4}.items():
+        llama = flashgen.workload("gemm_w4a16", M=4096, N=n, K=k, G=128, dtype="fp16")
+        assert ScheduleSpace(llama, h200).default()["dequant_chunks"] == chunks, (n, k)
     k = flashgen.compile(wl, "sm_90", schedule=s)
     assert [p.workload.op_name for p in k.parts] == ["dequant_w4a16", "gemm"]
     sass = summary(opcodes(k.binary))
