@@ -111,8 +111,9 @@ class StagedLauncher:
                 self.main(cols, params, dims)
                 continue
             side, done = self.side_stream(device)
-            if j == 0:
-                side.wait_stream(torch.cuda.current_stream(device))  # the inputs, and the last call's GEMMs
+            if j == 0:  # the inputs, and the last call's GEMMs; the quantized weights the side stream
+                # reads are the caller's parameters, which outlive the call (no record_stream needed)
+                side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 self.stage(part, {}, {**self.stage_wl.dim, "N": c})
                 done[j].record(side)
