@@ -27,6 +27,27 @@ def _run(kernel):
     return lambda inputs, outputs, params: kernel.run(inputs, outputs, params)
 
 
+def _check_then_replay(wl, kernel, seed: int) -> None:
+    """The kernel against the reference on two seeds; then, on a third seed's inputs, a CUDA graph of
+    one call replayed into zeroed outputs must rewrite exactly what the eager call wrote."""
+    for s in (seed, seed + 1):
+        for c in check(wl, _run(kernel), s, DEVICE):
+            assert c.ok, (c, s)
+    inputs = {k: v.to(DEVICE) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(seed + 2)).items()}
+    out = poisoned(wl, wl.dim, DEVICE)
+    kernel.run(inputs, out, wl.op.params)
+    eager = {k: v.clone() for k, v in out.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.run(inputs, out, wl.op.params)
+    for v in out.values():
+        v.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for k, v in out.items():
+        assert torch.equal(v, eager[k]), k
+
+
 @pytest.mark.parametrize("wl", CASES, ids=case_id)
 def test_default_schedule_on_gpu(wl):
     kernel = flashgen.compile(wl, TARGET, db=None)
@@ -202,24 +223,7 @@ def test_tma_tiles_on_gpu(op, kw):
         pytest.skip("no fp8 on this target")
     wl = flashgen.workload(op, M=300, N=1000, K=1024 if op == "gemm_fp8" else 1040, dtype="bf16", **kw)
     s = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8, "tma": 1}
-    kernel = flashgen.compile(wl, TARGET, schedule=s)
-    for seed in (12, 13):
-        for c in check(wl, _run(kernel), seed, DEVICE):
-            assert c.ok, (c, seed)
-    inputs = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(14))
-    inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
-    out = poisoned(wl, wl.dim, DEVICE)
-    kernel.run(inputs, out, wl.op.params)
-    eager = {k: v.clone() for k, v in out.items()}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel.run(inputs, out, wl.op.params)
-    for v in out.values():
-        v.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    for k, v in out.items():
-        assert torch.equal(v, eager[k]), k
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 12)
 
 
 STAGED_CASES = [("gemm_w4a16", {"G": 128}, 1152, 1), ("gemm_w4a16", {"G": 80, "zp": "asym", "with_residual": "yes"}, 1040, 0),
@@ -239,23 +243,7 @@ def test_dequant_first_on_gpu(op, kw, k, tma, dt, chunks):
     s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": tma,
          "dequant_first": 1, "dequant_chunks": chunks}
     assert ScheduleSpace(wl, TARGET).is_valid(s), ScheduleSpace(wl, TARGET).why_invalid(s)
-    kernel = flashgen.compile(wl, TARGET, schedule=s)
-    for seed in (41, 42):
-        for c in check(wl, _run(kernel), seed, DEVICE):
-            assert c.ok, (c, seed)
-    inputs = {k: v.to(DEVICE) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(43)).items()}
-    out = poisoned(wl, wl.dim, DEVICE)
-    kernel.run(inputs, out, wl.op.params)
-    eager = {k: v.clone() for k, v in out.items()}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel.run(inputs, out, wl.op.params)
-    for v in out.values():
-        v.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    for k, v in out.items():
-        assert torch.equal(v, eager[k]), k
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 41)
 
 
 ATTN_CASES = [flashgen.workload("paged_decode_attention", B=b, Hq=hq, Hkv=hkv, D=d, BS=16, NB=512, MAXB=64,
