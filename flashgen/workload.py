@@ -1,6 +1,7 @@
 """Workload: an op with every dim bound and its attrs (dtypes, style); canonical JSON and a stable key."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -96,20 +97,21 @@ def other_half(attrs: Mapping[str, str]) -> dict[str, str]:
     return {**attrs, "dtype": swap[attrs["dtype"]]} if attrs.get("dtype") in swap else {}
 
 
-def dequant_forms(wl: Workload) -> tuple[Workload, Workload] | None:
+@functools.lru_cache(maxsize=1024)
+def dequant_forms(wl: Workload, chunks: int = 1) -> tuple[Workload, Workload] | None:
     """(the pointwise workload that writes `wl`'s weight dequantized, the dense contraction workload
-    that runs on it) when the op has a weight prologue (`Op.dequant`), else None: each binds the dims
-    and attrs of `wl` that its op has."""
+    that runs on it, on N / chunks of the weight's rows at a time) when the op has a weight prologue
+    (`Op.dequant`), else None: each binds the dims and attrs of `wl` that its op has."""
     if not wl.op.dequant:
         return None
 
-    def bind(name: str) -> Workload:
+    def bind(name: str, **dims: int) -> Workload:
         o = get_op(name)
-        return workload(name, **{d: v for d, v in wl.dim.items() if d in o.dims},
+        return workload(name, **{d: v for d, v in {**wl.dim, **dims}.items() if d in o.dims},
                         **{a: v for a, v in wl.attr.items() if a in o.attrs})
 
     stage, dense = wl.op.dequant
-    return bind(stage), bind(dense)
+    return bind(stage), bind(dense, N=wl.dim["N"] // chunks)
 
 
 def workload(op: str, **kw: Any) -> Workload:

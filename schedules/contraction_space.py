@@ -212,11 +212,10 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     if s["dequant_first"]:
         if s["ptx_unpack"] or s["operand_scale"]:
             return "a weight dequantized first has no codes to unpack or scale"
-        dense, chunks = dequant_first_form(wl), s["dequant_chunks"]
-        n = dense.dim["N"]
+        n, chunks = wl.dim["N"], s["dequant_chunks"]
         if chunks > 1 and n % (chunks * 16):  # (16 rows: every chunk's slices start on 16-byte boundaries)
             return f"N={n} does not split into {chunks} chunks of a multiple of 16 rows"
-        return why_invalid(dense.with_dims(N=n // chunks), target, {**s, "dequant_first": 0, "dequant_chunks": 1})
+        return why_invalid(dequant_forms(wl, chunks)[1], target, {**s, "dequant_first": 0, "dequant_chunks": 1})
     if s["tma"] and not tma_operands(wl):
         return "TMA copies serve operands without a prologue (or a weight dequantized first)"
     if s["block_k"] % min_block_k(wl):

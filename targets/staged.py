@@ -35,18 +35,16 @@ def plan(wl: Workload, schedule: Schedule, target: Target) -> tuple[tuple[Worklo
     dequantizes first, else None. The dequant kernel takes its space's analytic default."""
     if not schedule.get("dequant_first"):
         return None
-    forms = dequant_forms(wl)
+    forms = dequant_forms(wl, schedule.get("dequant_chunks", 1))
     assert forms is not None, f"{wl.op_name} has no dequant form"
     stage, dense = forms
-    chunks = schedule.get("dequant_chunks", 1)
-    dense = dense.with_dims(N=dense.dim["N"] // chunks)
     return (stage, ScheduleSpace(stage, target).default()), (dense, {k: v for k, v in schedule.items()
                                                                       if k not in ("dequant_first", "dequant_chunks")})
 
 
 def column_axes(wl: Workload) -> dict[str, int]:
-    """Each tensor of the dense op with an N axis (outputs, bias, residual): that axis, where a chunk of
-    the weight's rows takes a slice."""
+    """Each tensor of the dense op with an N axis (the weight, outputs, bias, residual): that axis,
+    where a chunk of the weight's rows takes a slice."""
     n = E.Dim("N")
     return {t.name: t.shape.index(n) for t in wl.inputs + wl.outputs if n in t.shape}
 
@@ -105,7 +103,6 @@ class StagedLauncher:
         for j in range(self.chunks):
             part = {n: v[j * c:(j + 1) * c] for n, v in staged.items()}
             cols = {n: v.narrow(self.columns[n], j * c, c) if n in self.columns else v for n, v in main.items()}
-            cols[self.weight_name] = w[j * c:(j + 1) * c]
             if device.type != "cuda":
                 self.stage(part, {}, {**self.stage_wl.dim, "N": c})
                 self.main(cols, params, dims)
