@@ -1,8 +1,10 @@
 """Host cost per launch of a small generated kernel, each way it can be called.
 
-The kernel is rmsnorm, M=1, bf16 (about 2 us on the GPU); the ways: its own launcher, the same binary with
-its arguments gathered once, the torch custom op, Triton's own JIT launch of the same generated source,
-torch eager, and a CUDA graph of 100 calls replayed.
+The kernel is rmsnorm, M=1, bf16 (about 2 us on the GPU); the ways: `kernel.run` (checks, then the native
+launch), the same with Triton's launcher of the binary (FLASHGEN_NATIVE_LAUNCH=0), a bound call
+(`kernel.bind`: checked once, the native launch alone), Triton's launcher of the binary with its
+arguments gathered once, the torch custom op, Triton's own JIT launch of the same generated source, torch
+eager, and a CUDA graph of 100 calls replayed.
 
     python benchmarks/launch.py [--n 4096] [--calls 20000] [--rounds 5] [--out-dir DIR]
 
@@ -12,6 +14,7 @@ the host issues the next, so the loop's time per call is the host's cost (goal: 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -88,6 +91,14 @@ def main() -> None:
     kernel = flashgen.compile(wl, target)
     ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0)).items()}
     outs = kernel.run(ins)
+    os.environ["FLASHGEN_NATIVE_LAUNCH"] = "0"  # read at a kernel's first launch
+    tritons = flashgen.compile(wl, target)
+    tritons.run(ins, outs)
+    del os.environ["FLASHGEN_NATIVE_LAUNCH"]
+    bound_out = {"y": torch.empty_like(outs["y"])}
+    bound = kernel.bind(ins, bound_out)
+    bound()
+    torch.testing.assert_close(bound_out["y"], outs["y"])
     register_all()
     g, packed = launch_args(kernel, {**ins, **outs})
     jit_out = {"y": torch.empty_like(outs["y"])}
@@ -104,7 +115,9 @@ def main() -> None:
     graph, _ = cuda_graph(graph_calls, dev)
     methods: dict[str, Callable[[], Any]] = {
         "flashgen kernel.run(ins, out)": lambda: kernel.run(ins, outs),
-        "flashgen binary, arguments gathered once": lambda: kernel.launcher.compiled[g](*packed),
+        "flashgen kernel.run(ins, out), Triton's launcher": lambda: tritons.run(ins, outs),
+        "flashgen bound call (kernel.bind)": bound,
+        "Triton's launcher of the binary, arguments gathered once": lambda: kernel.launcher.compiled[g](*packed),
         "torch.ops.flashgen.rmsnorm": lambda: torch.ops.flashgen.rmsnorm(ins["x"], ins["w"]),
         "Triton JIT launch of the generated source": jit,
         "torch eager rmsnorm (peers.py: 9 kernels)": lambda: PEERS["rmsnorm"](**ins),
@@ -115,10 +128,10 @@ def main() -> None:
     for name, fn in methods.items():
         host, wall = host_time(fn, args.calls, args.rounds)
         rows.append([name, host, wall, gpu_time(fn, dev, False, l2).median_us])
-        print(f"{name:45s} host {host:7.2f} us  wall {wall:7.2f} us  gpu {rows[-1][3]:6.2f} us", flush=True)
+        print(f"{name:57s} host {host:7.2f} us  wall {wall:7.2f} us  gpu {rows[-1][3]:6.2f} us", flush=True)
     host, wall = host_time(graph.replay, max(1, args.calls // GRAPH_CALLS), args.rounds, GRAPH_CALLS)
     rows.append([f"CUDA graph of {GRAPH_CALLS} kernel.run calls, per call", host, wall, rows[0][3]])
-    print(f"{rows[-1][0]:45s} host {host:7.2f} us  wall {wall:7.2f} us", flush=True)
+    print(f"{rows[-1][0]:57s} host {host:7.2f} us  wall {wall:7.2f} us", flush=True)
     header = ("method", "host_us_per_call", "wall_us_per_call", "gpu_us_per_call")
     meta = {**environment(), "target": target.id, "workload": wl.key, "schedule": kernel.schedule,
             "calls": args.calls, "rounds": args.rounds}

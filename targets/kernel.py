@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -54,6 +55,16 @@ def bind_dims(wl: Workload, inputs: Mapping[str, torch.Tensor]) -> dict[str, int
     return dims
 
 
+@dataclass(frozen=True)
+class BoundCall:
+    """A checked call of a kernel on fixed tensors (`Kernel.bind`): calling it launches again."""
+    launch: Callable[[], None]
+    outputs: dict[str, torch.Tensor]
+
+    def __call__(self) -> None:
+        self.launch()
+
+
 @dataclass
 class Kernel:
     workload: Workload
@@ -69,7 +80,7 @@ class Kernel:
     # A kernel of several launches (a weight dequantized first, then the dense GEMM: targets/staged.py)
     # keeps each launch's kernel here, in order; its own source, asm and binary are the last one's.
     parts: tuple["Kernel", ...] = field(default=(), repr=False)
-    # Per call signature (each input's shape, dtype and last stride): the checked dims and the outputs'
+    # Per call signature (each input's shape, dtype and strides): the checked dims and the outputs'
     # shapes and dtypes, so a repeated call skips the checks (decode calls the same shapes all along).
     _calls: dict[tuple, tuple[dict[str, int], list[tuple[str, tuple[int, ...], torch.dtype]]]] = field(
         default_factory=dict, repr=False, compare=False)
@@ -79,12 +90,13 @@ class Kernel:
         self._input_names = tuple(t.name for t in self.workload.inputs)
 
     def _signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple | None:
-        """Each input's shape, dtype and last stride, when the inputs are the op's tensors in order;
-        else None (the full check then says what is wrong)."""
+        """Each input's shape, dtype and strides (all of them: one call costs less than asking for the
+        last), when the inputs are the op's tensors in order; else None (the full check then says what
+        is wrong)."""
         if tuple(inputs) != self._input_names:
             return None
         try:
-            return tuple((x.shape, x.dtype, x.stride(-1) if x.dim() else 1) for x in inputs.values())
+            return tuple([(x.shape, x.dtype, x.stride()) for x in inputs.values()])
         except AttributeError:
             return None
 
@@ -99,9 +111,11 @@ class Kernel:
         vals = tuple(outs[t.name] for t in outs_spec)
         return vals[0] if len(vals) == 1 else vals
 
-    def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,
-            params: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
-        """Launch into `outputs` (allocated when not given); returns the outputs by name."""
+    def _prepare(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None,
+                 params: Mapping[str, float] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                            Mapping[str, float], dict[str, int]]:
+        """A call's checked tensors (inputs and outputs, the outputs allocated when not given), its
+        params and its dims."""
         op = self.workload.op
         if params and not params.keys() <= op.params.keys():
             unknown = set(params) - set(op.params)
@@ -123,8 +137,24 @@ class Kernel:
         else:
             device = next(iter(inputs.values())).device
             outs = {name: torch.empty(shape, dtype=dt, device=device) for name, shape, dt in out_specs}
-        self.launcher({**inputs, **outs}, {**op.params, **params} if params else op.params, dims)
+        return {**inputs, **outs}, outs, {**op.params, **params} if params else op.params, dims
+
+    def run(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,
+            params: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
+        """Launch into `outputs` (allocated when not given); returns the outputs by name."""
+        tensors, outs, values, dims = self._prepare(inputs, outputs, params)
+        self.launcher(tensors, values, dims)
         return outs
+
+    def bind(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor] | None = None,
+             params: Mapping[str, float] | None = None) -> "BoundCall":
+        """Check a call once and keep it: each call of the result launches the kernel again on the same
+        tensors (which it keeps alive), with only the launch's own host cost. For loops over fixed
+        buffers outside CUDA graphs; a launcher without a bound form is called as `run` would."""
+        tensors, outs, values, dims = self._prepare(inputs, outputs, params)
+        bind = getattr(self.launcher, "bind", None)
+        launch = bind(tensors, values, dims) if bind else partial(self.launcher, tensors, values, dims)
+        return BoundCall(launch, outs)
 
     def files(self) -> dict[str, bytes]:
         if self.parts:

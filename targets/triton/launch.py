@@ -2,7 +2,8 @@
 (in a process started with TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Mapping
 
 import torch
 import triton
@@ -14,7 +15,11 @@ from flashgen.targets.descriptor import Target
 from flashgen.targets.triton.build import DIVISIBILITY, interpreting, load_function, stride_hints
 from flashgen.targets.triton.codegen import grid
 from flashgen.targets.triton.emit import KernelSource
+from flashgen.targets.triton.native_launch import KIND, NativeLaunch, native_launch
 from flashgen.workload import Workload
+
+MAX_PLANS = 4096  # grids remembered per launcher, by the call's dims (row counts of prefills vary without end)
+_UNSET = object()
 
 
 def device_arch(device: torch.device) -> str:
@@ -39,7 +44,8 @@ def _ensure_scratch_allocator() -> None:
 
 
 class TritonLauncher:
-    """Holds the compiled kernel and the argument recipe; a launch only gathers arguments."""
+    """Holds the compiled kernel and the argument recipe; a launch only gathers arguments. On NVIDIA
+    GPUs it launches through `native_launch` (Triton's launcher where that does not apply)."""
 
     def __init__(self, ks: KernelSource, wl: Workload, target: Target, compiled: Any = None):
         self.ks, self.wl, self.target, self.compiled = ks, wl, target, compiled
@@ -50,6 +56,8 @@ class TritonLauncher:
         self._outgrown: list[torch.Tensor] = []  # kept alive: CUDA graphs captured earlier still use them
         # TMA descriptors built on the device live in global scratch that Triton's launcher allocates
         self._global_scratch = bool(getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0))
+        self._plans: dict[tuple[int, ...], tuple[int, tuple[int, int, int]]] = {}  # dims -> (rows, grid)
+        self._native: NativeLaunch | None | object = _UNSET
 
     def scratch(self, name: str, dims: Mapping[str, int], device: torch.device) -> torch.Tensor:
         """The kernel's scratch buffer on `device`, at least as large as these dims need. A buffer too
@@ -69,40 +77,91 @@ class TritonLauncher:
         return buf
 
     def args(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
-             dims: Mapping[str, int]) -> list[Any]:
+             dims: Mapping[str, int], native: bool = False) -> list[Any]:
+        """The kernel's arguments in order; `native`: the values `native_launch` takes (addresses as
+        integers, no constexprs)."""
         out: list[Any] = []
-        device = next(iter(tensors.values())).device
+        strides: dict[str, tuple[int, ...]] = {}  # read once per tensor: one call costs less than one per axis
         for a in self.ks.args:
-            if a.kind == "ptr":
+            kind = a.kind
+            if kind == "ptr":
                 t = tensors[a.tensor]
-                if t.data_ptr() % DIVISIBILITY:
+                address = t.data_ptr()
+                if address % DIVISIBILITY:
                     raise FlashgenError(f"{self.wl.op_name}: tensor '{a.tensor}' starts at an address that is not a "
                                         f"multiple of {DIVISIBILITY} bytes, as this binary assumes (a view at an "
                                         "odd offset?); pass a copy")
-                out.append(t)
-            elif a.kind == "scratch":
-                out.append(self.scratch(a.tensor, dims, device))
-            elif a.kind == "stride":
-                s = tensors[a.tensor].stride(a.axis)
-                if self.hints.get(a.name) and s % DIVISIBILITY:
+                out.append(address if native else t)
+            elif kind == "stride":
+                st = strides.get(a.tensor)
+                if st is None:
+                    st = strides[a.tensor] = tensors[a.tensor].stride()
+                s = st[a.axis]
+                if s % DIVISIBILITY and self.hints.get(a.name):
                     raise FlashgenError(f"{self.wl.op_name}: tensor '{a.tensor}' stride {s} on axis {a.axis} is "
                                         f"not a multiple of {DIVISIBILITY}, as this binary assumes; pass a contiguous tensor")
                 out.append(s)
-            elif a.kind == "dim":
+            elif kind == "dim":
                 out.append(dims[a.name])
-            elif a.kind == "param":
+            elif kind == "param":
                 out.append(float(params[a.name]))
-            else:
+            elif kind == "scratch":
+                buf = self.scratch(a.tensor, dims, next(iter(tensors.values())).device)
+                out.append(buf.data_ptr() if native else buf)
+            elif not native:
                 out.append(a.value)
         return out
 
+    def plan(self, dims: Mapping[str, int]) -> tuple[int, tuple[int, int, int]]:
+        """The call's row count and grid, remembered per dims."""
+        key = tuple(dims.values())
+        found = self._plans.get(key)
+        if found is None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            rows = eval_int(self.wl.op.domain[0], dims)
+            found = self._plans[key] = (rows, grid(self.ks, self.wl, rows, int(self.target.sm_count), dims))
+        return found
+
+    def _check_device(self, device: torch.device) -> int:
+        """The GPU's index, once checked to be of the target's architecture."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._devices_ok:
+            arch = device_arch(device)
+            if arch != self.target.arch:
+                raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
+                                    f"compile it for the running device's target")
+            self._devices_ok.add(index)
+        return index
+
+    def _native_launch(self, index: int) -> NativeLaunch | None:
+        """The lean launch of the binary (made at the first launch on a GPU), or None."""
+        if self._native is _UNSET:
+            kinds = "".join(KIND[a.kind] for a in self.ks.args if a.kind in KIND)
+            self._native = native_launch(self.compiled, kinds, index)
+        return self._native  # type: ignore[return-value]
+
+    def bind(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
+             dims: Mapping[str, int]) -> Callable[[], None]:
+        """This call with its arguments gathered once (`Kernel.bind`): the native launch on the stream
+        current at each call, where it applies."""
+        device = next(iter(tensors.values())).device
+        rows, g = self.plan(dims)
+        if device.type != "cuda" or rows == 0 or self.compiled is None:
+            return partial(self, tensors, params, dims)
+        index = self._check_device(device)
+        native = self._native_launch(index)
+        if native is None:
+            return partial(self, tensors, params, dims)
+        values, stream = self.args(tensors, params, dims, native=True), torch._C._cuda_getCurrentRawStream
+        launch, static, (gx, gy, gz) = native.launch, native.static, g
+        return lambda: launch(static, gx, gy, gz, stream(index), *values)
+
     def __call__(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
                  dims: Mapping[str, int]) -> None:
-        rows = eval_int(self.wl.op.domain[0], dims)
+        rows, g = self.plan(dims)
         if rows == 0:
             return
-        args = self.args(tensors, params, dims)
-        g = grid(self.ks, self.wl, rows, int(self.target.sm_count), dims)
         device = next(iter(tensors.values())).device
         if device.type == "cpu":
             if not interpreting():
@@ -111,17 +170,15 @@ class TritonLauncher:
                                     "compile for target cpu")
             if self._interpreted is None:
                 self._interpreted = load_function(self.ks)
-            self._interpreted[g](*args)
+            self._interpreted[g](*self.args(tensors, params, dims))
             return
         if self.compiled is None:
             raise FlashgenError("this kernel was not compiled; build it in a process without TRITON_INTERPRET=1")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._devices_ok:
-            arch = device_arch(device)
-            if arch != self.target.arch:
-                raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
-                                    f"compile it for the running device's target")
-            self._devices_ok.add(index)
+        index = self._check_device(device)
+        native = self._native_launch(index)
+        if native is not None:
+            native(g, torch._C._cuda_getCurrentRawStream(index), self.args(tensors, params, dims, native=True))
+            return
         if self._global_scratch:
             _ensure_scratch_allocator()
-        self.compiled[g](*args)
+        self.compiled[g](*self.args(tensors, params, dims))
