@@ -96,7 +96,7 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
     # dequantized first, the tiles take the dense op's knobs (16-bit k steps of 32 and 64, TMA)
     kd = knobs(dense, target)
     return {**{name: tuple(sorted(set(v) | set(kd[name]))) for name, v in kn.items()}, "dequant_first": (0, 1),
-            "dequant_chunks": (1, 2, 4)}
+            "dequant_chunks": (1, 2, 4, 8)}
 
 
 @functools.lru_cache(maxsize=256)

@@ -615,7 +615,8 @@ def test_dequant_ops_numerics(interpreter, op, kw):
 STAGED = [("gemm_w4a16", dict(G=64, zp="asym"), 40, 320, 1, 1), ("gemm_w4a16", dict(G=320, group="channel", with_bias="yes"), 40, 320, 1, 1),
           ("gemm_w8a16", dict(with_residual="yes"), 40, 200, 0, 1), ("rmsnorm_gemm_w4a16", dict(G=128), 40, 256, 0, 1),
           ("gemm_w4a16", dict(G=32, zp="asym", with_bias="yes", with_residual="yes"), 128, 320, 1, 4),
-          ("gemm_w8a16", dict(out="int8"), 128, 200, 0, 2), ("rmsnorm_gemm_w4a16", dict(G=128), 96, 256, 0, 2)]
+          ("gemm_w8a16", dict(out="int8"), 128, 200, 0, 2), ("rmsnorm_gemm_w4a16", dict(G=128), 96, 256, 0, 2),
+          ("gemm_w4a16", dict(G=128), 128, 256, 1, 8)]
 
 
 @pytest.mark.parametrize("op, kw, n, k, tma, chunks", STAGED,
@@ -656,7 +657,7 @@ def test_dequant_first_rules_and_build(tmp_path):
     assert "int4 words" in space.why_invalid({**s, "dequant_first": 0, "tma": 0})
     assert space.default()["dequant_first"] == 1
     assert ScheduleSpace(wl.with_dims(M=1024), h200).default()["dequant_first"] == 0
-    assert space.knobs()["dequant_chunks"] == (1, 2, 4)
+    assert space.knobs()["dequant_chunks"] == (1, 2, 4, 8)
     assert "need dequant_first" in space.why_invalid({**s, "dequant_first": 0, "dequant_chunks": 2})
     assert space.is_valid({**s, "dequant_chunks": 4})
     assert "chunks of a multiple of 16" in ScheduleSpace(wl.with_dims(N=480), h200).why_invalid({**s, "dequant_chunks": 4})
