@@ -15,10 +15,11 @@ on targets with programmatic dependent launch: the first k step's weights are lo
 for the previous kernel), dequant_first (ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more:
 the weight is dequantized by a pointwise kernel of its own, and the dense GEMM's tiles, with the dense
 op's knobs and rules, run on it; targets/staged.py), dequant_chunks (with dequant_first: the weight's
-rows in 2 or 4 chunks, each chunk's dequant overlapping the previous chunk's GEMM).
+rows in 2, 4 or 8 chunks, each chunk's dequant overlapping the previous chunk's GEMM).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
-the smallest tile a matrix instruction takes), each split gets at least SPLIT_K_MIN_STEPS k steps,
+the smallest tile a matrix instruction takes), each split of a pipelined tile gets at least
+SPLIT_K_MIN_STEPS k steps (a one-stage GEMV tile, whose best form is one deep step, at least one),
 persistent programs do not split K, one stage (no copy pipeline) serves NVIDIA GEMV tiles only,
 early loads serve unsplit GEMV tiles, PTX-unpacked GEMV tiles need
 groups of 128 k or more, k tiles deeper than 512 are for ALU tiles only, and k tiles of packed int4
@@ -46,7 +47,7 @@ MAX_MMA_BLOCK_K = 512  # deeper k tiles only serve ALU tiles: a program needs ma
 MAX_PRODUCTS_PER_THREAD = 512  # such a tile's products per thread per k step, at most (registers)
 MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
 GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row: the default up to 4 rows
-SPLIT_K_MIN_STEPS = 2  # k steps per split, at least: fewer only adds partial sums to merge
+SPLIT_K_MIN_STEPS = 2  # k steps per split of a pipelined tile, at least: fewer leaves its pipeline empty
 # Knobs added after records existed, and the value a record without them was measured with.
 ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0,
                "dequant_first": 0, "dequant_chunks": 1}
@@ -230,8 +231,9 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     threads = s["num_warps"] * target.warp_size
     if s["persistent"] and s["split_k"] > 1:
         return "persistent programs walk whole tiles: split_k must be 1"
-    if s["split_k"] > 1 and -(-_extents(wl)[2] // s["block_k"]) < s["split_k"] * SPLIT_K_MIN_STEPS:
-        return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {SPLIT_K_MIN_STEPS} k steps of {s['block_k']} each"
+    min_steps = 1 if s["num_stages"] == 1 else SPLIT_K_MIN_STEPS  # one stage: no copy pipeline to keep full
+    if s["split_k"] > 1 and -(-_extents(wl)[2] // s["block_k"]) < s["split_k"] * min_steps:
+        return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {min_steps} k step{'s' * (min_steps > 1)} of {s['block_k']} each"
     if s["ptx_unpack"] == 2 and s["block_m"] >= MMA_MIN_ROWS:
         return f"PTX quads of words serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
     if s["operand_scale"] and (s["block_m"] < MMA_MIN_ROWS or s["ptx_unpack"] != 1):

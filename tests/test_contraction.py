@@ -236,6 +236,14 @@ def test_split_k_rules_and_older_records():
     assert space.is_valid({**old, "split_k": 8})
     k = flashgen.compile(space.workload, "sm_90", schedule={**old, "split_k": 4})
     assert "atom.global" in k.asm["ptx"] and k.metadata["schedule"]["split_k"] == 4
+    # a one-stage GEMV tile's best form is one deep k step: its splits may hold one each
+    gemv = ScheduleSpace(flashgen.workload("gemm_w4a16", M=1, N=4096, K=4096, G=128, dtype="fp16"), get_target("h200"))
+    one = {"block_m": 1, "block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 1, "group_m": 1, "ptx_unpack": 2,
+           "split_k": 2}
+    assert gemv.is_valid(one) and "k steps" in gemv.why_invalid({**one, "num_stages": 3})
+    assert "1 k step of 2048" in gemv.why_invalid({**one, "split_k": 4})
+    k = flashgen.compile(gemv.workload, "sm_90", schedule=one)
+    assert "atom.global" in k.asm["ptx"] and "cp.async" not in k.asm["ptx"]
 
 
 @pytest.mark.parametrize("target", ["h200", "a100", "mi300x", "mi250"])

@@ -255,6 +255,21 @@ def test_split_k_on_gpu(wl, block_m, split_k):
             assert c.ok, (c, s, seed)
 
 
+@pytest.mark.parametrize("k, block_k, split_k", [(4096, 2048, 2), (4096, 1024, 4), (3968, 2048, 2)])
+@pytest.mark.parametrize("m, dt", [(1, "fp16"), (3, "bf16")])
+def test_split_one_stage_gemv_on_gpu(k, block_k, split_k, m, dt):
+    """One-stage PTX-quad GEMV tiles split along K into single deep steps (K=3968: the last split's
+    step partial), run twice so that each tile's counter is reset by its merge."""
+    wl = flashgen.workload("gemm_w4a16", M=m, N=330, K=k, G=128, dtype=dt)
+    s = {"block_m": 1, "block_n": 16, "block_k": block_k, "num_warps": 4, "num_stages": 1, "group_m": 1,
+         "ptx_unpack": 2, "split_k": split_k}
+    assert ScheduleSpace(wl, TARGET).is_valid(s), ScheduleSpace(wl, TARGET).why_invalid(s)
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    for seed in (31, 32):
+        for c in check(wl, _run(kernel), seed, DEVICE):
+            assert c.ok, (c, s, seed)
+
+
 @pytest.mark.parametrize("op, kw", [("gemm", {"with_residual": "yes"}), ("gemm_w8a8", {}), ("gemm_w4a16", {"G": 128})],
                          ids=["gemm", "w8a8", "w4a16"])
 def test_persistent_tiles_on_gpu(op, kw):
