@@ -10,8 +10,8 @@ so nothing is estimated from it). Two regimes, chosen by the caller:
   is gone and inputs are L2-hot, as a small activation is right after the kernel that wrote it.
 A call of `POWER_CALL_US` or more is first repeated for `POWER_WARMUP_MS` of device time: such calls
 back to back draw an H200 to its power limit, where its clock settles lower than a cold card's, by how
-much depending on the kernel (W4A16 gate_up at M = 4096, weight dequantized first: 1420 us cold, 1668
-warm; cuBLAS on the same shape: 1406 and 1428; `benchmarks/results/power_warmup.md`). Timed cold, a
+much depending on the kernel (W4A16 gate_up at M = 4096, weight dequantized first: 1407 us cold, 1585
+warm; cuBLAS on the same shape: 1415 and 1446; `benchmarks/results/power_warmup.md`). Timed cold, a
 tuner would rank such kernels by a clock they do not keep in a prefill.
 `cuda_graph` (capture after a warm-up on a side stream) also serves the runtime's decode graphs.
 """

@@ -3,8 +3,8 @@ and calls `cuLaunchKernelEx`.
 
 Triton's own launcher, per call, checks that a CUDA context is current, parses every argument of a
 generic signature, asks each tensor for its address through a Python method call and then asks the
-driver whether that address is device memory, and releases and retakes the GIL: about 12 us on the H200's
-host for a kernel of a few arguments (`benchmarks/results/launch.md`). Here the caller passes addresses
+driver whether that address is device memory, and releases and retakes the GIL: about 11 us on the H200's
+host for a kernel of a few arguments, against 4.3 us here (`benchmarks/results/launch.md`). Here the caller passes addresses
 and sizes as integers; the C side only converts them into the kernel's parameter slots. The module is
 built once per machine from the source below with the C compiler (as Triton builds its own launcher),
 against the CUDA header Triton ships, and opens the driver library at the first launch.
