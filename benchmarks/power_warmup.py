@@ -1,4 +1,4 @@
-"""Cold against power-limited timings of long GEMMs: why a tuner must warm a card up before timing them.
+"""Cold against sustained timings of long GEMMs: why a tuner times them after back-to-back calls.
 
 Per shape at M rows: the W4A16 GEMM's dispatched kernel (at M = 4096, the weight dequantized first), the
 bf16 GEMM's and cuBLAS fp16 on the W4A16 weight's values. Each is timed cold (after `--idle` seconds

@@ -8,11 +8,12 @@ so nothing is estimated from it). Two regimes, chosen by the caller:
   write-back then competes with the timed kernel (seen: 2x slower timings of a 64 MB rmsnorm).
 - `flush_l2=False`: the calls are captured in a CUDA graph and replayed, so host launch overhead
   is gone and inputs are L2-hot, as a small activation is right after the kernel that wrote it.
-A call of `POWER_CALL_US` or more is first repeated for `POWER_WARMUP_MS` of device time: such calls
-back to back draw an H200 to its power limit, where its clock settles lower than a cold card's, by how
-much depending on the kernel (W4A16 gate_up at M = 4096, weight dequantized first: 1407 us cold, 1585
-warm; cuBLAS on the same shape: 1415 and 1446; `benchmarks/results/power_warmup.md`). Timed cold, a
-tuner would rank such kernels by a clock they do not keep in a prefill.
+A call of `POWER_CALL_US` or more is first repeated for `POWER_WARMUP_MS` of device time, so that it
+is timed in the steady state of sustained work (a card under load clocks within its power and thermal
+limits), as a prefill runs it. Timed cold, after an idle gap, such calls ran faster by an amount that
+depends on the kernel (W4A16 gate_up at M = 4096, weight dequantized first: 1407 us cold, 1585 warm;
+cuBLAS on the same shape: 1415 and 1446; `benchmarks/results/power_warmup.md`), so a tuner would rank
+them by a speed they do not keep.
 `cuda_graph` (capture after a warm-up on a side stream) also serves the runtime's decode graphs.
 """
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _summary(samples_us: list[float]) -> Timing:
 _FLUSH: dict[int, torch.Tensor] = {}
 SLEEP_CYCLES = 100_000  # ~50 us at 2 GHz
 MIN_GRAPH_CALLS = 20  # a replay costs a few microseconds of its own: spread it over many calls
-POWER_CALL_US = 100.0  # calls at least this long are timed at the power limit's steady clock
-POWER_WARMUP_MS = 300.0  # device time of back-to-back calls that brings a card to that clock
+POWER_CALL_US = 100.0  # calls at least this long are timed in the steady state of back-to-back work
+POWER_WARMUP_MS = 300.0  # device time of back-to-back calls that reaches it
 
 
 def _flush_buffer(device: torch.device, l2_bytes: int) -> torch.Tensor:
@@ -70,7 +71,7 @@ def cuda_graph(fn: Callable[[], Any], device: torch.device, pool: Any = None) ->
 def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_bytes: int,
              runs: int = 30, warmup_ms: float = 5.0, graph_us: float = 200.0, power_warmup: bool = True) -> Timing:
     """Median device time of one `fn()` call in microseconds (`power_warmup=False`: a long call timed
-    without first reaching the power limit's clock, as a cold card runs it)."""
+    without the sustained warm-up, as it runs after an idle gap)."""
     with torch.cuda.device(device):
         fn()
         deadline = time.perf_counter() + warmup_ms / 1e3
