@@ -91,3 +91,23 @@ def test_bound_call_relaunches_on_its_tensors():
         torch.testing.assert_close(bound.outputs["y"], ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(flashgen.FlashgenError, match="shape"):
         k.bind({"x": torch.randn(5, 47), "w": w})
+
+
+def test_native_values_are_the_arguments_without_constexprs():
+    """The values the native launch takes are the launcher's arguments with tensors as their
+    addresses and constexprs left out (a split-K GEMM: pointers, scratch, strides, dims)."""
+    from flashgen.targets.kernel import bind_dims
+    from flashgen.targets.triton.launch import TritonLauncher
+
+    wl = flashgen.workload("gemm", M=17, N=330, K=2048, dtype="fp16", with_bias="yes")
+    s = {**ScheduleSpace(wl, get_target("h200")).default(), "split_k": 2}
+    launcher = TritonLauncher(generate(wl, s), wl, get_target("h200"))
+    tensors = dict(wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0)))
+    tensors["y"] = torch.empty(17, 330, dtype=torch.float16)
+    dims = bind_dims(wl, tensors)
+    full = launcher.args(tensors, wl.op.params, dims)
+    values = launcher.args(tensors, wl.op.params, dims, native=True)
+    kept = [(a, v) for a, v in zip(launcher.ks.args, full) if a.kind != "constexpr"]
+    assert len(values) == len(kept) and any(a.kind == "scratch" for a, _ in kept)
+    for (a, v), got in zip(kept, values):
+        assert got == (v.data_ptr() if isinstance(v, torch.Tensor) else v), a

@@ -20,6 +20,8 @@ from flashgen.workload import Workload
 
 MAX_PLANS = 4096  # grids remembered per launcher, by the call's dims (row counts of prefills vary without end)
 _UNSET = object()
+_PTR, _STRIDE, _DIM, _PARAM, _SCRATCH, _CONST = range(6)
+_CODE = {"ptr": _PTR, "stride": _STRIDE, "dim": _DIM, "param": _PARAM, "scratch": _SCRATCH, "constexpr": _CONST}
 
 
 def device_arch(device: torch.device) -> str:
@@ -50,6 +52,10 @@ class TritonLauncher:
     def __init__(self, ks: KernelSource, wl: Workload, target: Target, compiled: Any = None):
         self.ks, self.wl, self.target, self.compiled = ks, wl, target, compiled
         self.hints = stride_hints(ks, wl)
+        # per argument: (kind code, name, tensor, axis, stride promised divisible, constexpr value)
+        self._recipe = tuple((_CODE[a.kind], a.name, a.tensor, a.axis, bool(self.hints.get(a.name)), a.value)
+                             for a in ks.args)
+        self._values = tuple(r for r in self._recipe if r[0] != _CONST)  # what the native launch takes
         self._interpreted = None
         self._devices_ok: set[int] = set()  # GPUs whose architecture was checked against the target
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}  # (scratch name, device) -> buffer
@@ -79,37 +85,36 @@ class TritonLauncher:
     def args(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
              dims: Mapping[str, int], native: bool = False) -> list[Any]:
         """The kernel's arguments in order; `native`: the values `native_launch` takes (addresses as
-        integers, no constexprs)."""
+        integers, no constexprs). The recipe is worked out once (`_recipe`): calls are hot."""
         out: list[Any] = []
         strides: dict[str, tuple[int, ...]] = {}  # read once per tensor: one call costs less than one per axis
-        for a in self.ks.args:
-            kind = a.kind
-            if kind == "ptr":
-                t = tensors[a.tensor]
+        for kind, name, tensor, axis, hinted, value in (self._values if native else self._recipe):
+            if kind == _PTR:
+                t = tensors[tensor]
                 address = t.data_ptr()
                 if address % DIVISIBILITY:
-                    raise FlashgenError(f"{self.wl.op_name}: tensor '{a.tensor}' starts at an address that is not a "
+                    raise FlashgenError(f"{self.wl.op_name}: tensor '{tensor}' starts at an address that is not a "
                                         f"multiple of {DIVISIBILITY} bytes, as this binary assumes (a view at an "
                                         "odd offset?); pass a copy")
                 out.append(address if native else t)
-            elif kind == "stride":
-                st = strides.get(a.tensor)
+            elif kind == _STRIDE:
+                st = strides.get(tensor)
                 if st is None:
-                    st = strides[a.tensor] = tensors[a.tensor].stride()
-                s = st[a.axis]
-                if s % DIVISIBILITY and self.hints.get(a.name):
-                    raise FlashgenError(f"{self.wl.op_name}: tensor '{a.tensor}' stride {s} on axis {a.axis} is "
+                    st = strides[tensor] = tensors[tensor].stride()
+                v = st[axis]
+                if hinted and v % DIVISIBILITY:
+                    raise FlashgenError(f"{self.wl.op_name}: tensor '{tensor}' stride {v} on axis {axis} is "
                                         f"not a multiple of {DIVISIBILITY}, as this binary assumes; pass a contiguous tensor")
-                out.append(s)
-            elif kind == "dim":
-                out.append(dims[a.name])
-            elif kind == "param":
-                out.append(float(params[a.name]))
-            elif kind == "scratch":
-                buf = self.scratch(a.tensor, dims, next(iter(tensors.values())).device)
+                out.append(v)
+            elif kind == _DIM:
+                out.append(dims[name])
+            elif kind == _PARAM:
+                out.append(float(params[name]))
+            elif kind == _SCRATCH:
+                buf = self.scratch(tensor, dims, next(iter(tensors.values())).device)
                 out.append(buf.data_ptr() if native else buf)
-            elif not native:
-                out.append(a.value)
+            else:
+                out.append(value)
         return out
 
     def plan(self, dims: Mapping[str, int]) -> tuple[int, tuple[int, int, int]]:
