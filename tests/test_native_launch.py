@@ -111,3 +111,16 @@ def test_native_values_are_the_arguments_without_constexprs():
     assert len(values) == len(kept) and any(a.kind == "scratch" for a, _ in kept)
     for (a, v), got in zip(kept, values):
         assert got == (v.data_ptr() if isinstance(v, torch.Tensor) else v), a
+
+
+def test_a_binary_serves_the_gpu_it_was_loaded_on():
+    """Tensors on another GPU than the one a kernel's binary was loaded on: a clear error, not a
+    launch of a function handle that GPU does not know."""
+    from flashgen.targets.triton.launch import TritonLauncher
+
+    wl = flashgen.workload("rmsnorm", M=3, N=1000, dtype="bf16")
+    launcher = TritonLauncher(generate(wl, ScheduleSpace(wl, get_target("h200")).default()), wl, get_target("h200"))
+    launcher._device = 0
+    assert launcher._check_device(torch.device("cuda", 0)) == 0
+    with pytest.raises(flashgen.FlashgenError, match="loaded on cuda:0; compile the workload again for tensors on cuda:1"):
+        launcher._check_device(torch.device("cuda", 1))

@@ -57,7 +57,7 @@ class TritonLauncher:
                              for a in ks.args)
         self._values = tuple(r for r in self._recipe if r[0] != _CONST)  # what the native launch takes
         self._interpreted = None
-        self._devices_ok: set[int] = set()  # GPUs whose architecture was checked against the target
+        self._device: int | None = None  # the GPU the binary is loaded on, its architecture checked
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}  # (scratch name, device) -> buffer
         self._outgrown: list[torch.Tensor] = []  # kept alive: CUDA graphs captured earlier still use them
         # TMA descriptors built on the device live in global scratch that Triton's launcher allocates
@@ -129,14 +129,20 @@ class TritonLauncher:
         return found
 
     def _check_device(self, device: torch.device) -> int:
-        """The GPU's index, once checked to be of the target's architecture."""
+        """The GPU's index, checked once to be of the target's architecture. A binary is loaded on the
+        first GPU it runs on (by either launcher), and its function handle serves that GPU only."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._devices_ok:
+        if index != self._device:
+            if self._device is not None:
+                raise FlashgenError(f"{self.wl.op_name}: this kernel's binary is loaded on cuda:{self._device}; "
+                                    f"compile the workload again for tensors on cuda:{index}")
             arch = device_arch(device)
             if arch != self.target.arch:
                 raise FlashgenError(f"kernel built for {self.target.key} cannot run on this {arch} GPU; "
                                     f"compile it for the running device's target")
-            self._devices_ok.add(index)
+            with torch.cuda.device(index):  # loaded on the tensors' GPU, whichever is current
+                self.compiled._init_handles()
+            self._device = index
         return index
 
     def _native_launch(self, index: int) -> NativeLaunch | None:
