@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, print_table, write_results  # noqa: E402
+from common import RESULTS, bench_side_by_side, environment, print_table, write_results  # noqa: E402
 from gemm import SHAPES, make_workload, peer  # noqa: E402
 
 import flashgen  # noqa: E402
@@ -79,10 +79,7 @@ def main() -> None:
                 timed[label] = (cold, cold_card, warm, card_state())
                 print(f"{shape:9s} {label:15s} cold {cold:8.1f} us ({cold_card})  warm {warm:8.1f} us "
                       f"({timed[label][3]})", flush=True)
-            inter = {label: float("inf") for label in fns}
-            for _ in range(args.rounds):
-                for label, fn in fns.items():
-                    inter[label] = min(inter[label], gpu_time(fn, dev, flush, l2).median_us)
+            inter = bench_side_by_side(fns, bytes_moved(w4), l2, rounds=args.rounds)
             for label, (cold, cold_card, warm, warm_card) in timed.items():
                 rows.append([shape, args.m, label, cold, cold_card, warm, warm_card, warm / cold, inter[label],
                              str(scheds[label])])

@@ -20,6 +20,8 @@ from flashgen.targets.triton.emit import PDL, KernelSource
 from flashgen.workload import Workload
 
 DIVISIBILITY = 16
+POINTER_ARGS = ("ptr", "scratch")  # kernel arguments passed as addresses
+SCALAR_TYPE = {"stride": "i32", "dim": "i32", "param": "fp32"}  # the other runtime arguments' types
 
 
 def interpreting() -> bool:
@@ -70,16 +72,14 @@ def ast_source(ks: KernelSource, wl: Workload):
     hints = stride_hints(ks, wl)
     signature, constexprs, attrs = {}, {}, {}
     for i, a in enumerate(ks.args):
-        if a.kind in ("ptr", "scratch"):
+        if a.kind in POINTER_ARGS:
             dt = wl.tensor_dtype(a.tensor) if a.kind == "ptr" else next(sc.dtype for sc in ks.scratch if sc.name == a.tensor)
             signature[a.name] = "*" + dtypes.TRITON[dt]
             attrs[(i,)] = [["tt.divisibility", DIVISIBILITY]]
-        elif a.kind in ("stride", "dim"):
-            signature[a.name] = "i32"
+        elif a.kind in SCALAR_TYPE:
+            signature[a.name] = SCALAR_TYPE[a.kind]
             if hints.get(a.name):
                 attrs[(i,)] = [["tt.divisibility", DIVISIBILITY]]
-        elif a.kind == "param":
-            signature[a.name] = "fp32"
         else:
             signature[a.name] = "constexpr"
             constexprs[a.name] = a.value

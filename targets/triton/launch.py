@@ -188,7 +188,8 @@ class TritonLauncher:
         index = self._check_device(device)
         native = self._native_launch(index)
         if native is not None:
-            native(g, torch._C._cuda_getCurrentRawStream(index), self.args(tensors, params, dims, native=True))
+            native.launch(native.static, *g, torch._C._cuda_getCurrentRawStream(index),
+                          *self.args(tensors, params, dims, native=True))
             return
         if self._global_scratch:
             _ensure_scratch_allocator()

@@ -16,13 +16,15 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from flashgen.errors import FlashgenError
+from flashgen.targets.triton.build import POINTER_ARGS, SCALAR_TYPE
 
 log = logging.getLogger(__name__)
 MAX_VALUES = 64
-KIND = {"ptr": "p", "scratch": "p", "stride": "i", "dim": "i", "param": "f"}  # KernelArg kind -> slot kind
+# kernel argument kind -> slot kind: what the binary's signature (build.ast_source) takes
+KIND = {**{k: "p" for k in POINTER_ARGS}, **{k: {"i32": "i", "fp32": "f"}[t] for k, t in SCALAR_TYPE.items()}}
 
 SOURCE = r"""
 #include "cuda.h"
@@ -188,10 +190,7 @@ class NativeLaunch:
     """What one compiled binary's launches share: the function handle, block size, shared memory,
     programmatic dependent launch, the kinds of its values and its device; and the C launch."""
     static: tuple[int, int, int, int, bytes, int]
-    launch: Callable[..., None]
-
-    def __call__(self, grid: tuple[int, int, int], stream: int, values: Sequence[Any]) -> None:
-        self.launch(self.static, *grid, stream, *values)
+    launch: Callable[..., None]  # launch(static, gx, gy, gz, stream, *values)
 
 
 def native_launch(compiled: Any, kinds: str, device: int) -> NativeLaunch | None:
