@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +25,7 @@ from gemm import SHAPES, make_workload, peer  # noqa: E402
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
+from flashgen.workload import Workload  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.timing import POWER_WARMUP_MS, gpu_time  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
@@ -38,6 +40,23 @@ def card_state() -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"nvidia-smi: {e}"
     return q.stdout.strip().replace(", ", " / ") + " C"
+
+
+def shape_calls(db: Database, target: Any, shape: str, m: int, dev: torch.device
+                ) -> tuple[Workload, dict[str, Callable[[], Any]], dict[str, str]]:
+    """The W4A16 workload of `shape` at `m` rows, and one call each of its dispatched kernel, the bf16
+    GEMM's and cuBLAS fp16 on the W4A16 weight's values (with their schedules), on fresh inputs."""
+    n, k = SHAPES[shape]
+    w4, dense = make_workload("gemm_w4a16", m, n, k), make_workload("gemm", m, n, k)
+    fns, scheds = {}, {}
+    for label, wl in (("flashgen w4a16", w4), ("flashgen bf16", dense)):
+        kern = flashgen.compile(wl, target, db=db)
+        ins = {a: v.to(dev) for a, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(3)).items()}
+        out = kern.run(ins)
+        fns[label], scheds[label] = (lambda kern=kern, ins=ins, out=out: kern.run(ins, out)), str(kern.schedule)
+        if wl is w4:
+            fns["cuBLAS fp16"], scheds["cuBLAS fp16"] = peer("gemm_w4a16", ins), "torch.matmul"
+    return w4, fns, scheds
 
 
 def main() -> None:
@@ -58,17 +77,7 @@ def main() -> None:
     rows = []
     with Database(args.db) as db:
         for shape in args.shapes.split(","):
-            n, k = SHAPES[shape]
-            w4, dense = make_workload("gemm_w4a16", args.m, n, k), make_workload("gemm", args.m, n, k)
-            kernels = {"flashgen w4a16": flashgen.compile(w4, target, db=db),
-                       "flashgen bf16": flashgen.compile(dense, target, db=db)}
-            fns, scheds = {}, {}
-            for (label, kern), wl in zip(kernels.items(), (w4, dense)):
-                ins = {a: v.to(dev) for a, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(3)).items()}
-                out = kern.run(ins)
-                fns[label], scheds[label] = (lambda kern=kern, ins=ins, out=out: kern.run(ins, out)), kern.schedule
-                if wl is w4:
-                    fns["cuBLAS fp16"], scheds["cuBLAS fp16"] = peer("gemm_w4a16", ins), "torch.matmul"
+            w4, fns, scheds = shape_calls(db, target, shape, args.m, dev)
             flush = bytes_moved(w4) > l2 // 2
             timed = {}
             for label, fn in fns.items():
@@ -83,7 +92,7 @@ def main() -> None:
             for label, (cold, cold_card, warm, warm_card) in timed.items():
                 rows.append([shape, args.m, label, cold, cold_card, warm, warm_card, warm / cold, inter[label],
                              str(scheds[label])])
-            del kernels, fns
+            del fns
             torch.cuda.empty_cache()
     note = (f"cold: after {args.idle} s idle, 5 ms of warm-up and no power warm-up; warm: after "
             f"{POWER_WARMUP_MS:.0f} ms of back-to-back calls (the default timing); card: SM clock / power / "
