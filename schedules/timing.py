@@ -9,11 +9,11 @@ so nothing is estimated from it). Two regimes, chosen by the caller:
 - `flush_l2=False`: the calls are captured in a CUDA graph and replayed, so host launch overhead
   is gone and inputs are L2-hot, as a small activation is right after the kernel that wrote it.
 A call of `POWER_CALL_US` or more is first repeated for `POWER_WARMUP_MS` of device time, so that it
-is timed in the steady state of sustained work (a card under load clocks within its power and thermal
-limits), as a prefill runs it. Timed cold, after an idle gap, such calls ran faster by an amount that
-depends on the kernel (W4A16 gate_up at M = 4096, weight dequantized first: 1407 us cold, 1585 warm;
-cuBLAS on the same shape: 1415 and 1446; `benchmarks/results/power_warmup.md`), so a tuner would rank
-them by a speed they do not keep.
+is timed in the steady state of sustained work, as a prefill runs it. Under load the H200 sits at
+its power cap from about 100 ms on and clocks down: long GEMMs, cuBLAS included, then run 15-20%
+slower than in their first 50 ms, and the plateau's median after 300 ms and after 1 s agree within
+1.3% (`benchmarks/results/sustained_load.md`). Timed cold, a call is ranked by a speed it does not keep,
+and two calls timed at different points of that ramp compare unlike speeds.
 `cuda_graph` (capture after a warm-up on a side stream) also serves the runtime's decode graphs.
 """
 from __future__ import annotations
