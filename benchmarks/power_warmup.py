@@ -91,7 +91,7 @@ def main() -> None:
             inter = bench_side_by_side(fns, bytes_moved(w4), l2, rounds=args.rounds)
             for label, (cold, cold_card, warm, warm_card) in timed.items():
                 rows.append([shape, args.m, label, cold, cold_card, warm, warm_card, warm / cold, inter[label],
-                             str(scheds[label])])
+                             scheds[label]])
             del fns
             torch.cuda.empty_cache()
     note = (f"cold: after {args.idle} s idle, 5 ms of warm-up and no power warm-up; warm: after "
