@@ -156,7 +156,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
                 torch.cuda.empty_cache()
     finally:
         sampler.close()
-    return raw, {**environment(), "target": target.id}
+    return raw, {**environment(), "target": target.id, "seconds": args.seconds}
 
 
 def main() -> None:
@@ -181,7 +181,7 @@ def main() -> None:
         raw, meta = measure(args)
     else:
         ap.error("give --db (measure on the GPU) or --render (a saved run)")
-    rows = with_plateau(raw, args.seconds, args.settle_ms)
+    rows = with_plateau(raw, meta.get("seconds", args.seconds), args.settle_ms)  # a saved run's own length
     note = (f"After {args.idle} s idle, {args.seconds} s of back-to-back calls timed in windows of about "
             f"{args.window_ms:.0f} ms (one synchronize per window). plateau: the median window after the first "
             f"{args.settle_ms:.0f} ms; plateau_vs_cublas: cuBLAS fp16's plateau over this one (above 1: faster). "
