@@ -46,7 +46,8 @@ POWER_CALL_US = 100.0  # calls at least this long are timed in the steady state 
 POWER_WARMUP_MS = 300.0  # device time of back-to-back calls that reaches it
 
 
-def _flush_buffer(device: torch.device, l2_bytes: int) -> torch.Tensor:
+def flush_buffer(device: torch.device, l2_bytes: int) -> torch.Tensor:
+    """Twice the L2, kept per device: summing it leaves the L2 holding none of a call's data."""
     idx = device.index or 0
     if idx not in _FLUSH:
         _FLUSH[idx] = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device=device)
@@ -89,7 +90,7 @@ def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_byt
                 fn()
             torch.cuda.synchronize()
         if flush_l2:
-            buf = _flush_buffer(device, l2_bytes)
+            buf = flush_buffer(device, l2_bytes)
             sink = torch.empty((), dtype=torch.int64, device=device)
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(runs)]
