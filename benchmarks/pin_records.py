@@ -29,7 +29,7 @@ def keeps(record: dict, schedule: dict | None, knob: tuple[str, int] | None) -> 
     """Whether a record of the pinned workload has the chosen schedule (or knob value)."""
     space = ScheduleSpace(Workload.from_json(record["workload"]), get_target(record["target_key"]))
     s = space.complete(record["schedule"])
-    return s == schedule if schedule is not None else s.get(knob[0]) == knob[1]
+    return s == space.complete(schedule) if schedule is not None else s.get(knob[0]) == knob[1]
 
 
 def main() -> None:

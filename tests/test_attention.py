@@ -300,7 +300,8 @@ def test_early_kv_rules_and_order():
 
 def test_pin_records_makes_dispatch_take_a_chosen_schedule(tmp_path, monkeypatch):
     """benchmarks/pin_records.py: of one workload's records only the chosen schedule's (or knob value's)
-    stay, so dispatch, which takes the workload's best, runs it; other workloads keep every record, and
+    stay, so dispatch, which takes the workload's best, runs it (a schedule given without the knobs that
+    records may predate matches as their neutral value); other workloads keep every record, and
     a pin that leaves the workload no record is refused (dispatch would fall back to another one)."""
     import json
     import sys
@@ -330,6 +331,11 @@ def test_pin_records_makes_dispatch_take_a_chosen_schedule(tmp_path, monkeypatch
             db.import_jsonl(out)
             assert choose_schedule(wl, get_target("h200"), db, None)[0] == slow
             assert choose_schedule(other, get_target("h200"), db, None)[0] == fast
+    assert "early_kv" not in fast  # given without the knob, the schedule still matches its records
+    monkeypatch.setattr(sys, "argv", ["pin_records.py", str(tmp_path / "fast.jsonl"), str(src), "--op", wl.op_name,
+                                      "--dim", "B=1", "--schedule", json.dumps(fast)])
+    pin_records.main()
+    assert len((tmp_path / "fast.jsonl").read_text().splitlines()) == 3
     monkeypatch.setattr(sys, "argv", ["pin_records.py", str(tmp_path / "none.jsonl"), str(src), "--op", wl.op_name,
                                       "--dim", "B=1", "--knob", "pages=4"])
     with pytest.raises(FlashgenError, match="no record"):
