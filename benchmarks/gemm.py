@@ -5,7 +5,7 @@ database's best is what is timed.
 
     python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
         [--shapes 8192x8192,qkv,o,gate_up,down] [--name gemm] [--fix tma=1 ...] [--rounds 2]
-        [--variant dequant_chunks=4 ...]
+        [--variant dequant_chunks=4 ...] [--best-with stream_k=1 ...]
 
 Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
 dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
@@ -72,6 +72,12 @@ def peer(op: str, ins: dict):
         return None
 
 
+def _best_with(db: Database, wl: flashgen.Workload, target, space: ScheduleSpace, knob: str, value: int):
+    """The fastest correct record of `wl` whose schedule has `knob` = `value` (None if there is none)."""
+    recs = [r for r in db.records(wl.key, target.id, status="ok") if space.complete(r.schedule).get(knob) == value]
+    return min(recs, key=lambda r: r.latency_us, default=None)
+
+
 def _same_outputs(a: dict, b: dict) -> bool:
     """Whether two kernels' outputs agree within 1% of the largest value (a variant checked against
     the best schedule, which the tuner checked against the float64 reference)."""
@@ -88,6 +94,8 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="gemm", help="result files: <out-dir>/<name>.json and .md")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds of flashgen and its peer")
+    ap.add_argument("--best-with", action="append", default=[], metavar="KNOB=VALUE",
+                    help="also time the database's best record with this knob value, side by side (repeatable; a row each)")
     ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE",
                     help="also time the best schedule with this knob changed, side by side (repeatable; a row each)")
     ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
@@ -95,6 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     fixed = {k: int(v) for k, _, v in (f.partition("=") for f in args.fix)}
     variants = [(k, int(v)) for k, _, v in (f.partition("=") for f in args.variant)]
+    best_with = [(k, int(v)) for k, _, v in (f.partition("=") for f in args.best_with)]
     dev = torch.device("cuda")
     target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
     bw = copy_gbs()
@@ -128,6 +137,12 @@ def main() -> None:
                                 print(f"  variant {knob}={value}: outputs differ from the best schedule's; not timed")
                                 continue
                             fns[f"{knob}={value}"], scheds[f"{knob}={value}"] = (lambda vk=vk: vk.run(ins, out)), s
+                    for knob, value in best_with:
+                        rec = _best_with(db, wl, target, space, knob, value)
+                        if rec is not None and space.complete(rec.schedule) != space.complete(kern.schedule):
+                            bk = flashgen.compile(wl, target, schedule=rec.schedule)
+                            label = f"best {knob}={value}"
+                            fns[label], scheds[label] = (lambda bk=bk: bk.run(ins, out)), rec.schedule
                     p = peer(op, ins)
                     if p is not None:
                         fns["peer"] = p
