@@ -5,7 +5,7 @@ database's best is what is timed.
 
     python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
         [--shapes 8192x8192,qkv,o,gate_up,down] [--name gemm] [--fix tma=1 ...] [--rounds 2]
-        [--variant dequant_chunks=4 ...] [--best-with stream_k=1 ...]
+        [--variant dequant_chunks=4 ...] [--best-with early_load=1 ...]
 
 Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
 dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
