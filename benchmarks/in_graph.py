@@ -37,6 +37,7 @@ from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.timing import flush_buffer, gpu_time  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
 from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.workload import read_workloads  # noqa: E402
 
 # The bf16 batch-1 decoder's GEMVs of one layer, with the norm or gate fused as it dispatches them.
 DECODE_B1 = [
@@ -119,17 +120,14 @@ def main() -> None:
     target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
     l2 = int(target.get("l2_bytes"))
     rows_list = [int(r) for r in args.rows.split(",")]
-    if args.workloads:
-        specs = [(w["op"], w["dims"], w.get("attrs", {})) for w in map(json.loads, args.workloads.read_text().splitlines()) if w]
-    else:
-        specs = [(op, dims, {"dtype": "bf16", **attrs}) for op, dims, attrs in DECODE_B1]
+    wls = (read_workloads(str(args.workloads)) if args.workloads
+           else [flashgen.workload(op, **dims, dtype="bf16", **attrs) for op, dims, attrs in DECODE_B1])
     header = ("workload", "schedule", "recorded_us", "alone_us", *(f"behind_{r}_us" for r in rows_list),
               "rank_alone", *(f"rank_behind_{r}" for r in rows_list))
     rows, summary = [], []
     t0 = time.perf_counter()
     with Database(args.db) as db:
-        for op, dims, attrs in specs:
-            wl = flashgen.workload(op, **dims, **attrs)
+        for wl in wls:
             space = ScheduleSpace(wl, target)
             chosen = candidates(db.records(wl.key, target.id, status="ok"), space, args.top)
             if not chosen:
@@ -142,7 +140,7 @@ def main() -> None:
             producers = {}
             for r in rows_list:  # rows of a 4096-wide activation: as many bytes for wider ones
                 prows = max(r * 4096 // width, ins[act].shape[0], 1)
-                pwl = flashgen.workload("rmsnorm", M=prows, N=width, dtype=attrs.get("dtype", "bf16"))
+                pwl = flashgen.workload("rmsnorm", M=prows, N=width, dtype=wl.attr.get("dtype", "bf16"))
                 pk = flashgen.compile(pwl, target, db=db)
                 pins = {k: v.to(dev) for k, v in pwl.op.make_inputs(pwl.dim, pwl.attr, gen).items()}
                 pout = pk.run(pins)
@@ -161,7 +159,7 @@ def main() -> None:
                     fed = {**ins, act: y[: ins[act].shape[0]]}  # the producer's output is the call's input
                     behind.append(in_graph_cost(lambda fed=fed: kern.run(fed, out), produce, dev, l2, args.rounds))
                 times.append((s, rec, alone, behind))
-                print(f"{op} N={dims['N']} K={dims['K']} {short(s)}: recorded {rec:.2f} alone {alone:.2f} "
+                print(f"{wl.op_name} N={wl.dim['N']} K={wl.dim['K']} {short(s)}: recorded {rec:.2f} alone {alone:.2f} "
                       f"behind {' / '.join(f'{b:.2f}' for b in behind)} us ({time.perf_counter() - t0:.0f}s)", flush=True)
             alone_ranks = ranks([t[2] for t in times])
             behind_ranks = [ranks([t[3][j] for t in times]) for j in range(len(rows_list))]

@@ -76,23 +76,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def _workloads(args: argparse.Namespace) -> list:
     """The workloads named on the command line, or one per line of --workloads FILE.jsonl."""
     import flashgen
-    from flashgen.workload import Workload
+    from flashgen.workload import read_workloads
 
     if args.workloads:
         if args.op:
             raise FlashgenError("give an op or --workloads, not both")
-        out = []
-        try:
-            lines = open(args.workloads).read().splitlines()
-        except OSError as e:
-            raise FlashgenError(f"cannot read {args.workloads}: {e.strerror}") from None
-        for n, line in enumerate(lines, 1):
-            if line.strip():
-                try:
-                    out.append(Workload.from_json(json.loads(line)))
-                except (json.JSONDecodeError, FlashgenError) as e:
-                    raise FlashgenError(f"{args.workloads}:{n}: {e}") from None
-        return out
+        return read_workloads(args.workloads)
     if not args.op:
         raise FlashgenError("name an op (see `flashgen ops`) or pass --workloads FILE.jsonl")
     kw: dict[str, object] = dict(args.dim)

@@ -90,6 +90,23 @@ def recorded_workload(workload_json: Mapping[str, Any], workload_key: str) -> Wo
     return wl if wl.key == workload_key else None
 
 
+def read_workloads(path: str) -> list[Workload]:
+    """One workload per non-blank line of a JSON-lines file ({op, dims, attrs}); a bad line is an error
+    naming the file and line."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as e:
+        raise FlashgenError(f"cannot read {path}: {e.strerror}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                out.append(Workload.from_json(json.loads(line)))
+            except (json.JSONDecodeError, FlashgenError) as e:
+                raise FlashgenError(f"{path}:{n}: {e}") from None
+    return out
+
+
 def other_half(attrs: Mapping[str, str]) -> dict[str, str]:
     """The attrs with dtype fp16 and bf16 swapped; empty when the dtype is neither (fp16 and bf16
     kernels of one schedule run alike, so a schedule tuned in one serves the other)."""
