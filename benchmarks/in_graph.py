@@ -14,7 +14,7 @@ The producer is an RMSNorm whose output's first rows are the candidate's input, 
 SM (as decode attention leaves the SMs idle before the o projection), 8192 rows a bandwidth-bound one
 (as a GEMV before the next layer's).
 
-    python benchmarks/in_graph.py --db DB [--workloads FILE] [--top 6] [--rows 1,8192] [--rounds 3]
+    python benchmarks/in_graph.py --db DB [--workloads FILE] [--top 6] [--rows 1,8192] [--rounds 5]
         [--name in_graph] [--out-dir DIR]
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ from common import RESULTS, environment, print_table, write_results  # noqa: E40
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
-from flashgen.schedules.timing import flush_buffer, gpu_time  # noqa: E402
+from flashgen.schedules.timing import behind_cost, gpu_time  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
 from flashgen.targets.triton.launch import device_arch  # noqa: E402
 from flashgen.workload import read_workloads  # noqa: E402
@@ -84,35 +84,13 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def _graph_us(fn: Callable[[], Any], dev: torch.device, l2_bytes: int) -> float:
-    return gpu_time(fn, dev, False, l2_bytes, runs=30).median_us
-
-
-def in_graph_cost(call: Callable[[], Any], produce: Callable[[], Any], dev: torch.device, l2_bytes: int,
-                  rounds: int) -> float:
-    """A call's cost behind `produce`, each (flush, produce, call) against (flush, produce) in CUDA graphs:
-    the best difference of the rounds' medians (interleaved, as the side-by-side benchmarks do)."""
-    buf = flush_buffer(dev, l2_bytes)
-    sink = torch.empty((), dtype=torch.int64, device=dev)
-
-    def base() -> None:
-        torch.sum(buf, dim=0, out=sink)
-        produce()
-
-    def both() -> None:
-        base()
-        call()
-
-    return min(_graph_us(both, dev, l2_bytes) - _graph_us(base, dev, l2_bytes) for _ in range(rounds))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", required=True)
     ap.add_argument("--workloads", type=Path, help="JSON lines of {op, dims, attrs} (default: the bf16 batch-1 decoder's GEMVs)")
     ap.add_argument("--top", type=int, default=6, help="fastest recorded schedules per workload")
     ap.add_argument("--rows", default="1,8192", help="producer rows (RMSNorm) to time behind")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="in_graph")
     args = ap.parse_args()
@@ -157,7 +135,7 @@ def main() -> None:
                 for r in rows_list:
                     produce, y = producers[r]
                     fed = {**ins, act: y[: ins[act].shape[0]]}  # the producer's output is the call's input
-                    behind.append(in_graph_cost(lambda fed=fed: kern.run(fed, out), produce, dev, l2, args.rounds))
+                    behind.append(behind_cost(lambda fed=fed: kern.run(fed, out), produce, dev, l2, args.rounds).median_us)
                 times.append((s, rec, alone, behind))
                 print(f"{wl.op_name} N={wl.dim['N']} K={wl.dim['K']} {short(s)}: recorded {rec:.2f} alone {alone:.2f} "
                       f"behind {' / '.join(f'{b:.2f}' for b in behind)} us ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -176,8 +154,8 @@ def main() -> None:
 
 NOTE = ("alone_us: one call with the L2 flushed before it, CUDA events (the tuner's timing). behind_R_us: the "
         "call's cost in a CUDA graph right after an RMSNorm of R rows that writes its input (programmatic "
-        "dependent launch), each triple (L2 flush, RMSNorm, call) against the pair without the call; best "
-        "difference of the rounds' medians. Ranks: 1 is fastest. The metadata's spearman lists, per workload, "
+        "dependent launch), each triple (L2 flush, RMSNorm, call) against the pair without the call; median "
+        "of the rounds' differences of medians (the best difference before the seventeenth run). Ranks: 1 is fastest. The metadata's spearman lists, per workload, "
         "the rank correlation of alone_us with each behind_R_us.")
 
 

@@ -102,9 +102,27 @@ def _fixed_knobs(pairs: list[tuple[str, str]]) -> dict[str, int]:
     return out
 
 
+def _producer(text: str | None, target, db) -> tuple | None:
+    """--behind JSON as (producer workload, its schedule: the database's best, else the default)."""
+    from flashgen.compiler import check_supported
+    from flashgen.schedules.space import ScheduleSpace
+    from flashgen.workload import Workload
+
+    if text is None:
+        return None
+    try:
+        wl = Workload.from_json(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise FlashgenError(f"--behind: not JSON ({e})") from None
+    check_supported(wl, target)
+    best = db.best(wl.key, target.id)
+    return wl, best.schedule if best is not None else ScheduleSpace(wl, target).default()
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.db import Database
+    from flashgen.schedules.measure import feed_error
     from flashgen.schedules.space import ScheduleSpace
     from flashgen.schedules.tuner import plot_history, tune
 
@@ -113,20 +131,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.targets_dir)
     wls = _workloads(args)
     fixed = _fixed_knobs(args.fix)
-    for wl in wls:
-        check_supported(wl, target)
-        ScheduleSpace(wl, target, tuple(sorted(fixed.items()))).knobs()  # unknown knob or value: stop before tuning
     results = []
     with Database(args.db) as db:
+        behind = _producer(args.behind, target, db)
+        for wl in wls:
+            check_supported(wl, target)
+            ScheduleSpace(wl, target, tuple(sorted(fixed.items()))).knobs()  # unknown knob or value: stop before tuning
+            if behind is not None and (why := feed_error(behind[0], wl)):
+                raise FlashgenError(f"--behind: {why}")
+        where = f" behind {behind[0]}" if behind is not None else ""
         for wl in wls:
             res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr,
-                       fixed=fixed)
+                       fixed=fixed, behind=behind)
             results.append(res)
             if res.best is None:
-                print(f"{wl}: no schedule ran correctly ({res.measured} measured)")
+                print(f"{wl}: no schedule ran correctly{where} ({res.measured} measured)")
                 continue
             gain = f", {res.default_us / res.best.latency_us:.2f}x the default" if res.default_us else ""
-            print(f"{wl}: best {res.best.latency_us:.2f} us{gain}; {res.measured} measured in "
+            print(f"{wl}: best {res.best.latency_us:.2f} us{where}{gain}; {res.measured} measured in "
                   f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}")
     if args.plot:
         plot_history(results, args.plot)
@@ -265,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--fix", type=_pair, action="append", default=[], metavar="KNOB=VALUE",
                    help="propose only schedules with this knob value, e.g. --fix tma=1 (repeatable)")
+    t.add_argument("--behind", metavar="JSON",
+                   help="time each candidate right behind this producer workload ({op, dims, attrs}; its "
+                        "first output is the tuned workload's first input, its schedule the database's best), "
+                        "as a decode step runs it; dispatch prefers such records")
     t.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
     t.add_argument("--plot", help="write best-so-far against trials to this PNG")
     t.add_argument("--targets-dir", help="a folder of extra descriptor files")

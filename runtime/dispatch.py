@@ -1,7 +1,8 @@
 """Dispatch: which kernel serves a call, by shape.
 
 For each call the dispatcher binds the op's dims from the tensors (row dims such as M vary per call),
-then picks a schedule: the database's best for exactly this workload; else the best of the nearest
+then picks a schedule: the database's best for exactly this workload (`Database.best`: its fastest
+record timed behind a producer, as a decode step runs it, where it has any); else the best of the nearest
 tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
 largest below, and among those the nearest in the other row dims, such as a decode's context
 length; failing that, the same in the other 16-bit float dtype, then the workload's plain form: a
@@ -24,6 +25,7 @@ import torch
 
 from flashgen.compiler import compile as compile_kernel
 from flashgen.db import Database, default_db_path
+from flashgen.db.record import BEHIND
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
@@ -41,7 +43,7 @@ class Decision:
     workload: Workload
     target: str
     schedule: Schedule
-    source: str  # "exact", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "default"
+    source: str  # "exact", "exact (timed behind OP)", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "default"
 
     @property
     def kind(self) -> str:
@@ -116,7 +118,8 @@ class Dispatcher:
             with Database(self.db_path) as db:
                 best = db.best(wl.key, target.id)
                 if best is not None and space.is_valid(best.schedule):
-                    return Decision(wl, target.id, best.schedule, "exact")
+                    timed = f" (timed behind {best.extra['behind']['op']})" if best.timing == BEHIND else ""
+                    return Decision(wl, target.id, best.schedule, "exact" + timed)
                 bucket = self._bucket(db, wl, target, space)
                 if bucket is not None:
                     return bucket

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import xgboost as xgb
 
-from flashgen.db.record import canonical_json, schedule_key
+from flashgen.db.record import ALONE, canonical_json, schedule_key
 from flashgen.errors import FlashgenError
 from flashgen.roofline import roofline_us
 from flashgen.ir.op import KERNEL_CLASSES
@@ -238,9 +238,10 @@ class XGBCostModel:
 # ---- training data from the database ----------------------------------------------------------------
 
 def samples_from_records(records: Iterable[Any], kclass: str | None = None) -> list[Sample]:
-    """(Workload, schedule, Target, latency_us) of the ok records, of one kernel class if given. Records
-    of ops or targets this flashgen does not know are skipped, and so are records whose workload has
-    another key today (its op gained an attribute, such as a new weight layout, since: they measured
+    """(Workload, schedule, Target, latency_us) of the ok records timed alone, of one kernel class if
+    given (the model predicts the tuner's timing alone; a call timed behind its producer overlaps it).
+    Records of ops or targets this flashgen does not know are skipped, and so are records whose workload
+    has another key today (its op gained an attribute, such as a new weight layout, since: they measured
     another kernel)."""
     from flashgen.targets.descriptor import load_targets
 
@@ -249,7 +250,7 @@ def samples_from_records(records: Iterable[Any], kclass: str | None = None) -> l
     workloads: dict[str, Workload | None] = {}
     out: list[Sample] = []
     for r in records:
-        if r.status != "ok" or r.latency_us is None or r.latency_us <= 0:
+        if r.status != "ok" or r.latency_us is None or r.latency_us <= 0 or r.timing != ALONE:
             continue
         target = by_id.get(r.target_key)
         if target is None:

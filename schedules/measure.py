@@ -5,16 +5,23 @@ the tuning run (outputs poisoned, so an unwritten element fails), then timed. A 
 to build, gives a wrong result, raises, kills its worker or outlasts the timeout is reported with that
 status; a dead or hung worker is replaced and measurement goes on. With several devices, one worker
 per device measures in parallel.
+
+Given a producer (`behind`: a workload and its schedule), each candidate is timed right behind that
+kernel, its first input being the producer's first output (`schedules.timing.behind_cost`): how a decode
+step runs a GEMV behind the kernel before it, where the tuner's ranking of candidates timed alone has
+disagreed with the decoder's (NOTES.md, sixteenth run).
 """
 from __future__ import annotations
 
 import importlib
+import math
 import multiprocessing
 import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flashgen.errors import FlashgenError
 from flashgen.schedules.space import Schedule
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -30,6 +37,17 @@ class MeasureResult:
     spread_us: float | None = None
     error: str = ""
     runs: int = 0
+
+
+def feed_error(producer: Workload, consumer: Workload) -> str | None:
+    """Why the producer's first output cannot be the consumer's first input (element count, dtype), or None."""
+    out, inp = producer.outputs[0].name, consumer.inputs[0].name
+    have, want = producer.shape(out), consumer.shape(inp)
+    if math.prod(have) != math.prod(want) or producer.tensor_dtype(out) != consumer.tensor_dtype(inp):
+        return (f"{producer.op_name} writes {out} {list(have)} {producer.tensor_dtype(out)}, but {consumer.op_name} "
+                f"reads {inp} {list(want)} {consumer.tensor_dtype(inp)}: a producer's first output must be "
+                "the first input of the workload timed behind it")
+    return None
 
 
 def build_kernel(wl: Workload, schedule: Schedule, target: Target) -> Any:
@@ -64,13 +82,36 @@ class _WorkloadState:
             self.inputs[name].copy_(v)
 
 
-def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs: int) -> None:
+class _Producer:
+    """The kernel a candidate is timed behind, on its own inputs, and the output that feeds the candidate."""
+
+    def __init__(self, wl: Workload, schedule: Schedule, target: Target, factory: Callable[..., Any], device: Any,
+                 seed: int):
+        import torch
+
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.inputs = {k: v.to(device) for k, v in wl.op.make_inputs(wl.dim, wl.attr, gen).items()}
+        self.kernel = factory(wl, schedule, target)
+        self.outputs = self.kernel.run(self.inputs)
+        self.fed = self.outputs[wl.outputs[0].name]
+
+    def run(self) -> None:
+        self.kernel.run(self.inputs, self.outputs)
+
+    def feed(self, wl: Workload, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The candidate's inputs with its first one the producer's output, in its shape."""
+        name = wl.inputs[0].name
+        return {**inputs, name: self.fed.view(inputs[name].shape)}
+
+
+def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs: int,
+            behind: tuple[dict, Schedule] | None) -> None:
     """Worker loop: receive (workload JSON, schedule, seed), answer a result dict."""
     import torch
 
     from flashgen.check import compare, judged, poisoned
     from flashgen.roofline import bytes_moved
-    from flashgen.schedules.timing import cpu_time, gpu_time
+    from flashgen.schedules.timing import behind_cost, cpu_time, gpu_time
     from flashgen.targets.descriptor import get_target
 
     device = torch.device(device_name)
@@ -79,6 +120,7 @@ def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs
     target = get_target(target_id)
     factory = _resolve(factory_path)
     states: dict[tuple[str, int], _WorkloadState] = {}
+    producer: _Producer | None = None
     while True:
         try:
             msg = conn.recv()
@@ -106,7 +148,13 @@ def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs
                 conn.send({"status": "wrong_result", "error": "; ".join(
                     f"{c.tensor}: error {c.error:.3g} > {c.tolerance:g} {c.detail}".strip() for c in bad)})
                 continue
-            if device.type == "cuda":
+            if behind is not None:
+                if producer is None:
+                    producer = _Producer(Workload.from_json(behind[0]), behind[1], target, factory, device, seed)
+                fed = producer.feed(wl, st.inputs)
+                t = behind_cost(lambda: kernel.run(fed, outs), producer.run, device,
+                                target.get("l2_bytes", 1 << 26), runs=runs)
+            elif device.type == "cuda":
                 flush = bytes_moved(wl) > target.get("l2_bytes", 0) // 2
                 t = gpu_time(lambda: kernel.run(st.inputs, outs), device, flush, target.get("l2_bytes", 1 << 26),
                              runs=runs)
@@ -118,8 +166,8 @@ def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs
 
 
 class _Worker:
-    def __init__(self, device: str, target: Target, factory: str, runs: int):
-        self.args = (device, target.id, factory, runs)
+    def __init__(self, device: str, target: Target, factory: str, runs: int, behind: tuple[dict, Schedule] | None):
+        self.args = (device, target.id, factory, runs, behind)
         self.proc: Any = None
         self.conn: Any = None
 
@@ -159,16 +207,22 @@ class _Worker:
 
 
 class Runner:
-    """`measure(workload, schedules)` in order; one worker per device (e.g. ["cuda:0", "cuda:1"])."""
+    """`measure(workload, schedules)` in order; one worker per device (e.g. ["cuda:0", "cuda:1"]). With
+    `behind` (a producer workload and its schedule), every candidate is timed behind that kernel."""
 
     def __init__(self, target: Target, devices: list[str] | None = None, timeout_s: float = 30.0,
-                 runs: int = 30, seed: int = 0, factory: str = DEFAULT_FACTORY, start_timeout_s: float = 120.0):
+                 runs: int = 30, seed: int = 0, factory: str = DEFAULT_FACTORY, start_timeout_s: float = 120.0,
+                 behind: tuple[Workload, Schedule] | None = None):
         if devices is None:
             devices = ["cpu"] if target.backend == "tvm" else _cuda_devices()
         self.target, self.timeout_s, self.seed, self.start_timeout_s = target, timeout_s, seed, start_timeout_s
-        self.workers = [_Worker(d, target, factory, runs) for d in devices]
+        self.behind = behind
+        spec = (behind[0].to_json(), behind[1]) if behind is not None else None
+        self.workers = [_Worker(d, target, factory, runs, spec) for d in devices]
 
     def measure(self, wl: Workload, schedules: list[Schedule]) -> list[MeasureResult]:
+        if self.behind is not None and (why := feed_error(self.behind[0], wl)):
+            raise FlashgenError(why)
         results: list[MeasureResult | None] = [None] * len(schedules)
         queue = list(enumerate(schedules))
         lock = threading.Lock()
@@ -200,8 +254,6 @@ class Runner:
 
 def _cuda_devices() -> list[str]:
     import torch
-
-    from flashgen.errors import FlashgenError
 
     n = torch.cuda.device_count()
     if n == 0:

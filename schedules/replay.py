@@ -13,7 +13,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from flashgen.db.record import schedule_key
+from flashgen.db.record import ALONE, schedule_key
 from flashgen.schedules.search import SearchStrategy
 
 
@@ -52,10 +52,12 @@ def measurements_to_within(latencies: Iterable[float | None], best: float, tol: 
 
 
 def table_from_records(records: Iterable) -> dict[str, float | None]:
-    """A replay table from database Records of one (workload, target): the median of a schedule's ok
-    latencies, None where it never succeeded."""
+    """A replay table from database Records of one (workload, target), those timed alone as the tuner
+    times: the median of a schedule's ok latencies, None where it never succeeded."""
     lats: dict[str, list[float]] = defaultdict(list)
     for r in records:
+        if r.timing != ALONE:
+            continue
         key = r.schedule_key
         lats[key]  # noqa: B018 - a failed-only schedule still gets its entry
         if r.status == "ok" and r.latency_us is not None:

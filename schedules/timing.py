@@ -15,6 +15,7 @@ slower than in their first 50 ms, and the plateau's median after 300 ms and afte
 1.3% (`benchmarks/results/sustained_load.md`). Timed cold, a call is ranked by a speed it does not keep,
 and two calls timed at different points of that ramp compare unlike speeds.
 `cuda_graph` (capture after a warm-up on a side stream) also serves the runtime's decode graphs.
+`behind_cost` times a call where a decode step runs it: right behind the kernel that writes its input.
 """
 from __future__ import annotations
 
@@ -118,6 +119,46 @@ def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_byt
             e.record()
         torch.cuda.synchronize()
         return _summary([s.elapsed_time(e) * 1e3 / calls for s, e in events])
+
+
+def behind_cost(call: Callable[[], Any], produce: Callable[[], Any], device: torch.device, l2_bytes: int,
+                rounds: int = 5, runs: int = 30) -> Timing:
+    """A call's cost right behind `produce`, the kernel that writes its input. On a GPU: each (L2 flush,
+    produce, call) against (L2 flush, produce), both replayed from CUDA graphs, where the call's programs
+    start while the producer still runs (programmatic dependent launch) and its first weight loads can
+    overlap it, which timing the call alone cannot see. On the CPU: the two in sequence against `produce`.
+    The result is the median of `rounds` interleaved differences of medians, the spread their range; a
+    difference under the noise reads as 0. On a GPU the pair first runs back to back for
+    `POWER_WARMUP_MS`: the tuner builds a batch before it measures one, and an idle H200 clocks down.
+    (The first candidate of a tune still read 1.1-1.4 us apart across rounds on the H200, most others
+    0.1-0.4: why is not established, and the median does not follow one such round.)"""
+    if device.type == "cuda":
+        buf = flush_buffer(device, l2_bytes)
+        sink = torch.empty((), dtype=torch.int64, device=device)
+
+        def base() -> None:
+            torch.sum(buf, dim=0, out=sink)
+            produce()
+
+        def timed(fn: Callable[[], Any]) -> float:
+            return gpu_time(fn, device, False, l2_bytes, runs=runs).median_us
+    else:
+        base = produce
+
+        def timed(fn: Callable[[], Any]) -> float:
+            return cpu_time(fn, runs=runs).median_us
+
+    def both() -> None:
+        base()
+        call()
+
+    if device.type == "cuda":
+        deadline = time.perf_counter() + POWER_WARMUP_MS / 1e3
+        while time.perf_counter() < deadline:
+            both()
+        torch.cuda.synchronize(device)
+    diffs = [timed(both) - timed(base) for _ in range(rounds)]
+    return Timing(max(statistics.median(diffs), 0.0), max(diffs) - min(diffs), rounds * runs)
 
 
 def cpu_time(fn: Callable[[], Any], runs: int = 20, min_run_s: float = 0.002) -> Timing:

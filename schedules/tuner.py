@@ -5,6 +5,12 @@ stopped tune resumes where it was. The analytic default is measured first, so a 
 a best at least as fast as what `flashgen compile` gives untuned. A workload whose weight can be
 dequantized first then tries its dense form's fastest records on the dequantized weight: that GEMM
 is the dense op's, whose records the model cannot map onto the quantized op's.
+
+Tuned `behind` a producer (a decode step's kernel before this one), candidates are timed right after it
+(`schedules.measure`), and such a tune keeps apart from the records timed alone: it measures again
+schedules measured alone, its search learns from its own timings only, and the fastest schedules timed
+alone go first, after the default. Dispatch prefers a workload's records timed behind a producer
+(`Database.best`).
 """
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ from typing import Mapping, TextIO
 
 from flashgen import __version__
 from flashgen.db import Database, Record
-from flashgen.db.record import schedule_key
+from flashgen.db.record import ALONE, BEHIND, schedule_key
+from flashgen.errors import FlashgenError
 from flashgen.roofline import roofline_us
 from flashgen.schedules.builder import Builder
 from flashgen.schedules.cost_model import CostModel
@@ -27,6 +34,7 @@ from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload, dequant_forms, other_half, workload
 
 DENSE_SEEDS = 3  # the dense form's fastest records tried on a weight dequantized first
+ALONE_SEEDS = 6  # a tune behind a producer first times the fastest schedules timed alone
 
 
 @dataclass
@@ -67,14 +75,34 @@ class Progress:
             self.stream.flush()
 
 
-def _record(wl: Workload, target: Target, device: str, r: MeasureResult) -> Record:
-    extra = {"runs": r.runs}
+def _record(wl: Workload, target: Target, device: str, r: MeasureResult,
+            behind: tuple[Workload, Schedule] | None) -> Record:
+    extra: dict = {"runs": r.runs}
+    if behind is not None:
+        extra.update(timing=BEHIND, behind=behind[0].to_json(), behind_schedule=behind[1])
     if r.error:
         extra["error"] = r.error[:2000]
     return Record(workload_key=wl.key, workload=wl.to_json(), target_key=target.id, schedule=r.schedule,
                   status=r.status, latency_us=r.latency_us if r.status == "ok" else None,
                   spread_us=r.spread_us if r.status == "ok" else None, flashgen_version=__version__,
                   device=device, extra=extra)
+
+
+def in_context(r: Record, behind: tuple[Workload, Schedule] | None) -> bool:
+    """Whether a record was timed as this tune times: alone, or behind the same producer workload."""
+    if behind is None:
+        return r.timing == ALONE
+    return r.timing == BEHIND and r.extra.get("behind") == behind[0].to_json()
+
+
+def alone_seeds(space: ScheduleSpace, records: list[Record]) -> list[Schedule]:
+    """The workload's fastest distinct valid schedules timed alone, fastest first."""
+    seeds: list[Schedule] = []
+    for r in sorted((r for r in records if r.status == "ok" and r.timing == ALONE), key=lambda r: r.latency_us):
+        s = space.complete(r.schedule)
+        if space.is_valid(s) and s not in seeds:
+            seeds.append(s)
+    return seeds[:ALONE_SEEDS]
 
 
 def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
@@ -99,24 +127,29 @@ def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
 def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: str = "evolutionary",
          seed: int = 0, batch: int = 16, builder: Builder | None = None, runner: Runner | None = None,
          device_name: str | None = None, progress: TextIO | None = None,
-         fixed: Mapping[str, int] | None = None) -> TuneResult:
+         fixed: Mapping[str, int] | None = None, behind: tuple[Workload, Schedule] | None = None) -> TuneResult:
     """Measure up to `trials` new schedules of `wl` on `target`, recording each in `db`; `fixed` pins
-    knobs (name -> value) so that only schedules with those values are proposed."""
+    knobs (name -> value) so that only schedules with those values are proposed; `behind` (a producer
+    workload and its schedule) times each right after that kernel."""
     t0 = time.perf_counter()
     space = ScheduleSpace(wl, target, tuple(sorted((fixed or {}).items())))
     own_builder, own_runner = builder is None, runner is None
     builder = builder or Builder(target)
-    runner = runner or Runner(target, seed=seed)
+    if behind is not None and (why := builder.build(behind[0], [behind[1]])[0]):
+        raise FlashgenError(f"the producer {behind[0]} does not build: {why}")  # (built here, not in the timed worker)
+    runner = runner or Runner(target, seed=seed, behind=behind)
     device = device_name or _device_name(target)
+    records = db.records(wl.key, target.id)
     # keyed by the complete schedule: a record older than a knob counts as its neutral value
-    known = {schedule_key(space.complete(r.schedule)): r for r in db.records(wl.key, target.id)}
+    known = {schedule_key(space.complete(r.schedule)): r for r in records if in_context(r, behind)}
     # Only the evolutionary search is guided by the learned model; the others need no training.
     model = CostModel.for_database(db.path, wl.op.kclass) if strategy == "evolutionary" else None
     in_space = [r for r in known.values() if space.is_valid(r.schedule)]
     strat = make_strategy(strategy, space, model, seed,
                           measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in in_space])
     default = space.pinned_default()
-    pending = [c for c in ([default] if default is not None else []) + dense_seeds(space, db)
+    seeds = alone_seeds(space, records) if behind is not None else []
+    pending = [c for c in ([default] if default is not None else []) + seeds + dense_seeds(space, db)
                if schedule_key(space.complete(c)) not in known]
     # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5)
     total = min(trials, sum(1 for _ in itertools.islice(space, trials + len(in_space))) - len(in_space))
@@ -134,7 +167,7 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
             errors = builder.build(wl, cands)
             results = [MeasureResult(s, "compile_error", error=e) for s, e in zip(cands, errors) if e]
             results += runner.measure(wl, [s for s, e in zip(cands, errors) if not e])
-            recs = [_record(wl, target, device, r) for r in results]
+            recs = [_record(wl, target, device, r, behind) for r in results]
             db.add_many(recs)
             for rec in recs:
                 known[schedule_key(space.complete(rec.schedule))] = rec
@@ -148,7 +181,9 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
         if own_runner:
             runner.close()
     d = known.get(schedule_key(default)) if default is not None else None
-    return TuneResult(wl, db.best(wl.key, target.id), d.latency_us if d and d.status == "ok" else None,
+    ok = [r for r in db.records(wl.key, target.id, status="ok") if in_context(r, behind)]
+    best = min(ok, key=lambda r: r.latency_us) if ok else None  # the earliest of equals, as Database.best
+    return TuneResult(wl, best, d.latency_us if d and d.status == "ok" else None,
                       len(history), history, time.perf_counter() - t0)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -142,6 +143,23 @@ def test_best_ignores_faster_failures(tmp_path: Path) -> None:
         assert len(db.records(workload_key="wk-other", target_key="sm_90")) == 2
 
 
+def test_best_prefers_records_timed_behind_a_producer(tmp_path: Path) -> None:
+    """Latencies timed behind a producer compete only with each other: a workload that has any is served
+    its fastest such record, even where a record timed alone reads faster; others keep their best alone."""
+    behind = {"timing": "behind", "behind": {"op": "gemm", "dims": {}, "attrs": {}}}
+    with Database(tmp_path / "t.db") as db:
+        db.add_many([make(10.0, block=1), make(9.0, block=2),
+                     dataclasses.replace(make(12.0, block=3), extra=behind),
+                     dataclasses.replace(make(11.0, block=4), extra=behind),
+                     dataclasses.replace(make(1.0, status="crash", block=5), extra=behind),
+                     make(7.0, block=6, workload_key="wk-other")])
+        best = db.best("wk-rmsnorm", "sm_90")
+        assert best.schedule == {"block": 4} and best.timing == "behind"
+        assert [(r.workload_key, r.schedule["block"], r.timing) for r in db.best_all("sm_90")] == [
+            ("wk-other", 6, "alone"), ("wk-rmsnorm", 4, "behind")]
+        assert make().timing == "alone"
+
+
 def test_export_import_round_trip(tmp_path: Path) -> None:
     records = [make(float(i), block=i) for i in range(1, 6)] + [make(None, status="crash", block=99)]
     with Database(tmp_path / "a.db") as db:
@@ -264,10 +282,10 @@ def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
     assert run_cli(["db", "list", "--db", db_path]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["op", "dims", "target", "status", "latency_us", "spread_us",
+    assert lines[0].split() == ["op", "dims", "target", "status", "latency_us", "spread_us", "timing",
                                 "schedule", "workload_key"]
     assert len(lines) == 5
-    assert lines[1].split() == ["rmsnorm", "M=128,N=4096", "sm_90", "ok", "9.00", "0.90",
+    assert lines[1].split() == ["rmsnorm", "M=128,N=4096", "sm_90", "ok", "9.00", "0.90", "alone",
                                 '{"block":1}', "wk-rmsnorm"]
     assert lines[3].split()[3:5] == ["wrong_result", "1.00"]
 

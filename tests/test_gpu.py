@@ -587,3 +587,22 @@ def test_decoder_fused_prologues_match_separate_kernels(mode, monkeypatch):
 
 def linear_op(mode: str) -> str:
     return {"bf16": "gemm", "w4a16": "gemm_w4a16", "w8a16": "gemm_w8a16"}[mode]
+
+
+def test_tune_behind_a_producer_on_gpu(tmp_path):
+    """Candidates timed right behind the kernel that writes their input, in CUDA graphs: each is checked
+    first, then recorded with its cost there, timed behind, and dispatch serves the fastest of those."""
+    from flashgen.db import Database
+    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.schedules.tuner import tune
+
+    wl = flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16")
+    producer = flashgen.workload("rmsnorm", M=1, N=4096, dtype="bf16")
+    with Database(tmp_path / "t.db") as db:
+        res = tune(wl, TARGET, db, 3, strategy="random", progress=None,
+                   behind=(producer, ScheduleSpace(producer, TARGET).default()))
+        recs = db.records(wl.key, TARGET.id)
+    assert res.measured == 3 and [r.status for r in recs] == ["ok"] * 3, [r.extra for r in recs]
+    assert all(r.timing == "behind" and 1.0 < r.latency_us < 1000.0 for r in recs), [r.latency_us for r in recs]
+    d = Dispatcher(TARGET, tmp_path / "t.db").choose(wl, TARGET)
+    assert d.schedule == res.best.schedule and d.source == "exact (timed behind rmsnorm)"

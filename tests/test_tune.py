@@ -108,3 +108,60 @@ def test_tune_seeds_a_weight_dequantized_first_with_dense_records(tmp_path):
         assert [(s["num_stages"], s["dequant_first"]) for s in seeds] == [(4, 1), (3, 1)]
         assert dense_seeds(ScheduleSpace(wl.with_dims(M=256), h200), db) == []
         assert dense_seeds(ScheduleSpace(wl, h200, (("dequant_first", 0),)), db) == []
+
+
+BEHIND = {"op": "rmsnorm", "dims": {"M": 64, "N": 2048}, "attrs": {"dtype": "fp32"}}
+
+
+def test_tune_behind_a_producer_keeps_its_own_records(tmp_path, capsys):
+    """A tune behind a producer re-times schedules measured alone, the fastest of them first after the
+    default, records how each was timed, and becomes what dispatch serves; the cost model and the
+    replay tables leave its records out."""
+    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.schedules.cost_model import samples_from_records
+    from flashgen.schedules.replay import table_from_records
+    from flashgen.schedules.tuner import ALONE_SEEDS
+
+    wl = flashgen.workload("softmax", M=64, N=2048, dtype="fp32")
+    target = get_target("cpu")
+    db_path = tmp_path / "t.db"
+    with Database(db_path) as db:
+        alone = tune(wl, target, db, 8, strategy="random", seed=3, progress=None)
+    assert alone.measured == 8
+    code = main(["tune", "softmax", "--dim", "M=64", "--dim", "N=2048", "--dtype", "fp32", "--target", "cpu",
+                 "--trials", "5", "--db", str(db_path), "--behind", json.dumps(BEHIND)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "behind rmsnorm M=64 N=2048" in out
+    with Database(db_path) as db:
+        records = db.records(wl.key, target.id)
+        best = db.best(wl.key, target.id)
+    first, second = records[:8], records[8:]
+    assert len(second) == 5 and all(r.status == "ok" and r.timing == "behind" for r in second)
+    assert all(r.extra["behind"] == BEHIND and r.extra["behind_schedule"] for r in second)
+    space = ScheduleSpace(wl, target)
+    ranked = sorted((r for r in first if r.status == "ok"), key=lambda r: r.latency_us)
+    expected = [space.default()] + [space.complete(r.schedule) for r in ranked[:ALONE_SEEDS]
+                                    if space.complete(r.schedule) != space.default()]
+    assert [r.schedule for r in second] == expected[:5]     # measured again, the fastest alone first
+    assert best.timing == "behind" and best.latency_us == min(r.latency_us for r in second)
+    assert Dispatcher(target, db_path).choose(wl, target).source == "exact (timed behind rmsnorm)"
+    assert len(samples_from_records(records)) == 8
+    assert len(table_from_records(records)) == len({r.schedule_key for r in first})
+    # resumed, it measures none of its own schedules again
+    with Database(db_path) as db:
+        again = tune(wl, target, db, 2, strategy="random", seed=4, progress=None,
+                     behind=(flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32"), best.extra["behind_schedule"]))
+        keys = [r.schedule_key for r in db.records(wl.key, target.id) if r.timing == "behind"]
+    assert again.measured == 2 and len(keys) == len(set(keys)) == 7
+
+
+def test_tune_behind_a_producer_that_cannot_feed_it_is_a_clear_error(tmp_path, capsys):
+    code = main(["tune", "softmax", "--dim", "M=64", "--dim", "N=1000", "--dtype", "fp32", "--target", "cpu",
+                 "--db", str(tmp_path / "t.db"), "--behind", json.dumps(BEHIND)])
+    out, err = capsys.readouterr()
+    assert code != 0 and "rmsnorm writes y [64, 2048] fp32, but softmax reads x [64, 1000] fp32" in err
+    assert err.count("\n") == 1
+    code = main(["tune", "softmax", "--dim", "M=64", "--dim", "N=2048", "--dtype", "fp32", "--target", "cpu",
+                 "--db", str(tmp_path / "t.db"), "--behind", "{op"])
+    assert code != 0 and "--behind: not JSON" in capsys.readouterr().err

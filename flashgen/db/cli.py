@@ -65,11 +65,17 @@ def _print_records(records: list[Record]) -> None:
     if not records:
         print("no records")
         return
-    header = ("op", "dims", "target", "status", "latency_us", "spread_us", "schedule", "workload_key")
+    header = ("op", "dims", "target", "status", "latency_us", "spread_us", "timing", "schedule", "workload_key")
     rows = [(str(r.workload.get("op", "?")), _dims(r.workload.get("dims")), r.target_key, r.status,
-             _us(r.latency_us), _us(r.spread_us), _shorten(canonical_json(r.schedule)), r.workload_key)
+             _us(r.latency_us), _us(r.spread_us), _timing(r), _shorten(canonical_json(r.schedule)), r.workload_key)
             for r in records]
     print_table(header, rows)
+
+
+def _timing(r: Record) -> str:
+    """alone, or behind OP: the producer kernel the latency was measured after."""
+    behind = r.extra.get("behind")
+    return f"{r.timing} {behind.get('op', '?')}" if isinstance(behind, dict) else r.timing
 
 
 def _dims(dims: object) -> str:

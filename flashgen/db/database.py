@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from flashgen.db.record import STATUSES, Record, canonical_json
+from flashgen.db.record import ALONE, BEHIND, STATUSES, Record, canonical_json
 from flashgen.errors import FlashgenError
 from flashgen.paths import cache_dir
 
@@ -43,6 +43,9 @@ CREATE INDEX IF NOT EXISTS records_workload_target ON records (workload_key, tar
 
 _COLUMNS = ("workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us, "
             "flashgen_version, device, created_at, extra_json")
+# Records timed behind a producer first (`Record.timing`), then by latency: one timing's latencies only
+# ever compete with each other.
+_PREFERRED = (f"IFNULL(json_extract(extra_json, '$.timing'), '{ALONE}') = '{BEHIND}' DESC, latency_us, id")
 _INSERT = ("INSERT OR IGNORE INTO records (workload_key, workload_json, target_key, schedule_key, "
            "schedule_json, status, latency_us, spread_us, flashgen_version, device, created_at, "
            "extra_json, content_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
@@ -219,18 +222,19 @@ class Database:
         return self._conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
 
     def best(self, workload_key: str, target_key: str) -> Record | None:
-        """The fastest correct record; ties go to the earliest."""
+        """The fastest correct record, of those timed behind a producer where the workload has any (it
+        was tuned for the place it runs in), else of those timed alone; ties go to the earliest."""
         row = self._conn.execute(
             f"SELECT {_COLUMNS} FROM records WHERE workload_key = ? AND target_key = ? "
-            "AND status = 'ok' ORDER BY latency_us, id LIMIT 1", (workload_key, target_key)).fetchone()
+            f"AND status = 'ok' ORDER BY {_PREFERRED} LIMIT 1", (workload_key, target_key)).fetchone()
         return _row_to_record(row) if row else None
 
     def best_all(self, target_key: str | None = None) -> list[Record]:
-        """The best ok record of every (workload_key, target_key), sorted by those keys."""
+        """`best` of every (workload_key, target_key), sorted by those keys."""
         clause, params = ("AND target_key = ?", (target_key,)) if target_key is not None else ("", ())
         rows = self._conn.execute(
             f"SELECT {_COLUMNS} FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY workload_key, "
-            "target_key ORDER BY latency_us, id) AS place FROM records WHERE status = 'ok' "
+            f"target_key ORDER BY {_PREFERRED}) AS place FROM records WHERE status = 'ok' "
             f"{clause}) WHERE place = 1 ORDER BY workload_key, target_key", params)
         return [_row_to_record(row) for row in rows]
 

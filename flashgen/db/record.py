@@ -17,6 +17,9 @@ STATUSES = ("ok", "wrong_result", "compile_error", "timeout", "crash")
 _REQUIRED = ("workload_key", "workload", "target_key", "schedule", "status", "flashgen_version",
              "device", "created_at")
 _OPTIONAL = ("latency_us", "spread_us", "extra")
+# How a latency was measured (`extra["timing"]`): the call by itself, or right behind a producer kernel
+# that writes its input (`extra["behind"]`, that workload's JSON), as a decode step runs it.
+ALONE, BEHIND = "alone", "behind"
 
 
 def canonical_json(obj: Any) -> str:
@@ -96,6 +99,12 @@ class Record:
     def schedule_key(self) -> str:
         """Identifies the schedule across records, so the search can skip what it already measured."""
         return schedule_key(self.schedule)
+
+    @property
+    def timing(self) -> str:
+        """ALONE or BEHIND: latencies of the two are not comparable (a call behind its producer overlaps
+        it), so every ranking of records stays within one."""
+        return self.extra.get("timing", ALONE)
 
     @property
     def content_hash(self) -> str:
