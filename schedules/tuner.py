@@ -131,12 +131,17 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
     """Measure up to `trials` new schedules of `wl` on `target`, recording each in `db`; `fixed` pins
     knobs (name -> value) so that only schedules with those values are proposed; `behind` (a producer
     workload and its schedule) times each right after that kernel."""
+    if runner is not None and (runner.behind is None) != (behind is None):  # records would misname their timing
+        raise FlashgenError(f"the runner given times {'alone' if runner.behind is None else 'behind a producer'}, "
+                            f"this tune {'alone' if behind is None else 'behind a producer'}")
     t0 = time.perf_counter()
     space = ScheduleSpace(wl, target, tuple(sorted((fixed or {}).items())))
     own_builder, own_runner = builder is None, runner is None
     builder = builder or Builder(target)
-    if behind is not None and (why := builder.build(behind[0], [behind[1]])[0]):
-        raise FlashgenError(f"the producer {behind[0]} does not build: {why}")  # (built here, not in the timed worker)
+    if behind is not None and (why := builder.build(behind[0], [behind[1]])[0]):  # built here, not in the timed worker
+        if own_builder:
+            builder.close()
+        raise FlashgenError(f"the producer {behind[0]} does not build: {why}")
     runner = runner or Runner(target, seed=seed, behind=behind)
     device = device_name or _device_name(target)
     records = db.records(wl.key, target.id)

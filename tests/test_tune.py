@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import flashgen
 from flashgen.cli import main
 from flashgen.db import Database
@@ -154,6 +156,10 @@ def test_tune_behind_a_producer_keeps_its_own_records(tmp_path, capsys):
                      behind=(flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32"), best.extra["behind_schedule"]))
         keys = [r.schedule_key for r in db.records(wl.key, target.id) if r.timing == "behind"]
     assert again.measured == 2 and len(keys) == len(set(keys)) == 7
+    from flashgen.errors import FlashgenError
+    from flashgen.schedules.measure import Runner
+    with Database(db_path) as db, pytest.raises(FlashgenError, match="runner given times alone"):
+        tune(wl, target, db, 1, runner=Runner(target), behind=(flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32"), {}))
 
 
 def test_tune_behind_a_producer_that_cannot_feed_it_is_a_clear_error(tmp_path, capsys):
