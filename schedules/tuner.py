@@ -95,14 +95,21 @@ def in_context(r: Record, behind: tuple[Workload, Schedule] | None) -> bool:
     return r.timing == BEHIND and r.extra.get("behind") == behind[0].to_json()
 
 
-def alone_seeds(space: ScheduleSpace, records: list[Record]) -> list[Schedule]:
-    """The workload's fastest distinct valid schedules timed alone, fastest first."""
-    seeds: list[Schedule] = []
-    for r in sorted((r for r in records if r.status == "ok" and r.timing == ALONE), key=lambda r: r.latency_us):
-        s = space.complete(r.schedule)
-        if space.is_valid(s) and s not in seeds:
-            seeds.append(s)
-    return seeds[:ALONE_SEEDS]
+def alone_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
+    """The workload's fastest distinct valid schedules timed alone, fastest first; where it has none, its
+    plain form's (`Op.plain_form`, whose records dispatch serves it: a residual epilogue's GEMM)."""
+    wl = space.workload
+    plain_op, plain_attrs = wl.op.plain_form(wl.attr)
+    for key in (wl.key, workload(plain_op, **wl.dim, **plain_attrs).key):
+        seeds: list[Schedule] = []
+        recs = [r for r in db.records(key, space.target.id, status="ok") if r.timing == ALONE]
+        for r in sorted(recs, key=lambda r: r.latency_us):
+            s = space.complete(r.schedule)
+            if space.is_valid(s) and s not in seeds:
+                seeds.append(s)
+        if seeds:
+            return seeds[:ALONE_SEEDS]
+    return []
 
 
 def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
@@ -153,7 +160,7 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
     strat = make_strategy(strategy, space, model, seed,
                           measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in in_space])
     default = space.pinned_default()
-    seeds = alone_seeds(space, records) if behind is not None else []
+    seeds = alone_seeds(space, db) if behind is not None else []
     pending = [c for c in ([default] if default is not None else []) + seeds + dense_seeds(space, db)
                if schedule_key(space.complete(c)) not in known]
     # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5)

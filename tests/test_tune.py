@@ -171,3 +171,26 @@ def test_tune_behind_a_producer_that_cannot_feed_it_is_a_clear_error(tmp_path, c
     code = main(["tune", "softmax", "--dim", "M=64", "--dim", "N=2048", "--dtype", "fp32", "--target", "cpu",
                  "--db", str(tmp_path / "t.db"), "--behind", "{op"])
     assert code != 0 and "--behind: not JSON" in capsys.readouterr().err
+
+
+def test_alone_seeds_come_from_the_plain_form_where_the_workload_has_none(tmp_path):
+    """A GEMM with a residual epilogue and no records of its own is seeded, behind a producer, with its
+    plain form's fastest schedules timed alone (what dispatch would serve it), never with records timed
+    behind a producer; once it has records timed alone, those."""
+    from flashgen.db import Record
+    from flashgen.schedules.tuner import alone_seeds
+    h200 = get_target("h200")
+    wl = flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16", with_residual="yes")
+    plain = flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16")
+    space = ScheduleSpace(wl, h200)
+    base = space.default()
+
+    def rec(w, us, timing=None, **knobs):
+        return Record(workload_key=w.key, workload=w.to_json(), target_key=h200.id, schedule={**base, **knobs},
+                      status="ok", latency_us=us, device="NVIDIA H200", extra={"timing": timing} if timing else {})
+    with Database(tmp_path / "db.sqlite") as db:
+        db.add_many([rec(plain, 12.0, num_stages=4), rec(plain, 11.0, num_stages=2),
+                     rec(plain, 1.0, "behind", num_stages=5), rec(wl, 1.0, "behind", num_stages=5)])
+        assert [s["num_stages"] for s in alone_seeds(space, db)] == [2, 4]
+        db.add(rec(wl, 20.0, num_stages=3))
+        assert [s["num_stages"] for s in alone_seeds(space, db)] == [3]
