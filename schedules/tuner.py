@@ -9,7 +9,7 @@ is the dense op's, whose records the model cannot map onto the quantized op's.
 Tuned `behind` a producer (a decode step's kernel before this one), candidates are timed right after it
 (`schedules.measure`), and such a tune keeps apart from the records timed alone: it measures again
 schedules measured alone, its search learns from its own timings only, and the fastest schedules timed
-alone go first, after the default. Dispatch prefers a workload's records timed behind a producer
+alone (its plain form's where it has none) go first, after the default. Dispatch prefers a workload's records timed behind a producer
 (`Database.best`).
 """
 from __future__ import annotations
@@ -151,9 +151,9 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
         raise FlashgenError(f"the producer {behind[0]} does not build: {why}")
     runner = runner or Runner(target, seed=seed, behind=behind)
     device = device_name or _device_name(target)
-    records = db.records(wl.key, target.id)
     # keyed by the complete schedule: a record older than a knob counts as its neutral value
-    known = {schedule_key(space.complete(r.schedule)): r for r in records if in_context(r, behind)}
+    known = {schedule_key(space.complete(r.schedule)): r for r in db.records(wl.key, target.id)
+             if in_context(r, behind)}
     # Only the evolutionary search is guided by the learned model; the others need no training.
     model = CostModel.for_database(db.path, wl.op.kclass) if strategy == "evolutionary" else None
     in_space = [r for r in known.values() if space.is_valid(r.schedule)]
