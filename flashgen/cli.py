@@ -102,21 +102,34 @@ def _fixed_knobs(pairs: list[tuple[str, str]]) -> dict[str, int]:
     return out
 
 
-def _producer(text: str | None, target, db) -> tuple | None:
-    """--behind JSON as (producer workload, its schedule: the database's best, else the default)."""
-    from flashgen.compiler import check_supported
-    from flashgen.schedules.space import ScheduleSpace
-    from flashgen.workload import Workload
+def _tune_plan(args: argparse.Namespace) -> list[tuple]:
+    """(workload, the producer it is timed behind or None) per workload: --behind JSON for all of them,
+    or a "behind" of each line of --workloads FILE."""
+    from flashgen.workload import Workload, read_workload_lines
 
-    if text is None:
-        return None
+    if args.workloads and not args.op:
+        plan = read_workload_lines(args.workloads)
+        if args.behind is not None and any(p is not None for _, p in plan):
+            raise FlashgenError(f"{args.workloads} names producers (\"behind\"): give --behind or those, not both")
+    else:
+        plan = [(wl, None) for wl in _workloads(args)]  # (an op and a file together: its error)
+    if args.behind is None:
+        return plan
     try:
-        wl = Workload.from_json(json.loads(text))
+        producer = Workload.from_json(json.loads(args.behind))
     except json.JSONDecodeError as e:
         raise FlashgenError(f"--behind: not JSON ({e})") from None
-    check_supported(wl, target)
-    best = db.best(wl.key, target.id)
-    return wl, best.schedule if best is not None else ScheduleSpace(wl, target).default()
+    return [(wl, producer) for wl, _ in plan]
+
+
+def _with_schedule(producer, target, db) -> tuple | None:
+    """(producer, its schedule: the database's best, else the default), or None without a producer."""
+    from flashgen.schedules.space import ScheduleSpace
+
+    if producer is None:
+        return None
+    best = db.best(producer.key, target.id)
+    return producer, best.schedule if best is not None else ScheduleSpace(producer, target).default()
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -129,18 +142,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
     target = resolve_target(args.target, args.targets_dir)
-    wls = _workloads(args)
+    plan = _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
+    for wl, producer in plan:  # every check before any tuning
+        check_supported(wl, target)
+        ScheduleSpace(wl, target, tuple(sorted(fixed.items()))).knobs()  # unknown knob or value
+        if producer is not None:
+            check_supported(producer, target)
+            if why := feed_error(producer, wl):
+                raise FlashgenError(why)
     results = []
     with Database(args.db) as db:
-        behind = _producer(args.behind, target, db)
-        for wl in wls:
-            check_supported(wl, target)
-            ScheduleSpace(wl, target, tuple(sorted(fixed.items()))).knobs()  # unknown knob or value: stop before tuning
-            if behind is not None and (why := feed_error(behind[0], wl)):
-                raise FlashgenError(f"--behind: {why}")
-        where = f" behind {behind[0]}" if behind is not None else ""
-        for wl in wls:
+        for wl, producer in plan:
+            # the producer's schedule as the database has it now: earlier lines may have tuned it
+            behind = _with_schedule(producer, target, db)
+            where = f" behind {producer}" if producer is not None else ""
             res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr,
                        fixed=fixed, behind=behind)
             results.append(res)
@@ -280,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dim", type=_pair, action="append", default=[], metavar="NAME=VALUE")
     t.add_argument("--dtype")
     t.add_argument("--attr", type=_pair, action="append", default=[], metavar="NAME=VALUE")
-    t.add_argument("--workloads", help="a JSON-lines file of workloads ({op, dims, attrs} per line)")
+    t.add_argument("--workloads", help="a JSON-lines file of workloads ({op, dims, attrs} per line; a line's "
+                                       "\"behind\": {op, dims, attrs} times it behind that producer, as --behind)")
     t.add_argument("--target", required=True)
     t.add_argument("--trials", type=int, default=64, help="new measurements per workload (default 64)")
     t.add_argument("--strategy", default="evolutionary", choices=("evolutionary", "random", "exhaustive"))

@@ -93,6 +93,12 @@ def recorded_workload(workload_json: Mapping[str, Any], workload_key: str) -> Wo
 def read_workloads(path: str) -> list[Workload]:
     """One workload per non-blank line of a JSON-lines file ({op, dims, attrs}); a bad line is an error
     naming the file and line."""
+    return [wl for wl, _ in read_workload_lines(path)]
+
+
+def read_workload_lines(path: str) -> list[tuple[Workload, Workload | None]]:
+    """Each non-blank line's workload and the producer it names under "behind" ({op, dims, attrs}: the
+    kernel `flashgen tune` times it behind), else None; a bad line is an error naming the file and line."""
     try:
         lines = open(path).read().splitlines()
     except OSError as e:
@@ -101,7 +107,9 @@ def read_workloads(path: str) -> list[Workload]:
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                out.append(Workload.from_json(json.loads(line)))
+                d = json.loads(line)
+                behind = d.get("behind") if isinstance(d, dict) else None
+                out.append((Workload.from_json(d), Workload.from_json(behind) if behind is not None else None))
             except (json.JSONDecodeError, FlashgenError) as e:
                 raise FlashgenError(f"{path}:{n}: {e}") from None
     return out

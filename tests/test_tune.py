@@ -194,3 +194,27 @@ def test_alone_seeds_come_from_the_plain_form_where_the_workload_has_none(tmp_pa
         assert [s["num_stages"] for s in alone_seeds(space, db)] == [2, 4]
         db.add(rec(wl, 20.0, num_stages=3))
         assert [s["num_stages"] for s in alone_seeds(space, db)] == [3]
+
+
+def test_tune_workloads_file_with_a_producer_per_line(tmp_path, capsys):
+    """A decode chain in one file: each line may name the producer it is timed behind, tuned in file
+    order; --behind as well is refused, as is a producer that cannot feed its line."""
+    sm = flashgen.workload("softmax", M=64, N=2048, dtype="fp32")
+    f = tmp_path / "chain.jsonl"
+    f.write_text(json.dumps({**sm.to_json(), "behind": BEHIND}) + "\n" + json.dumps(sm.with_dims(M=32).to_json()) + "\n")
+    db_path = tmp_path / "t.db"
+    code = main(["tune", "--workloads", str(f), "--target", "cpu", "--trials", "2", "--db", str(db_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 2 and "behind rmsnorm M=64 N=2048" in lines[0] and "behind" not in lines[1]
+    with Database(db_path) as db:
+        target = get_target("cpu")
+        assert {r.timing for r in db.records(sm.key, target.id)} == {"behind"}
+        assert {r.timing for r in db.records(sm.with_dims(M=32).key, target.id)} == {"alone"}
+    assert main(["tune", "--workloads", str(f), "--target", "cpu", "--db", str(db_path),
+                 "--behind", json.dumps(BEHIND)]) == 2
+    assert "give --behind or those, not both" in capsys.readouterr().err
+    f.write_text(json.dumps({**sm.with_dims(N=1000).to_json(), "behind": BEHIND}) + "\n")
+    assert main(["tune", "--workloads", str(f), "--target", "cpu", "--db", str(db_path)]) == 2
+    assert "but softmax reads x [64, 1000]" in capsys.readouterr().err
