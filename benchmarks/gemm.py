@@ -73,8 +73,12 @@ def peer(op: str, ins: dict):
 
 
 def _best_with(db: Database, wl: flashgen.Workload, target, space: ScheduleSpace, knob: str, value: int):
-    """The fastest correct record of `wl` whose schedule has `knob` = `value` (None if there is none)."""
-    recs = [r for r in db.records(wl.key, target.id, status="ok") if space.complete(r.schedule).get(knob) == value]
+    """The fastest correct record of `wl` whose schedule has `knob` = `value`, of those timed as the
+    database's best was (`Database.best`: behind a producer where the workload has such records); None
+    if there is none."""
+    timing = db.best(wl.key, target.id).timing
+    recs = [r for r in db.records(wl.key, target.id, status="ok")
+            if r.timing == timing and space.complete(r.schedule).get(knob) == value]
     return min(recs, key=lambda r: r.latency_us, default=None)
 
 

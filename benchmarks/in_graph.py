@@ -6,7 +6,7 @@ programmatic dependent launch: its programs start while that kernel still runs, 
 schedule fetches its first weights before it waits. The tuner times a candidate alone (the L2 flushed,
 CUDA events around one call) and cannot see that overlap, and its ranking has disagreed with the
 decoder's (NOTES.md: fused bf16 GEMVs tuned alone, 231 tokens/s, against 239 with the plain forms'
-early-load schedules). Here a workload's fastest records, plus the best one of each `early_load` value,
+early-load schedules). Here a workload's fastest records timed alone, plus the best one of each `early_load` value,
 are timed both ways. Behind a producer: a CUDA graph of (L2 flush, producer, candidate) triples against
 one of (L2 flush, producer) pairs, the difference per triple being the candidate's cost in the graph.
 The producer is an RMSNorm whose output's first rows are the candidate's input, of `rows` rows of a
@@ -33,6 +33,7 @@ from common import RESULTS, environment, print_table, write_results  # noqa: E40
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
+from flashgen.db.record import ALONE  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.timing import behind_cost, gpu_time  # noqa: E402
 from flashgen.targets import target_for_device  # noqa: E402
@@ -46,7 +47,6 @@ DECODE_B1 = [
     ("rmsnorm_gemm", {"M": 1, "N": 28672, "K": 4096}, {}),
     ("silu_mul_gemm", {"M": 1, "N": 4096, "K": 14336}, {"with_residual": "yes"}),
 ]
-ACTIVATION = ("x", "xg")  # the input a producer writes: the contraction's activation
 
 
 def candidates(records: list[Any], space: ScheduleSpace, top: int) -> list[tuple[dict, float]]:
@@ -107,13 +107,14 @@ def main() -> None:
     with Database(args.db) as db:
         for wl in wls:
             space = ScheduleSpace(wl, target)
-            chosen = candidates(db.records(wl.key, target.id, status="ok"), space, args.top)
+            chosen = candidates([r for r in db.records(wl.key, target.id, status="ok") if r.timing == ALONE],
+                                space, args.top)
             if not chosen:
                 print(f"{wl}: no records", flush=True)
                 continue
             gen = torch.Generator().manual_seed(5)
             ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, gen).items()}
-            act = next(a for a in ACTIVATION if a in ins)
+            act = wl.inputs[0].name  # the input a producer writes, as in `flashgen tune --behind`
             width = ins[act].shape[1]
             producers = {}
             for r in rows_list:  # rows of a 4096-wide activation: as many bytes for wider ones
