@@ -124,7 +124,8 @@ def main() -> None:
                     res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, fixed=fixed,
                                **session)
                     if res.best is None:
-                        print(f"{wl}: no correct schedule", flush=True)
+                        print(f"{wl}: no correct schedule" + ("" if args.trials else " recorded (--trials 0 measures none)"),
+                              flush=True)
                         continue
                     kern = flashgen.compile(wl, target, db=db)
                     gen = torch.Generator().manual_seed(3)
@@ -164,14 +165,16 @@ def main() -> None:
                     print(f"{op:11s} {shape:9s} M={m:<5d} flashgen {t['flashgen']:9.2f} us  peer {pt:9.2f}  "
                           f"roof {roof:8.2f}  ({time.perf_counter() - t0:.0f}s)", flush=True)
                     write_results(args.name, header, rows, {**environment(), "target": target.id, "copy_gbs": bw},
-                                  args.out_dir, NOTE.format(trials=args.trials, bw=bw))
+                                  args.out_dir, (NOTE if args.trials else RETIME_NOTE).format(trials=args.trials, bw=bw))
     print_table(("op", "shape", "M", "us", "vs_peer", "of_roof"), [(r[0], r[1], r[2], r[5], r[8], r[10]) for r in rows])
 
 
+ROOFLINE_NOTE = ("vs_peer = peer time / flashgen time (above 1: flashgen faster). Roofline = max(flops / datasheet "
+                 "peak, bytes / measured copy bandwidth {bw:.0f} GB/s).")
 NOTE = ("Each workload tuned with {trials} new measured schedules (the analytic default first, then the cost "
         "model's ranking: XGBoost trained on the database's GEMM records so far, the analytic prior before there are "
-        "any). vs_peer = peer time / flashgen time (above 1: flashgen faster). Roofline = max(flops / datasheet peak, "
-        "bytes / measured copy bandwidth {bw:.0f} GB/s).")
+        "any). " + ROOFLINE_NOTE)
+RETIME_NOTE = "No new schedules: each workload's best record in the database is timed. " + ROOFLINE_NOTE
 
 
 if __name__ == "__main__":
