@@ -11,6 +11,9 @@ from flashgen.errors import FlashgenError
 from flashgen.ir.op import Op, eval_int
 from flashgen.oplib import get_op
 
+# A schedule is one point of a kernel class's ScheduleSpace: knob name -> integer value, JSON as it is.
+Schedule = dict[str, Any]
+
 MAX_DIM = 1 << 24          # any single dim
 MAX_ELEMENTS = 1 << 36     # any single tensor
 
@@ -77,6 +80,12 @@ class Workload:
             return workload(d["op"], **d["dims"], **d.get("attrs", {}))
         except (KeyError, TypeError) as e:
             raise FlashgenError(f"not a workload JSON object ({e}): {d}") from None
+
+
+def domain(wl: Workload) -> tuple[int, int]:
+    """The (rows, cols) extent of the op's iteration domain for this workload's dims."""
+    rows, cols = wl.op.domain
+    return eval_int(rows, wl.dim), eval_int(cols, wl.dim)
 
 
 def recorded_workload(workload_json: Mapping[str, Any], workload_key: str) -> Workload | None:

@@ -30,11 +30,9 @@ from typing import Any, Iterator
 from flashgen.errors import FlashgenError
 from flashgen.schedules import contraction_space
 from flashgen.targets.descriptor import Target
-from flashgen.workload import Workload
+from flashgen.workload import Schedule, Workload, domain
 from flashgen.ir import expr as E
 from flashgen.ir.op import Store, eval_int
-
-Schedule = dict[str, Any]
 
 MAX_ELEMS_PER_THREAD = 64   # fp32 values a thread holds per live tensor before spills become likely
 MIN_ELEMS_PER_THREAD = 4     # fewer leaves 16-byte loads unused and most of each warp's work idle
@@ -59,11 +57,6 @@ CPU_TASK_ELEMENTS = 2048     # cpu default: elements of work per parallel task, 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def domain(wl: Workload) -> tuple[int, int]:
-    rows, cols = wl.op.domain
-    return eval_int(rows, wl.dim), eval_int(cols, wl.dim)
 
 
 @dataclass(frozen=True)
