@@ -10,6 +10,7 @@ import sys
 from typing import Sequence
 
 from flashgen.errors import FlashgenError
+from flashgen.extras import require
 
 EXIT_USAGE = 2
 
@@ -141,6 +142,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
+    if args.plot:
+        require("matplotlib", "--plot")  # before tuning: a missing extra must not waste the tune
     target = resolve_target(args.target, args.targets_dir)
     plan = _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
@@ -197,10 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from flashgen.runtime.model import Decoder
     from flashgen.runtime.weights import ModelConfig, load_weights
 
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise FlashgenError("generate needs the tokenizers package: pip install -e '.[model]'") from None
+    from tokenizers import Tokenizer
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
     if not (folder / "tokenizer.json").exists():

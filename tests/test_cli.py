@@ -116,3 +116,13 @@ def test_console_script_exit_code(tmp_path):
     p = subprocess.run([sys.executable, "-m", "flashgen.cli", "compile", "rmsnorm", "--dim", "M=1",
                         "--target", "h200", "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "missing dim N" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_missing_optional_extra_is_one_line_before_any_tuning(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what a plain install without [plot] has
+    db = tmp_path / "t.db"
+    code, out, err = run_cli(capsys, "tune", "rmsnorm", "--dim", "M=3", "--dim", "N=64", "--dtype", "fp32",
+                             "--target", "cpu", "--trials", "1", "--db", str(db), "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and "flashgen[plot]" in err and "--plot" in err
+    assert not db.exists()  # nothing was tuned
