@@ -1,7 +1,8 @@
 """The compile driver: workload + target -> Kernel, with the schedule the database says is best.
 
 Schedule choice, in order: one given by the caller; the fastest `ok` record of this workload on this
-target in the database; the kernel class's analytic default. The choice and why are kept in the
+target in the user's database, else in the records shipped with flashgen (flashgen/db/shipped.py); the
+kernel class's analytic default. The choice and why are kept in the
 kernel's metadata (`schedule_source`), and the CLI prints them.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from flashgen import __version__
 from flashgen.db import Database, default_db_path
+from flashgen.db.shipped import TunedRecords
 from flashgen.errors import FlashgenError
 from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
@@ -48,15 +50,15 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
             raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: {why}")
         return dict(schedule), "given"
     path = db.path if isinstance(db, Database) else Path(db) if db is not None else default_db_path()
-    if isinstance(db, Database) or path.exists():
-        database = db if isinstance(db, Database) else Database(path)
-        try:
-            rec = database.best(wl.key, target.id)
-        finally:
-            if database is not db:
-                database.close()
-        if rec is not None and space.is_valid(rec.schedule):
-            return dict(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {path})"
+    database = db if isinstance(db, Database) else Database(path) if path.exists() else None
+    try:
+        found = TunedRecords(database).best(wl.key, target.id)
+    finally:
+        if database is not None and database is not db:
+            database.close()
+    if found is not None and space.is_valid(found[0].schedule):
+        rec, origin = found
+        return dict(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin})"
     return space.default(), "analytic default"
 
 

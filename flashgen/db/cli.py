@@ -6,6 +6,8 @@ import argparse
 
 from flashgen.db.database import Database
 from flashgen.db.record import STATUSES, Record, canonical_json
+from flashgen.db.shipped import ENV, shipped_database
+from flashgen.errors import FlashgenError
 from flashgen.table import print_table
 
 _SCHEDULE_WIDTH = 48
@@ -33,8 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing.add_argument("--target", metavar="KEY", help="only this target key")
     listing.add_argument("--status", choices=STATUSES, help="only records with this status")
     listing.add_argument("--limit", metavar="N", type=_positive_int, help="show at most N records")
-    command("best", "the fastest correct record per workload and target") \
-        .add_argument("--target", metavar="KEY", help="only this target key")
+    listing.add_argument("--shipped", action="store_true",
+                         help="the tuned records that ship with flashgen instead of a database")
+    best = command("best", "the fastest correct record per workload and target")
+    best.add_argument("--target", metavar="KEY", help="only this target key")
+    best.add_argument("--shipped", action="store_true", help="the tuned records that ship with flashgen")
     command("export", "write all records to a JSON-lines file").add_argument("file", metavar="FILE.jsonl")
     command("import", "merge records from a JSON-lines file").add_argument("file", metavar="FILE.jsonl")
     db.set_defaults(func=run)
@@ -42,22 +47,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs one `db` sub-command; user problems surface as FlashgenError."""
+    if getattr(args, "shipped", False):
+        if args.db is not None:
+            raise FlashgenError("--shipped lists the records that ship with flashgen; it takes no --db")
+        shipped = shipped_database()
+        if shipped is None:
+            print(f"no shipped records ({ENV}=0, or none installed)")
+            return 0
+        return _show(args, shipped)
     with Database(args.db) as database:
-        if args.db_command == "list":
-            records = database.records(args.workload, args.target, args.status)
-            shown = records[: args.limit] if args.limit else records
-            _print_records(shown)
-            if len(shown) < len(records):
-                print(f"({len(shown)} of {len(records)} records shown)")
-        elif args.db_command == "best":
-            _print_records(database.best_all(args.target))
-        elif args.db_command == "export":
-            count = database.export_jsonl(args.file)
-            print(f"exported {count} records from {database.path} to {args.file}")
-        elif args.db_command == "import":
-            added, skipped = database.import_jsonl(args.file)
-            print(f"imported {added} new records from {args.file} into {database.path} "
-                  f"({skipped} duplicates skipped)")
+        return _show(args, database)
+
+
+def _show(args: argparse.Namespace, database: Database) -> int:
+    """The listing, export or import a `db` sub-command asks of one database."""
+    if args.db_command == "list":
+        records = database.records(args.workload, args.target, args.status)
+        shown = records[: args.limit] if args.limit else records
+        _print_records(shown)
+        if len(shown) < len(records):
+            print(f"({len(shown)} of {len(records)} records shown)")
+    elif args.db_command == "best":
+        _print_records(database.best_all(args.target))
+    elif args.db_command == "export":
+        count = database.export_jsonl(args.file)
+        print(f"exported {count} records from {database.path} to {args.file}")
+    elif args.db_command == "import":
+        added, skipped = database.import_jsonl(args.file)
+        print(f"imported {added} new records from {args.file} into {database.path} "
+              f"({skipped} duplicates skipped)")
     return 0
 
 

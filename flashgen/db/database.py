@@ -16,6 +16,7 @@ from flashgen.errors import FlashgenError
 from flashgen.paths import cache_dir
 
 FORMAT = "flashgen-tuning-db"
+MEMORY = ":memory:"  # a path that opens a private in-memory database (the shipped records' reader)
 SCHEMA_VERSION = 1
 _BUSY_TIMEOUT_S = 60.0
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -128,6 +129,11 @@ class Database:
     """Append-only store of Records; every write is one IMMEDIATE transaction, so writers queue."""
 
     def __init__(self, path: str | os.PathLike | None = None) -> None:
+        if path == MEMORY:
+            self.path = Path(MEMORY)
+            self._conn = sqlite3.connect(MEMORY, isolation_level=None)
+            self._create_schema()
+            return
         self.path = Path(path).expanduser() if path is not None else default_db_path()
         if self.path.is_dir():
             raise FlashgenError(f"{self.path} is a directory; pass a file path with --db.")
