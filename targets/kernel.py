@@ -80,6 +80,9 @@ class Kernel:
     # A kernel of several launches (a weight dequantized first, then the dense GEMM: targets/staged.py)
     # keeps each launch's kernel here, in order; its own source, asm and binary are the last one's.
     parts: tuple["Kernel", ...] = field(default=(), repr=False)
+    # The source as a file a person can run, where the backend makes one (Triton: with its launch grid
+    # and a harness that checks and times it; targets/triton/harness.py); `--out` writes it.
+    runnable: str = field(default="", repr=False)
     # Per call signature (each input's shape, dtype and strides): the checked dims and the outputs'
     # shapes and dtypes, so a repeated call skips the checks (decode calls the same shapes all along).
     _calls: dict[tuple, tuple[dict[str, int], list[tuple[str, tuple[int, ...], torch.dtype]]]] = field(
@@ -160,7 +163,8 @@ class Kernel:
         if self.parts:
             return {name: data for part in self.parts for name, data in part.files().items()}
         ext = {"triton": "py", "tvm": "tvm.py"}[self.target.backend]
-        out = {f"{self.name}.{ext}": self.source.encode(), f"{self.name}.{self.binary_kind}": self.binary}
+        out = {f"{self.name}.{ext}": (self.runnable or self.source).encode(),
+               f"{self.name}.{self.binary_kind}": self.binary}
         for kind, text in self.asm.items():
             out[f"{self.name}.{kind}"] = text.encode()
         return out

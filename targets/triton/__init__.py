@@ -16,6 +16,7 @@ from flashgen.targets.kernel import Kernel
 from flashgen.targets.triton.build import ast_source, compile_aot, for_target, load_compiled
 from flashgen.targets.triton.codegen import generate
 from flashgen.targets.triton.emit import KernelSource
+from flashgen.targets.triton.harness import runnable_source
 from flashgen.targets.triton.launch import TritonLauncher
 from flashgen.workload import Workload
 
@@ -55,4 +56,4 @@ def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
             "tools": {"triton": triton.__version__, "torch": torch.__version__}}
     return Kernel(workload=wl, target=target, schedule=schedule, name=ks.name, source=ks.source, asm=asm,
                   binary=ck.asm[bin_kind], binary_kind=bin_kind, metadata=meta,
-                  launcher=TritonLauncher(ks, wl, target, ck))
+                  launcher=TritonLauncher(ks, wl, target, ck), runnable=runnable_source(ks, wl, schedule, target))

@@ -1,0 +1,99 @@
+"""Generated Triton files a person can run: `python <op>_kernel.py` checks and times the kernel.
+
+`flashgen compile --out` writes the generated module with two additions after the kernel, neither of
+which the compiled binary sees: GRID, the programs the runtime launches for the workload's own dims,
+and a `__main__` block calling `main` below. Run as it is, the file launches its own kernel (edits
+included) on fresh random inputs of its workload, compares every output with the op's float64
+reference and, on a GPU, prints the median time; without a GPU, `TRITON_INTERPRET=1` runs it in
+Triton's interpreter on CPU tensors. Arguments `DIM=VALUE` change run-time dims (the rows), e.g. a
+smaller M for the interpreter.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from flashgen.errors import FlashgenError
+from flashgen.targets.descriptor import Target
+from flashgen.targets.triton.emit import KernelSource
+from flashgen.workload import Schedule, Workload
+
+RUN_HINT = "python {file} [DIM=VALUE ...]   (without a GPU: TRITON_INTERPRET=1 python {file})"
+
+
+def runnable_source(ks: KernelSource, wl: Workload, schedule: Schedule, target: Target) -> str:
+    """The module text of `ks` with its launch grid and the harness call appended."""
+    from flashgen.targets.triton.codegen import grid
+
+    file = f"{ks.name}.py"
+    g = grid(ks, wl, sm_count=int(target.sm_count))
+    rows = ", ".join(f"{d}={wl.dim[d]}" for d in wl.op.row_dims)
+    return (ks.source.rstrip("\n") + "\n\n\n"
+            f"# Programs (x, y, z) the runtime launches for {rows}; other run-time dims launch others.\n"
+            f"GRID = {g}\n\n\n"
+            f"if __name__ == \"__main__\":  # {RUN_HINT.format(file=file)}\n"
+            "    import sys\n\n"
+            "    from flashgen.targets.triton.harness import main\n"
+            f"    sys.exit(main(__file__, {json.dumps(wl.to_json(), sort_keys=True)},\n"
+            f"                  {json.dumps(dict(schedule), sort_keys=True)}, {target.key!r}, sys.argv[1:]))\n")
+
+
+def _row_dims(wl: Workload, argv: Sequence[str]) -> Workload:
+    dims = dict(wl.dim)
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name not in wl.op.row_dims or not value.isdigit() or int(value) < 1:
+            raise FlashgenError(f"arguments are run-time dims as DIM=VALUE, DIM one of {', '.join(wl.op.row_dims)}; "
+                                f"got {arg!r}")
+        dims[name] = int(value)
+    return Workload.from_json({**wl.to_json(), "dims": dims})
+
+
+def main(path: str, workload_json: Mapping[str, Any], schedule: Schedule, target_key: str,
+         argv: Sequence[str] = (), seed: int = 0) -> int:
+    """Check (and on a GPU, time) the kernel of the file at `path`; 0 when every output is right."""
+    import torch
+
+    from flashgen.check import check
+    from flashgen.targets.descriptor import get_target
+    from flashgen.targets.kernel import bind_dims
+    from flashgen.targets.triton.build import interpreting, load_function
+    from flashgen.targets.triton.codegen import generate
+    from flashgen.targets.triton.launch import TritonLauncher
+
+    try:
+        wl = _row_dims(Workload.from_json(dict(workload_json)), argv)
+        target = get_target(target_key)
+        if not interpreting() and not torch.cuda.is_available():
+            raise FlashgenError("no GPU here: run it in Triton's interpreter, " + RUN_HINT.format(file=Path(path).name))
+        # the kernel as this file has it; the generator gives its arguments' recipe and tiling
+        ks = replace(generate(wl, schedule), source=Path(path).read_text(encoding="utf-8"))
+        fn = load_function(ks)
+    except FlashgenError as e:
+        print(f"flashgen: error: {e}", file=sys.stderr)
+        return 2
+    launcher = TritonLauncher(ks, wl, target)
+    device = torch.device("cpu" if interpreting() else "cuda")
+
+    def run(inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
+            params: Mapping[str, float]) -> None:
+        tensors, dims = {**inputs, **outputs}, bind_dims(wl, inputs)
+        _, g = launcher.plan(dims)
+        fn[g](*launcher.args(tensors, params, dims))
+
+    checks = check(wl, run, seed, device)
+    for c in checks:
+        print(f"{c.tensor}: error {c.error:.2e} (tolerance {c.tolerance:g}) {'ok' if c.ok else 'WRONG'}"
+              + (f", {c.detail}" if c.detail else ""))
+    if device.type == "cuda" and all(c.ok for c in checks):
+        import triton.testing
+
+        from flashgen.check import poisoned
+        inputs = {k: v.to(device) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(seed)).items()}
+        outputs = poisoned(wl, wl.dim, device)
+        us = 1e3 * triton.testing.do_bench(lambda: run(inputs, outputs, wl.op.params), return_mode="median")
+        print(f"{wl}: {us:.2f} us (median)")
+    return 0 if all(c.ok for c in checks) else 1
