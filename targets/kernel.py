@@ -170,26 +170,46 @@ class Kernel:
         return out
 
     def save(self, out_dir: str | os.PathLike) -> list[Path]:
-        """Write source, binary, assembly and metadata JSON; all files appear, or none do."""
+        """Write source, binary, assembly and metadata JSON. The JSON, whose sha256 values describe every
+        file, is removed first and written last: where it exists, the files beside it are the ones it
+        describes, and a save cut short leaves none (its staging folder goes at the next save)."""
         out = Path(out_dir)
+        meta_name = f"{self.name}.json"
         try:
             out.mkdir(parents=True, exist_ok=True)
-            stage = Path(tempfile.mkdtemp(prefix=".flashgen-", dir=out))
+            _remove_dead_stages(out)
+            stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=out))
         except OSError as e:
             raise FlashgenError(f"cannot write to {out}: {e.strerror or e}") from None
         try:
             files = self.files()
-            meta = {**self.metadata, "files": sorted(files) + [f"{self.name}.json"],
+            meta = {**self.metadata, "files": sorted(files) + [meta_name],
                     "sha256": {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}}
-            files[f"{self.name}.json"] = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+            files[meta_name] = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
             for name, data in files.items():
                 (stage / name).write_bytes(data)
-            written = []
-            for name in files:
+            (out / meta_name).unlink(missing_ok=True)
+            for name in [*(n for n in files if n != meta_name), meta_name]:
                 os.replace(stage / name, out / name)
-                written.append(out / name)
-            return written
+            return [out / name for name in files]
         except OSError as e:
             raise FlashgenError(f"cannot write to {out}: {e.strerror or e}") from None
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+STAGE_PREFIX = ".flashgen-"  # staging folders of `Kernel.save`, named by the writing process's id
+
+
+def _remove_dead_stages(out: Path) -> None:
+    """Staging folders left by saves whose process is gone (killed mid-save)."""
+    for stage in out.glob(f"{STAGE_PREFIX}*"):
+        pid = stage.name[len(STAGE_PREFIX):].split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stage, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass

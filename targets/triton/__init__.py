@@ -13,7 +13,7 @@ from flashgen.schedules.space import Schedule
 from flashgen.targets import artifacts, staged
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
-from flashgen.targets.triton.build import ast_source, compile_aot, for_target, load_compiled
+from flashgen.targets.triton.build import ast_source, compile_aot, compile_options, for_target, load_compiled
 from flashgen.targets.triton.codegen import generate
 from flashgen.targets.triton.emit import KernelSource
 from flashgen.targets.triton.harness import runnable_source
@@ -24,9 +24,12 @@ ASM = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
 
 
 def cache_key(ks: KernelSource, schedule: Schedule, target: Target) -> str:
-    return artifacts.artifact_key({"source": ks.source, "num_warps": schedule["num_warps"],
+    """Everything the build reads: the source, its constants, Triton's options and what the descriptor
+    gives Triton (backend, architecture, warp size), not the descriptor's name."""
+    return artifacts.artifact_key({"source": ks.source, "options": compile_options(ks, schedule),
                                    "constexprs": {a.name: a.value for a in ks.args if a.kind == "constexpr"},
-                                   "target": target.key, "triton": triton.__version__, "flashgen": __version__})
+                                   "triton_target": list(target.triton_target), "warp_size": target.warp_size,
+                                   "triton": triton.__version__, "flashgen": __version__})
 
 
 def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:

@@ -14,7 +14,7 @@ from typing import Any
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
-from flashgen.paths import cache_dir
+from flashgen.paths import cache_dir, writable
 from flashgen.targets.descriptor import Target
 from flashgen.targets.triton.emit import PDL, KernelSource
 from flashgen.workload import Workload
@@ -34,12 +34,14 @@ def load_function(ks: KernelSource) -> Any:
     """Import the generated module (written under the cache folder, named by its hash)."""
     digest = hashlib.sha256(ks.source.encode()).hexdigest()[:20]
     mod_name = f"fg_{ks.name}_{digest}"
-    folder = cache_dir() / "source"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{mod_name}.py"
-    if not path.exists():
+    path = writable(cache_dir() / "source") / f"{mod_name}.py"
+    try:
+        current = path.exists() and path.read_text(encoding="utf-8") == ks.source
+    except (OSError, UnicodeDecodeError):
+        current = False
+    if not current:  # first use, or a file someone changed: what is imported is what was generated
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(ks.source)
+        tmp.write_text(ks.source, encoding="utf-8")
         os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -102,10 +104,16 @@ def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
     if interpreting():
         raise FlashgenError("ahead-of-time compilation needs a process started without TRITON_INTERPRET=1")
     backend, arch = target.triton_target
-    options = {"num_warps": schedule["num_warps"], "num_stages": schedule.get("num_stages", 1)}
+    return triton.compile(ast_source(ks, wl), target=GPUTarget(backend, arch, target.warp_size),
+                          options=compile_options(ks, schedule))
+
+
+def compile_options(ks: KernelSource, schedule: dict) -> dict[str, Any]:
+    """Triton's compile options for this kernel: warps, pipeline stages, programmatic dependent launch."""
+    options: dict[str, Any] = {"num_warps": schedule["num_warps"], "num_stages": schedule.get("num_stages", 1)}
     if any(a.kind == "constexpr" and a.name == PDL and a.value for a in ks.args):
         options["launch_pdl"] = True
-    return triton.compile(ast_source(ks, wl), target=GPUTarget(backend, arch, target.warp_size), options=options)
+    return options
 
 
 def load_compiled(src: Any, files: dict[str, str], triton_hash: str):

@@ -1,0 +1,118 @@
+"""The artifact cache ships nothing it did not build: damaged entries and edited sources are rebuilt,
+the key follows what the build reads from the descriptor, and an unwritable cache is one line."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import flashgen
+from flashgen.cli import main
+from flashgen.paths import cache_dir
+from flashgen.targets import artifacts
+
+WL = flashgen.workload("rmsnorm", M=8, N=200, dtype="fp16")
+
+
+def _entry(kernel) -> "artifacts.Path":
+    return artifacts.entry(kernel.metadata["cache_key"])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete", "extra", "manifest", "no-manifest"])
+def test_a_damaged_cache_entry_is_rebuilt_with_one_warning(damage):
+    first = flashgen.compile(WL, target="h200", schedule={"block_r": 1, "block_c": 256, "num_warps": 2})
+    folder = _entry(first)
+    cubin = next(p for p in folder.iterdir() if p.suffix == ".cubin")
+    raw = bytearray(cubin.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x40
+        cubin.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        cubin.write_bytes(bytes(raw[:100]))
+    elif damage == "empty":
+        cubin.write_bytes(b"")
+    elif damage == "delete":
+        cubin.unlink()
+    elif damage == "extra":
+        (folder / "evil.so").write_bytes(b"\x7fELF")
+    elif damage == "manifest":
+        (folder / artifacts.MANIFEST).write_text("{garbage")
+    else:
+        (folder / artifacts.MANIFEST).unlink()
+    with pytest.warns(UserWarning, match="building it again"):
+        again = flashgen.compile(WL, target="h200", schedule={"block_r": 1, "block_c": 256, "num_warps": 2})
+    assert again.binary == first.binary and again.source == first.source
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rebuilt entry is whole
+        flashgen.compile(WL, target="h200", schedule={"block_r": 1, "block_c": 256, "num_warps": 2})
+
+
+def test_an_edited_cached_source_is_not_imported():
+    schedule = {"block_r": 2, "block_c": 256, "num_warps": 2}
+    k = flashgen.compile(WL, target="h200", schedule=schedule)
+    [path] = [p for p in (cache_dir() / "source").glob("fg_rmsnorm_kernel_*.py") if p.read_text() == k.source]
+    path.write_text("raise SystemExit('this code must never run')\n")
+    again = flashgen.compile(WL, target="h200", schedule=schedule)  # imports the module to load the binary
+    assert again.binary == k.binary and path.read_text() == k.source
+
+
+def test_the_cache_key_follows_the_descriptor_not_its_name(tmp_path, capsys):
+    desc = {"key": "cuda:sm_89", "vendor": "nvidia", "backend": "triton", "arch": "sm_89", "triton_target": ["cuda", 86],
+            "warp_size": 32, "dtypes": ["fp32", "fp16", "bf16", "int8", "int32", "int64"], "smem_per_block": 101376,
+            "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": {"bf16": 362}}}}
+    argv = ["compile", "rmsnorm", "--dim", "M=8", "--dim", "N=200", "--dtype", "fp16", "--target", "l40s",
+            "--targets-dir", str(tmp_path / "d")]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "l40s.json").write_text(json.dumps(desc))
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    desc["triton_target"] = ["cuda", 89]
+    (tmp_path / "d" / "l40s.json").write_text(json.dumps(desc))
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    assert ".target sm_86" in (tmp_path / "a" / "rmsnorm_kernel.ptx").read_text()
+    assert ".target sm_89" in (tmp_path / "b" / "rmsnorm_kernel.ptx").read_text()
+
+
+def test_an_unwritable_cache_is_one_line(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(blocker / "under-a-file"))
+    code = main(["compile", "rmsnorm", "--dim", "M=8", "--dim", "N=200", "--dtype", "fp16", "--target", "h200",
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "FLASHGEN_CACHE_DIR" in err and err.strip().count("\n") == 0
+
+
+def test_out_is_whole_or_has_no_metadata_and_leaves_no_staging(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from flashgen.targets import kernel as kernel_mod
+
+    out = tmp_path / "out"
+    a = flashgen.compile(WL, target="h200", schedule={"block_r": 1, "block_c": 256, "num_warps": 2})
+    b = flashgen.compile(WL, target="h200", schedule={"block_r": 8, "block_c": 256, "num_warps": 4})
+    a.save(out)
+    real, calls = os.replace, []
+
+    def dying(src, dst):  # the process dies after moving two of the new files
+        calls.append(dst)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(kernel_mod.os, "replace", dying)
+    with pytest.raises(KeyboardInterrupt):
+        b.save(out)
+    monkeypatch.setattr(kernel_mod.os, "replace", real)
+    assert not (out / f"{b.name}.json").exists()  # no metadata describing a mixed folder
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / f"{kernel_mod.STAGE_PREFIX}{dead.pid}-x").mkdir()  # a stage of a killed save
+    b.save(out)
+    meta = json.loads((out / f"{b.name}.json").read_text())
+    import hashlib
+    for name, digest in meta["sha256"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    assert not list(out.glob(".flashgen-*"))
