@@ -3,7 +3,9 @@
 A descriptor file holds one architecture (`key` such as "cuda:sm_90") and the devices built on it
 (h100, h200), whose numbers (SMs, bandwidth, peak rates) override the architecture's. Files come from
 this package's `descriptors/` folder, then from each folder in $FLASHGEN_TARGETS_PATH (os.pathsep
-separated) and any folders passed in; a later file with the same key replaces an earlier one.
+separated) and any folders passed in. Each file is checked as data (descriptor_check.py). A file whose
+key another file already defines is refused, unless it says `"extends": true`: then its fields override
+that architecture's and its devices are added to (or replace, by name) the devices it had.
 """
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flashgen.errors import FlashgenError
+from flashgen.targets import descriptor_check
 
 BUILTIN = Path(__file__).with_name("descriptors")
 REQUIRED = ("key", "vendor", "backend", "arch", "warp_size", "dtypes", "devices")
-DEVICE_REQUIRED = ("sm_count", "mem_bandwidth_gbs", "peak_tflops")
 BACKENDS = ("triton", "tvm")
 
 
@@ -77,6 +79,8 @@ def _read(path: Path) -> dict[str, Any]:
         raise FlashgenError(f"target descriptor {path} is unreadable: {e}") from None
     if not isinstance(spec, dict):
         raise FlashgenError(f"target descriptor {path} must hold a JSON object")
+    if spec.get("extends") is True:
+        return spec  # checked once merged with what it extends
     missing = [k for k in REQUIRED if k not in spec]
     if missing:
         raise FlashgenError(f"target descriptor {path} lacks {', '.join(missing)}")
@@ -84,18 +88,15 @@ def _read(path: Path) -> dict[str, Any]:
         raise FlashgenError(f"target descriptor {path}: backend must be one of {', '.join(BACKENDS)}")
     if spec["backend"] == "triton" and "triton_target" not in spec:
         raise FlashgenError(f"target descriptor {path}: a triton target needs triton_target")
-    if not isinstance(spec["devices"], dict) or not spec["devices"]:
-        raise FlashgenError(f"target descriptor {path}: devices must name at least one device")
-    for dev, d in spec["devices"].items():
-        gone = [k for k in DEVICE_REQUIRED if k not in d]
-        if gone:
-            raise FlashgenError(f"target descriptor {path}: device {dev} lacks {', '.join(gone)}")
-    return spec
+    if not isinstance(spec.get("extends", False), bool):
+        raise FlashgenError(f"target descriptor {path}: extends must be true or false")
+    return descriptor_check.check(path, spec)
 
 
 def load_targets(extra_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Target]:
     """Every device of every descriptor, by target id; each also answers to its aliases."""
     archs: dict[str, dict[str, Any]] = {}
+    origin: dict[str, Path] = {}
     for d in _search_dirs(extra_dirs):
         if not d.is_dir():
             if d != BUILTIN:
@@ -103,7 +104,18 @@ def load_targets(extra_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Targ
             continue
         for path in sorted(d.glob("*.json")):
             spec = _read(path)
-            archs[spec["key"]] = spec
+            key = spec.get("key")
+            if spec.get("extends") is True:
+                if key not in archs:
+                    raise FlashgenError(f"target descriptor {path} extends {key!r}, which no earlier file defines")
+                base = archs[key]
+                over = {k: v for k, v in spec.items() if k != "extends"}
+                merged = {**base, **over, "devices": {**base["devices"], **over.get("devices", {})}}
+                spec = descriptor_check.check(path, merged)
+            elif key in archs:
+                raise FlashgenError(f"target descriptor {path} defines {key!r}, which {origin[key]} defines "
+                                    "already; give it another key, or add \"extends\": true to add devices to it")
+            archs[key], origin[key] = spec, path
     out: dict[str, Target] = {}
     for key, spec in archs.items():
         for i, (dev, over) in enumerate(spec["devices"].items()):
