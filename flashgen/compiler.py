@@ -50,13 +50,13 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
             raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: {why}")
         return dict(schedule), "given"
     path = db.path if isinstance(db, Database) else Path(db) if db is not None else default_db_path()
-    database = db if isinstance(db, Database) else Database(path) if path.exists() else None
+    database = db if isinstance(db, Database) else Database(path, readonly=True) if path.exists() else None
     try:
-        found = TunedRecords(database).best(wl.key, target.id)
+        found = TunedRecords(database).best(wl.key, target.id, lambda rec: space.is_valid(rec.schedule))
     finally:
         if database is not None and database is not db:
             database.close()
-    if found is not None and space.is_valid(found[0].schedule):
+    if found is not None:
         rec, origin = found
         return dict(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin})"
     return space.default(), "analytic default"

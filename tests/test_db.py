@@ -267,6 +267,9 @@ def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
 
 # --- CLI ----------------------------------------------------------------------------------------
 
+H200 = "cuda:sm_90/h200"
+
+
 def run_cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="flashgen")
     cli.register(parser.add_subparsers(dest="command", required=True))
@@ -277,15 +280,16 @@ def run_cli(argv: list[str]) -> int:
 def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db_path, other, log = str(tmp_path / "a.db"), str(tmp_path / "b.db"), str(tmp_path / "log.jsonl")
     with Database(db_path) as db:
-        db.add_many([make(9.0, block=1), make(4.25, block=2), make(1.0, status="wrong_result", block=3),
-                     make(7.0, block=4, target_key="gfx942")])
+        db.add_many([make(9.0, block=1, target_key=H200), make(4.25, block=2, target_key=H200),
+                     make(1.0, status="wrong_result", block=3, target_key=H200),
+                     make(7.0, block=4, target_key="rocm:gfx942/mi300x")])
 
     assert run_cli(["db", "list", "--db", db_path]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["op", "dims", "target", "status", "latency_us", "spread_us", "timing",
                                 "schedule", "workload_key"]
     assert len(lines) == 5
-    assert lines[1].split() == ["rmsnorm", "M=128,N=4096", "sm_90", "ok", "9.00", "0.90", "alone",
+    assert lines[1].split() == ["rmsnorm", "M=128,N=4096", H200, "ok", "9.00", "0.90", "alone",
                                 '{"block":1}', "wk-rmsnorm"]
     assert lines[3].split()[3:5] == ["wrong_result", "1.00"]
 
@@ -296,18 +300,20 @@ def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
     assert run_cli(["db", "best", "--db", db_path]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[2:5] for line in lines[1:]] == [["gfx942", "ok", "7.00"],
-                                                         ["sm_90", "ok", "4.25"]]
+    assert [line.split()[2:5] for line in lines[1:]] == [[H200, "ok", "4.25"],
+                                                         ["rocm:gfx942/mi300x", "ok", "7.00"]]
 
     assert run_cli(["db", "export", log, "--db", db_path]) == 0
     assert capsys.readouterr().out.startswith(f"exported 4 records from {db_path} to {log}")
+    assert len(Path(log).read_text().splitlines()) == 4
+    Path(log).write_text(_good_line() + "\n" + _good_line(latency_us=3.0) + "\n")  # records import accepts
     assert run_cli(["db", "import", log, "--db", other]) == 0
-    assert "imported 4 new records" in capsys.readouterr().out
+    assert "imported 2 new records" in capsys.readouterr().out
     assert run_cli(["db", "import", log, "--db", other]) == 0
     out = capsys.readouterr().out
-    assert "imported 0 new records" in out and "(4 duplicates skipped)" in out
+    assert "imported 0 new records" in out and "(2 duplicates skipped)" in out
 
-    assert run_cli(["db", "best", "--db", other, "--target", "sm_75"]) == 0
+    assert run_cli(["db", "best", "--db", other, "--target", "mi300x"]) == 0
     assert capsys.readouterr().out == "no records\n"
 
 
@@ -326,3 +332,154 @@ def test_cli_refuses_foreign_file(tmp_path: Path) -> None:
     with pytest.raises(FlashgenError, match="notes.txt is not a flashgen tuning database"):
         run_cli(["db", "list", "--db", str(path)])
     assert path.read_text() == "hello\n"
+
+
+# ---- refusing what would break readers (import), and reading whatever is stored ----------------------
+
+def _good_line(**change):
+    import flashgen
+    wl = flashgen.workload("rmsnorm", M=3, N=64, dtype="fp32")
+    rec = {"workload_key": wl.key, "workload": wl.to_json(), "target_key": "cpu/host",
+           "schedule": {"block_r": 1, "block_c": 64, "num_warps": 1}, "status": "ok", "latency_us": 2.5,
+           "spread_us": 0.1, "flashgen_version": "0.1.0", "device": "cpu", "created_at": "2026-12-01T00:00:00+00:00",
+           "extra": {}}
+    for k, v in change.items():
+        if k in ("dims", "attrs"):
+            rec["workload"] = {**rec["workload"], k: v}
+        else:
+            rec[k] = v
+    return json.dumps(rec)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (_good_line(schedule={"block_r": "1", "block_c": 64, "num_warps": 1}), "knobs must be integers"),
+    (_good_line(schedule={"block_r": True, "block_c": 64, "num_warps": 1}), "knobs must be integers"),
+    (_good_line(schedule={"block_r": 1, "block_c": 64, "num_warps": 1, "warp_magic": 2}), "does not have: warp_magic"),
+    (_good_line(dims={"M": 3}), "missing dim N"),
+    (_good_line(dims={"M": 3, "N": -64}), "must be positive"),
+    (_good_line(dims={"M": 3, "N": 10 ** 12}), "absurd"),
+    (_good_line(dims={"M": 3, "N": "64"}), "dims must be integers"),
+    (_good_line(workload_key="rmsnorm-0000000000000000"), "is not the key of its workload"),
+    (_good_line(latency_us=0.0), "latency above 0"),
+    (_good_line(workload={"op": "no_such_op", "dims": {}, "attrs": {}}), "workload"),
+    ('{"a": ' * 100000 + "1" + "}" * 100000, "nested too deep"),
+    ('{"n": 1' + "0" * 5000 + "}", "numbers too large"),
+    (b'{"workload_key": "\xff\xfe"}', "not UTF-8"),
+])
+def test_import_refuses_a_bad_record_by_line_and_stores_nothing(tmp_path, bad, message):
+    from flashgen.schedules.record_check import record_problem
+    path = tmp_path / "in.jsonl"
+    good = _good_line().encode()
+    path.write_bytes(good + b"\n" + (bad if isinstance(bad, bytes) else bad.encode()) + b"\n")
+    with Database(tmp_path / "t.db") as db:
+        with pytest.raises(FlashgenError, match=f"in.jsonl:2: .*{message}") as e:
+            db.import_jsonl(path, check=record_problem)
+        assert db.count() == 0 and "\n" not in str(e.value)
+
+
+def test_the_cli_import_checks_records(tmp_path, capsys):
+    from flashgen.cli import main
+    (tmp_path / "in.jsonl").write_text(_good_line(schedule={"block_r": "x", "block_c": 64, "num_warps": 1}) + "\n")
+    assert main(["db", "import", str(tmp_path / "in.jsonl"), "--db", str(tmp_path / "t.db")]) == 2
+    assert "in.jsonl:1" in capsys.readouterr().err
+
+
+def test_rows_that_no_longer_parse_are_skipped_with_a_warning(tmp_path, capsys):
+    import sqlite3
+    from flashgen.cli import main
+    path = tmp_path / "t.db"
+    (tmp_path / "in.jsonl").write_text(_good_line() + "\n" + _good_line(latency_us=3.5) + "\n")
+    with Database(path) as db:
+        db.import_jsonl(tmp_path / "in.jsonl")
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE records SET schedule_json = '{broken' WHERE latency_us = 2.5")
+    conn.commit()
+    conn.close()
+    with pytest.warns(UserWarning, match="skipped 1 stored record"):
+        assert main(["db", "list", "--db", str(path)]) == 0
+    assert "3.50" in capsys.readouterr().out
+    with pytest.warns(UserWarning):
+        assert main(["db", "export", "--db", str(path), str(tmp_path / "out.jsonl")]) == 0
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
+
+
+def test_read_commands_create_nothing(tmp_path, capsys):
+    from flashgen.cli import main
+    for cmd in (["db", "list"], ["db", "best"], ["db", "export", str(tmp_path / "e.jsonl")]):
+        assert main([*cmd, "--db", str(tmp_path / "typo" / "x.db")]) == 2
+        assert "no tuning database" in capsys.readouterr().err
+    assert not (tmp_path / "typo").exists()
+
+
+def test_reading_opens_nothing_for_writing(tmp_path):
+    path = tmp_path / "t.db"
+    (tmp_path / "in.jsonl").write_text(_good_line() + "\n")
+    with Database(path) as db:
+        db.import_jsonl(tmp_path / "in.jsonl")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with Database(path, readonly=True) as db:
+        assert db.count() == 1
+        with pytest.raises(FlashgenError, match="for reading only"):
+            db.add(db.records()[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("DROP TABLE records", "no records table"),
+    ("UPDATE meta SET value = '-1' WHERE key = 'schema_version'", "schema_version is -1"),
+])
+def test_a_half_flashgen_file_is_refused(tmp_path, damage, message):
+    import sqlite3
+    path = tmp_path / "t.db"
+    Database(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute(damage)
+    conn.commit()
+    conn.close()
+    for readonly in (False, True):
+        with pytest.raises(FlashgenError, match=message):
+            Database(path, readonly=readonly)
+
+
+def test_export_never_overwrites_the_database_and_needs_force(tmp_path, capsys):
+    from flashgen.cli import main
+    path = tmp_path / "t.db"
+    (tmp_path / "in.jsonl").write_text(_good_line() + "\n")
+    assert main(["db", "import", str(tmp_path / "in.jsonl"), "--db", str(path)]) == 0
+    assert main(["db", "export", "--db", str(path), str(path), "--force"]) == 2
+    assert "being exported" in capsys.readouterr().err
+    with Database(path, readonly=True) as db:
+        assert db.count() == 1
+    out = tmp_path / "o.jsonl"
+    out.write_text("keep me\n")
+    assert main(["db", "export", "--db", str(path), str(out)]) == 2
+    assert "--force" in capsys.readouterr().err and out.read_text() == "keep me\n"
+    assert main(["db", "export", "--db", str(path), str(out), "--force"]) == 0
+    assert json.loads(out.read_text())["latency_us"] == 2.5
+
+
+def test_db_target_takes_compile_names_and_refuses_unknown_ones(tmp_path, capsys):
+    from flashgen.cli import main
+    path = tmp_path / "t.db"
+    (tmp_path / "in.jsonl").write_text(_good_line() + "\n")
+    assert main(["db", "import", str(tmp_path / "in.jsonl"), "--db", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["db", "best", "--db", str(path), "--target", "cpu"]) == 0
+    assert "cpu/host" in capsys.readouterr().out
+    assert main(["db", "list", "--db", str(path), "--target", "h900"]) == 2
+    assert "unknown target" in capsys.readouterr().err
+
+
+def test_compile_serves_the_best_record_whose_schedule_is_still_valid(tmp_path):
+    import flashgen
+    from flashgen.compiler import choose_schedule
+    from flashgen.targets import get_target
+    wl = flashgen.workload("rmsnorm", M=3, N=64, dtype="fp32")
+    path = tmp_path / "t.db"
+    lines = [_good_line(latency_us=1.0, schedule={"block_r": 1, "block_c": 64, "num_warps": 3}),  # not valid today
+             _good_line(latency_us=2.0, schedule={"block_r": 2, "block_c": 64, "num_warps": 1})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    with Database(path) as db:
+        db.import_jsonl(tmp_path / "in.jsonl")
+    schedule, source = choose_schedule(wl, get_target("cpu"), path, None)
+    assert schedule == {"block_r": 2, "block_c": 64, "num_warps": 1} and "database best" in source

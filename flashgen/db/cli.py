@@ -8,6 +8,7 @@ from flashgen.db.database import Database
 from flashgen.db.record import STATUSES, Record, canonical_json
 from flashgen.db.shipped import ENV, shipped_database
 from flashgen.errors import FlashgenError
+from flashgen.targets.descriptor import get_target, load_targets
 from flashgen.table import print_table
 
 _SCHEDULE_WIDTH = 48
@@ -32,21 +33,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     listing = command("list", "list records in insertion order")
     listing.add_argument("--workload", metavar="KEY", help="only this workload key")
-    listing.add_argument("--target", metavar="KEY", help="only this target key")
+    listing.add_argument("--target", metavar="NAME", help="only this target (a name compile --target takes)")
     listing.add_argument("--status", choices=STATUSES, help="only records with this status")
     listing.add_argument("--limit", metavar="N", type=_positive_int, help="show at most N records")
     listing.add_argument("--shipped", action="store_true",
                          help="the tuned records that ship with flashgen instead of a database")
     best = command("best", "the fastest correct record per workload and target")
-    best.add_argument("--target", metavar="KEY", help="only this target key")
+    best.add_argument("--target", metavar="NAME", help="only this target (a name compile --target takes)")
     best.add_argument("--shipped", action="store_true", help="the tuned records that ship with flashgen")
-    command("export", "write all records to a JSON-lines file").add_argument("file", metavar="FILE.jsonl")
+    export = command("export", "write all records to a JSON-lines file")
+    export.add_argument("file", metavar="FILE.jsonl")
+    export.add_argument("--force", action="store_true", help="replace FILE.jsonl if it exists")
     command("import", "merge records from a JSON-lines file").add_argument("file", metavar="FILE.jsonl")
     db.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs one `db` sub-command; user problems surface as FlashgenError."""
+    args.target_ids = _target_ids(args.target) if getattr(args, "target", None) else None
     if getattr(args, "shipped", False):
         if args.db is not None:
             raise FlashgenError("--shipped lists the records that ship with flashgen; it takes no --db")
@@ -55,28 +59,43 @@ def run(args: argparse.Namespace) -> int:
             print(f"no shipped records ({ENV}=0, or none installed)")
             return 0
         return _show(args, shipped)
-    with Database(args.db) as database:
+    with Database(args.db, readonly=args.db_command != "import") as database:
         return _show(args, database)
 
 
 def _show(args: argparse.Namespace, database: Database) -> int:
     """The listing, export or import a `db` sub-command asks of one database."""
     if args.db_command == "list":
-        records = database.records(args.workload, args.target, args.status)
+        records = _on(database.records(args.workload, None, args.status), args.target_ids)
         shown = records[: args.limit] if args.limit else records
         _print_records(shown)
         if len(shown) < len(records):
             print(f"({len(shown)} of {len(records)} records shown)")
     elif args.db_command == "best":
-        _print_records(database.best_all(args.target))
+        _print_records(_on(database.best_all(), args.target_ids))
     elif args.db_command == "export":
-        count = database.export_jsonl(args.file)
+        count = database.export_jsonl(args.file, force=args.force)
         print(f"exported {count} records from {database.path} to {args.file}")
     elif args.db_command == "import":
-        added, skipped = database.import_jsonl(args.file)
+        from flashgen.schedules.record_check import record_problem  # spaces sit above the database
+
+        added, skipped = database.import_jsonl(args.file, check=record_problem)
         print(f"imported {added} new records from {args.file} into {database.path} "
               f"({skipped} duplicates skipped)")
     return 0
+
+
+def _target_ids(name: str) -> set[str]:
+    """The target ids a `--target` name reaches, as `compile --target` reads it: a device's id, or every
+    device of an architecture named by its key or arch."""
+    t = get_target(name)
+    if name.lower() in (t.key.lower(), t.arch.lower()):
+        return {x.id for x in load_targets().values() if x.key == t.key}
+    return {t.id}
+
+
+def _on(records: list[Record], ids: set[str] | None) -> list[Record]:
+    return records if ids is None else [r for r in records if r.target_key in ids]
 
 
 def _print_records(records: list[Record]) -> None:

@@ -8,7 +8,8 @@ import os
 import sqlite3
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from flashgen.db.record import ALONE, BEHIND, STATUSES, Record, canonical_json
@@ -64,9 +65,12 @@ def _not_ours(path: Path, why: str) -> FlashgenError:
 
 
 def _read_meta(conn: sqlite3.Connection) -> dict[str, str] | None:
-    """The meta table, None when there is none; sqlite3.DatabaseError when the file is not SQLite."""
+    """The meta table (with `tables`: the file's table names), None when there is none;
+    sqlite3.DatabaseError when the file is not SQLite."""
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    return dict(conn.execute("SELECT key, value FROM meta")) if "meta" in tables else None
+    if "meta" not in tables:
+        return None
+    return {**dict(conn.execute("SELECT key, value FROM meta")), "tables": ",".join(sorted(tables))}
 
 
 def _check_meta(meta: dict[str, str] | None, path: Path) -> None:
@@ -75,17 +79,22 @@ def _check_meta(meta: dict[str, str] | None, path: Path) -> None:
         raise _not_ours(path, "no flashgen meta table")
     if meta.get("format") != FORMAT:
         raise _not_ours(path, f"format is {meta.get('format')!r}")
+    if "records" not in meta.get("tables", "records").split(","):
+        raise _not_ours(path, "it has flashgen's meta table but no records table")
     try:
         version = int(meta.get("schema_version", ""))
     except ValueError:
         raise _not_ours(path, f"schema_version is {meta.get('schema_version')!r}") from None
+    if version < 1:
+        raise _not_ours(path, f"schema_version is {version}")
     if version > SCHEMA_VERSION:
         raise FlashgenError(f"{path} was written by a newer flashgen (schema v{version}, this one "
                             f"reads up to v{SCHEMA_VERSION}); upgrade flashgen or pass another --db path.")
 
 
-def _validate_existing(path: Path) -> None:
-    """Read-only look at an existing file, so a foreign file is never modified."""
+def _validate_existing(path: Path) -> str:
+    """Read-only look at an existing file, so a foreign file is never modified; returns the URI mode
+    that read it (for a read-only Database)."""
     with open(path, "rb") as f:
         header = f.read(100)
     if not header.startswith(_SQLITE_MAGIC):
@@ -107,6 +116,7 @@ def _validate_existing(path: Path) -> None:
     else:
         raise _not_ours(path, f"sqlite: {error}")
     _check_meta(meta, path)
+    return mode
 
 
 def _row_to_record(row: tuple) -> Record:
@@ -116,6 +126,20 @@ def _row_to_record(row: tuple) -> Record:
                   schedule=json.loads(schedule_json), status=status, latency_us=latency_us,
                   spread_us=spread_us, flashgen_version=flashgen_version, device=device,
                   created_at=created_at, extra=json.loads(extra_json))
+
+
+def _records(rows: Iterable[tuple], path: Path) -> list[Record]:
+    """The rows that still parse as Records; the others are skipped with one warning, so the rest of a
+    damaged database can still be listed, exported and served."""
+    out, bad = [], 0
+    for row in rows:
+        try:
+            out.append(_row_to_record(row))
+        except (ValueError, TypeError, RecursionError, FlashgenError):
+            bad += 1
+    if bad:
+        warnings.warn(f"flashgen: {path}: skipped {bad} stored record(s) that no longer parse", stacklevel=3)
+    return out
 
 
 def _record_to_row(record: Record) -> tuple:
@@ -128,7 +152,10 @@ def _record_to_row(record: Record) -> tuple:
 class Database:
     """Append-only store of Records; every write is one IMMEDIATE transaction, so writers queue."""
 
-    def __init__(self, path: str | os.PathLike | None = None) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, readonly: bool = False) -> None:
+        """`readonly`: for reading an existing database (list, best, export, compile, dispatch): it is
+        never created or written, so a database in a read-only folder can still be read."""
+        self.readonly = readonly
         if path == MEMORY:
             self.path = Path(MEMORY)
             self._conn = sqlite3.connect(MEMORY, isolation_level=None)
@@ -138,6 +165,13 @@ class Database:
         if self.path.is_dir():
             raise FlashgenError(f"{self.path} is a directory; pass a file path with --db.")
         is_new = not self.path.exists() or self.path.stat().st_size == 0
+        if readonly:
+            if is_new:
+                raise FlashgenError(f"no tuning database at {self.path}; tune first, or pass another --db path.")
+            mode = _validate_existing(self.path)
+            self._conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?{mode}", uri=True,
+                                         timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+            return
         if not is_new:
             _validate_existing(self.path)
         try:
@@ -183,6 +217,8 @@ class Database:
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """IMMEDIATE takes the write lock up front, so concurrent writers wait instead of failing."""
+        if self.readonly:
+            raise FlashgenError(f"{self.path} was opened for reading only")
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -222,7 +258,7 @@ class Database:
                 params.append(value)
         clause = f" WHERE {' AND '.join(where)}" if where else ""
         rows = self._conn.execute(f"SELECT {_COLUMNS} FROM records{clause} ORDER BY id", params)
-        return [_row_to_record(row) for row in rows]
+        return _records(rows, self.path)
 
     def count(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
@@ -230,10 +266,16 @@ class Database:
     def best(self, workload_key: str, target_key: str) -> Record | None:
         """The fastest correct record, of those timed behind a producer where the workload has any (it
         was tuned for the place it runs in), else of those timed alone; ties go to the earliest."""
-        row = self._conn.execute(
+        ranked = self.ranked(workload_key, target_key)
+        return ranked[0] if ranked else None
+
+    def ranked(self, workload_key: str, target_key: str) -> list[Record]:
+        """Every correct record of the workload in `best`'s order, so a caller can serve the first whose
+        schedule is still valid."""
+        rows = self._conn.execute(
             f"SELECT {_COLUMNS} FROM records WHERE workload_key = ? AND target_key = ? "
-            f"AND status = 'ok' ORDER BY {_PREFERRED} LIMIT 1", (workload_key, target_key)).fetchone()
-        return _row_to_record(row) if row else None
+            f"AND status = 'ok' ORDER BY {_PREFERRED}", (workload_key, target_key))
+        return _records(rows, self.path)
 
     def best_all(self, target_key: str | None = None) -> list[Record]:
         """`best` of every (workload_key, target_key), sorted by those keys."""
@@ -242,7 +284,7 @@ class Database:
             f"SELECT {_COLUMNS} FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY workload_key, "
             f"target_key ORDER BY {_PREFERRED}) AS place FROM records WHERE status = 'ok' "
             f"{clause}) WHERE place = 1 ORDER BY workload_key, target_key", params)
-        return [_row_to_record(row) for row in rows]
+        return _records(rows, self.path)
 
     def measured_schedule_keys(self, workload_key: str, target_key: str) -> set[str]:
         """Schedules already tried, whatever the outcome: a crash is not worth repeating."""
@@ -250,9 +292,14 @@ class Database:
                                   "AND target_key = ?", (workload_key, target_key))
         return {row[0] for row in rows}
 
-    def export_jsonl(self, path: str | os.PathLike) -> int:
-        """Writes every record, one JSON object a line; readers never see a half-written file."""
+    def export_jsonl(self, path: str | os.PathLike, force: bool = False) -> int:
+        """Writes every record, one JSON object a line; readers never see a half-written file. Never over
+        the database itself, and over another existing file only with `force`."""
         path = Path(path)
+        if self.path != Path(MEMORY) and path.resolve() in {Path(f"{self.path.resolve()}{s}") for s in ("", "-wal", "-shm")}:
+            raise FlashgenError(f"{path} is the database being exported; write the JSON lines to another file.")
+        if path.exists() and not force:
+            raise FlashgenError(f"{path} exists; pass --force to replace it.")
         records = self.records()
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -273,26 +320,36 @@ class Database:
             raise
         return len(records)
 
-    def import_jsonl(self, path: str | os.PathLike) -> tuple[int, int]:
-        """Merges a JSON-lines log; returns (added, skipped as duplicates). All lines or none."""
+    def import_jsonl(self, path: str | os.PathLike,
+                     check: Callable[[Record], str | None] | None = None) -> tuple[int, int]:
+        """Merges a JSON-lines log; returns (added, skipped as duplicates). All lines or none: a line that
+        is not UTF-8, not JSON, not a Record, or that `check` finds a problem in, is refused with its
+        number and nothing of the file is stored."""
         path = Path(path)
         try:
-            lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 is text
-        except (OSError, UnicodeDecodeError) as exc:
-            raise FlashgenError(f"cannot read {path} ({exc}); pass an existing JSON-lines file.") \
-                from None
+            data = path.read_bytes()
+        except OSError as exc:
+            raise FlashgenError(f"cannot read {path} ({exc.strerror or exc}); pass an existing JSON-lines "
+                                "file.") from None
         records = []
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+        for number, raw in enumerate(data.split(b"\n"), start=1):  # not splitlines: U+2028 is text
             try:
-                records.append(Record.from_json(json.loads(line)))
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                rec = Record.from_json(json.loads(line))
+                problem = check(rec) if check is not None else None
+            except UnicodeDecodeError:
+                problem = "not UTF-8 text"
             except json.JSONDecodeError as exc:
-                raise FlashgenError(f"{path}:{number}: invalid JSON ({exc.msg}); fix or remove the "
-                                    "line, nothing was imported.") from None
+                problem = f"invalid JSON ({exc.msg})"
+            except (RecursionError, ValueError, OverflowError):  # nesting or numbers past what JSON readers take
+                problem = "JSON nested too deep or with numbers too large"
             except FlashgenError as exc:
-                raise FlashgenError(f"{path}:{number}: {exc} Fix or remove the line, nothing was "
-                                    "imported.") from None
+                problem = str(exc).rstrip(".")
+            if problem:
+                raise FlashgenError(f"{path}:{number}: {problem}; fix or remove the line, nothing was imported.")
+            records.append(rec)
         added = self.add_many(records)
         return added, len(records) - added
 

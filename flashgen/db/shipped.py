@@ -81,17 +81,20 @@ def shipped_database() -> Database | None:
 class TunedRecords:
     """Best-of reads over the user's database, then the shipped records.
 
-    A workload with a correct record in the user's database is served from there alone; the shipped
-    records fill in the rest. Each answer says where it came from (the user database's path, or
+    A workload with a usable record in the user's database is served from there; the shipped records
+    fill in the rest. Each answer says where it came from (the user database's path, or
     ORIGIN)."""
 
     def __init__(self, user: Database | None, shipped: Database | None = None, use_shipped: bool = True):
         self.user = user
         self.shipped = (shipped or shipped_database()) if use_shipped else None
 
-    def best(self, workload_key: str, target_key: str) -> tuple[Record, str] | None:
+    def best(self, workload_key: str, target_key: str,
+             usable: Callable[[Record], bool] = lambda rec: True) -> tuple[Record, str] | None:
+        """The first record in `Database.best`'s order that `usable` accepts (a schedule still valid in
+        today's space): the user's where the user has one, else a shipped one."""
         for db, origin in self._sources():
-            rec = db.best(workload_key, target_key)
+            rec = next((r for r in db.ranked(workload_key, target_key) if usable(r)), None)
             if rec is not None:
                 return rec, origin
         return None
