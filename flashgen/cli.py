@@ -86,6 +86,10 @@ def _workloads(args: argparse.Namespace) -> list:
         return read_workloads(args.workloads)
     if not args.op:
         raise FlashgenError("name an op (see `flashgen ops`) or pass --workloads FILE.jsonl")
+    names = [n for n, _ in args.dim + args.attr]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise FlashgenError(f"--dim/--attr {', '.join(repeated)} given more than once")
     kw: dict[str, object] = dict(args.dim)
     kw.update(dict(args.attr))
     if args.dtype:

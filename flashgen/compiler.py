@@ -8,6 +8,7 @@ kernel's metadata (`schedule_source`), and the CLI prints them.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from pathlib import Path
 
@@ -45,6 +46,12 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
                     schedule: Schedule | None) -> tuple[Schedule, str]:
     space = ScheduleSpace(wl, target)
     if schedule is not None:
+        if not isinstance(schedule, dict):
+            raise FlashgenError(f"a schedule is a JSON object of knob values, got {schedule!r}")
+        bad = {k: v for k, v in schedule.items() if isinstance(v, bool) or not isinstance(v, int)}
+        if bad:
+            raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: knob values are integers, "
+                                f"got {json.dumps(bad)}")
         why = space.why_invalid(schedule)
         if why:
             raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: {why}")

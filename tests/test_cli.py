@@ -126,3 +126,19 @@ def test_missing_optional_extra_is_one_line_before_any_tuning(capsys, tmp_path, 
     assert code == 2 and out == ""
     assert err.strip().count("\n") == 0 and "flashgen[plot]" in err and "--plot" in err
     assert not db.exists()  # nothing was tuned
+
+
+@pytest.mark.parametrize("schedule", ['[1, 2]', '{"block_r": 1, "block_c": 8192.0, "num_warps": 8}',
+                                      '{"block_r": true, "block_c": 8192, "num_warps": 8}',
+                                      '{"block_r": [1], "block_c": 8192, "num_warps": 8}'])
+def test_schedule_values_are_integers_of_the_space(capsys, tmp_path, schedule):
+    code, _, err = run_cli(capsys, "compile", "rmsnorm", "--dim", "M=4", "--dim", "N=8192", "--dtype", "bf16",
+                           "--target", "h200", "--schedule", schedule, "--out", str(tmp_path))
+    assert code == 2 and err.strip().count("\n") == 0 and ("integers" in err or "JSON object" in err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_repeated_dim_is_an_error(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "compile", "rmsnorm", "--dim", "M=4", "--dim", "N=64", "--dim", "M=8",
+                           "--target", "h200", "--out", str(tmp_path))
+    assert code == 2 and "M given more than once" in err
