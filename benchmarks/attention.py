@@ -34,10 +34,9 @@ from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
 from flashgen.workload import Workload  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 from flashgen.targets.descriptor import Target  # noqa: E402
 from flashgen.targets.kernel import Kernel  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
 
 BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -113,7 +112,7 @@ def main() -> None:
     ap.add_argument("--name", default="attention", help="result files: <out-dir>/<name>.json and .md")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     bw = copy_gbs()
     cases = []
     if "decode" in args.part:

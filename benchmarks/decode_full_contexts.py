@@ -26,8 +26,7 @@ from common import RESULTS, bench_side_by_side  # noqa: E402
 import flashgen  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 
 GRIDS = {(32, 4096): dict(splits=(4, 8, 16), pages=(4, 8), num_warps=(4, 8), num_stages=(1, 2, 3), early_kv=(0,)),
          (8, 32768): dict(splits=(8, 16, 32), pages=(4, 8), num_warps=(4,), num_stages=(2, 3), early_kv=(0, 1))}
@@ -38,7 +37,7 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     out = {}
     for (b, n), grid in GRIDS.items():
         wl, ins, peer = decode_case(b, n, dev)

@@ -30,8 +30,7 @@ from flashgen.quant import unpack_int4  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 
 SHAPES = {"8192x8192": (8192, 8192), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -109,7 +108,7 @@ def main() -> None:
     variants = [(k, int(v)) for k, _, v in (f.partition("=") for f in args.variant)]
     best_with = [(k, int(v)) for k, _, v in (f.partition("=") for f in args.best_with)]
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     bw = copy_gbs()
     header = ("op", "shape", "M", "N", "K", "flashgen_us", "peer", "peer_us", "vs_peer", "roofline_us",
               "of_roofline", "TFLOP/s", "schedule")

@@ -36,8 +36,7 @@ from flashgen.db import Database  # noqa: E402
 from flashgen.db.record import ALONE  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.timing import behind_cost, gpu_time  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 from flashgen.workload import read_workloads  # noqa: E402
 
 # The bf16 batch-1 decoder's GEMVs of one layer, with the norm or gate fused as it dispatches them.
@@ -95,7 +94,7 @@ def main() -> None:
     ap.add_argument("--name", default="in_graph")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     l2 = int(target.get("l2_bytes"))
     rows_list = [int(r) for r in args.rows.split(",")]
     wls = (read_workloads(str(args.workloads)) if args.workloads

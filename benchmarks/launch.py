@@ -31,11 +31,10 @@ import flashgen  # noqa: E402
 from flashgen.ir.op import eval_int  # noqa: E402
 from flashgen.runtime import register_all  # noqa: E402
 from flashgen.schedules.timing import cuda_graph, gpu_time  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 from flashgen.targets.kernel import Kernel, bind_dims  # noqa: E402
 from flashgen.targets.triton.build import load_function  # noqa: E402
 from flashgen.targets.triton.codegen import grid  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
 
 GRAPH_CALLS = 100
 WARMUP_S = 0.1  # an idle H200 clocks down: bring it up before the first timed loop
@@ -86,7 +85,7 @@ def main() -> None:
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     wl = flashgen.workload("rmsnorm", M=1, N=args.n, dtype="bf16")
     kernel = flashgen.compile(wl, target)
     ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0)).items()}

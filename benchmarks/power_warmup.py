@@ -28,8 +28,7 @@ from flashgen.db import Database  # noqa: E402
 from flashgen.workload import Workload  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.timing import POWER_WARMUP_MS, gpu_time  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 
 
 def card_state() -> str:
@@ -70,7 +69,7 @@ def main() -> None:
     ap.add_argument("--name", default="power_warmup")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     l2 = target.get("l2_bytes", 1 << 26)
     header = ("shape", "M", "kernel", "cold_us", "cold_card", "warm_us", "warm_card", "warm_over_cold",
               "interleaved_us", "schedule")

@@ -24,8 +24,7 @@ from flashgen.check import check  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 
 MS = (1, 32, 4096, 16384)
 NS = (4096, 8192)
@@ -60,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 256
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     l2 = target.get("l2_bytes")
     bw = copy_gbs()
     print(f"{target.id}: measured copy bandwidth {bw:.0f} GB/s", flush=True)

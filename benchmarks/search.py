@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment, write_results  # noqa: E402
 from rowwise import workloads  # noqa: E402
@@ -28,19 +26,14 @@ from flashgen.schedules.builder import Builder  # noqa: E402
 from flashgen.schedules.measure import Runner  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 
 OPS = ("rmsnorm", "add_rmsnorm", "dynamic_quant", "rmsnorm_quant", "silu_mul", "rope")
 MS = (1, 32, 4096, 16384)
 
 
-def device_target():
-    return target_for_device(torch.cuda.get_device_name(), device_arch(torch.device("cuda")))
-
-
 def sweep(args: argparse.Namespace) -> None:
-    target = device_target()
+    target = device_target("cuda")
     wls = workloads(args.ops.split(","), [int(m) for m in args.ms.split(",")])
     builder, runner = Builder(target, workers=args.workers), Runner(target, timeout_s=60)
     t0 = time.perf_counter()
@@ -65,7 +58,7 @@ def sweep(args: argparse.Namespace) -> None:
 
 def tune_time(args: argparse.Namespace) -> None:
     """Wall time of a real evolutionary tune (compile included) of workloads not seen before."""
-    target = device_target()
+    target = device_target("cuda")
     rows = []
     with Database(args.db) as db:
         for wl in (flashgen.workload("rmsnorm", M=2048, N=5120, dtype="bf16"),

@@ -31,8 +31,7 @@ from common import RESULTS, environment, print_table, write_results  # noqa: E40
 from power_warmup import shape_calls  # noqa: E402
 
 from flashgen.db import Database  # noqa: E402
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 
 FIELDS = ("timestamp", "clocks.sm", "power.draw", "temperature.gpu", "temperature.memory", "clocks_event_reasons.active")
 OLD_REASONS = "clocks_throttle_reasons.active"  # the same field under the name older drivers know
@@ -131,7 +130,7 @@ def with_plateau(raw: list[dict[str, Any]], seconds: float, settle_ms: float) ->
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Each kernel of each shape under sustained load: the RAW columns, and the run's environment."""
     dev = torch.device("cuda")
-    target = target_for_device(torch.cuda.get_device_name(), device_arch(dev))
+    target = device_target(dev)
     raw = []
     sampler = Sampler(args.sample_ms)
     try:

@@ -233,10 +233,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
     """Decode throughput on random weights of a known architecture, against the bandwidth limit."""
-    import torch
-
     from flashgen.runtime.bench import run
     from flashgen.table import print_table
+    from flashgen.targets import device_target
 
     try:
         batches = [int(b) for b in args.batch.split(",")]
@@ -244,13 +243,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
         raise FlashgenError(f"--batch takes integers separated by commas, got {args.batch!r}") from None
     if any(b < 1 for b in batches):
         raise FlashgenError("--batch sizes must be at least 1")
-    if torch.cuda.is_available():
-        from flashgen.targets import target_for_device
-        from flashgen.targets.triton.launch import device_arch
-        target = target_for_device(torch.cuda.get_device_name(), device_arch(torch.device("cuda")))
-    else:
-        from flashgen.targets import get_target
-        target = get_target("cpu")
+    target = device_target()
     rows = run(args.config, batches, args.prompt_len, args.new_tokens, args.quant, target.copy_gbs,
                cuda_graphs=not args.no_cuda_graphs)
     graphs = "on" if rows and rows[0]["cuda_graphs"] else "off"

@@ -16,10 +16,11 @@ from flashgen import __version__
 from flashgen.db import Database, default_db_path
 from flashgen.db.shipped import TunedRecords
 from flashgen.errors import FlashgenError
-from flashgen.schedules.space import Schedule, ScheduleSpace
+from flashgen.kernel_classes import kernel_class, supported
+from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
 from flashgen.targets.kernel import Kernel
-from flashgen.workload import Workload
+from flashgen.workload import Schedule, Workload
 
 
 def resolve_target(target: str | Target, targets_dir: str | os.PathLike | None = None) -> Target:
@@ -29,17 +30,16 @@ def resolve_target(target: str | Target, targets_dir: str | os.PathLike | None =
 
 
 def check_supported(wl: Workload, target: Target) -> None:
-    """Every tensor dtype of the workload must be one the target computes with."""
+    """Every tensor dtype of the workload must be one the target computes with, and the target's backend
+    must have a generator for the workload's kernel class."""
     for t in wl.inputs + wl.outputs:
         dt = wl.tensor_dtype(t.name)
         if dt not in target.dtypes:
             raise FlashgenError(f"target {target.id} does not support {dt} ({wl.op_name} tensor '{t.name}'); "
                                 f"it supports {', '.join(target.dtypes)}")
-    supported = (("rowwise", "pointwise", "contraction", "attention") if target.backend == "triton"
-                 else ("rowwise", "pointwise"))
-    if wl.op.kclass not in supported:
+    if target.backend not in kernel_class(wl.op.kclass).generators:
         raise FlashgenError(f"{wl.op.kclass} kernels are not generated for {target.id} yet "
-                            f"(its {target.backend} backend generates {', '.join(supported)})")
+                            f"(its {target.backend} backend generates {', '.join(supported(target.backend))})")
 
 
 def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLike | None,

@@ -31,7 +31,8 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.oplib import get_op
 from flashgen.schedules.space import Schedule, ScheduleSpace
-from flashgen.targets.descriptor import Target, get_target, target_for_device
+from flashgen.targets.descriptor import Target, get_target
+from flashgen.targets.device import device_target
 from flashgen.targets.kernel import MAX_CALL_SIGNATURES, Kernel
 from flashgen.workload import Workload, other_half, workload
 
@@ -100,10 +101,7 @@ class Dispatcher:
     def target_for(self, device: torch.device) -> Target:
         if self._target is not None:
             return self._target
-        if device.type == "cuda":
-            from flashgen.targets.triton.launch import device_arch
-            return target_for_device(torch.cuda.get_device_name(device), device_arch(device))
-        return get_target("cpu")
+        return device_target(device)
 
     def workload_for(self, op_name: str, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str],
                      dims: Mapping[str, int] | None = None) -> Workload:

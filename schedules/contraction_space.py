@@ -369,3 +369,8 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         else:
             break
     return s
+
+
+def added_knobs(wl: Workload) -> dict[str, int]:
+    """Knobs added after records were written, with the value their absence stands for."""
+    return ADDED_KNOBS

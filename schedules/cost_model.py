@@ -35,13 +35,12 @@ import xgboost as xgb
 
 from flashgen.db.record import ALONE, canonical_json, schedule_key
 from flashgen.errors import FlashgenError
+from flashgen.kernel_classes import CLASSES
 from flashgen.roofline import roofline_us
-from flashgen.ir.op import KERNEL_CLASSES
 from flashgen.schedules.features import analytic_latency_us, feature_matrix, feature_names
 from flashgen.targets.descriptor import Target
-from flashgen.workload import Workload, recorded_workload
+from flashgen.workload import Schedule, Workload, recorded_workload
 
-Schedule = Mapping[str, Any]
 Sample = tuple[Workload, Schedule, Target, float]   # an ok measurement and its latency_us
 
 OBJECTIVES = ("rank", "regression")
@@ -221,7 +220,7 @@ class XGBCostModel:
             raise FlashgenError(f"{sidecar_path(path)} is not a flashgen cost model sidecar")
         if side.get("model_sha256") != hashlib.sha256(raw).hexdigest():
             raise FlashgenError(f"cost model {path} does not match its sidecar (saved concurrently?)")
-        if tuple(side.get("feature_names", ())) not in {feature_names(k) for k in KERNEL_CLASSES}:
+        if tuple(side.get("feature_names", ())) not in {feature_names(k) for k in CLASSES}:
             raise FlashgenError(f"cost model {path} was trained on other features; retrain it")
         m = cls(objective=side["objective"], num_rounds=int(side.get("num_rounds", NUM_ROUNDS)))
         booster = xgb.Booster()

@@ -23,9 +23,8 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir.op import eval_int
 from flashgen.ir.expr import Dim
-from flashgen.schedules.space import Schedule
 from flashgen.targets.descriptor import Target
-from flashgen.workload import Workload
+from flashgen.workload import Schedule, Workload
 
 MAX_CALL_SIGNATURES = 4096  # remembered per kernel (and per dispatcher)
 Launcher = Callable[[Mapping[str, torch.Tensor], Mapping[str, float], Mapping[str, int]], None]

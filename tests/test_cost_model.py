@@ -18,10 +18,11 @@ from flashgen.roofline import bytes_moved
 from flashgen.schedules.cost_model import (DEFAULT_OBJECTIVE, AnalyticPrior, CostModel, XGBCostModel,
                                            compare_objectives, model_path, needs_retrain,
                                            samples_from_database, samples_from_records, sidecar_path)
-from flashgen.schedules.features import FEATURE_NAMES, feature_matrix, features
-from flashgen.schedules.space import ScheduleSpace, domain
+from flashgen.schedules.features import feature_matrix, features
+from flashgen.schedules.row_features import FEATURE_NAMES
+from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target, load_targets
-from flashgen.workload import workload
+from flashgen.workload import domain, workload
 
 H200, MI300X = get_target("h200"), get_target("mi300x")
 TARGETS = (H200, MI300X)

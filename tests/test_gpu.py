@@ -13,12 +13,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 
-from flashgen.targets import target_for_device  # noqa: E402
-from flashgen.targets.triton.launch import device_arch  # noqa: E402
+from flashgen.targets import device_target  # noqa: E402
 from flashgen.runtime.torch_ops import dispatcher  # noqa: E402
 
 DEVICE = torch.device("cuda")
-TARGET = target_for_device(torch.cuda.get_device_name(), device_arch(DEVICE))
+TARGET = device_target(DEVICE)
 CASES = [wl for wl in numerics_cases(Ms=(1, 3, 17, 1000)) if all(
     wl.tensor_dtype(t.name) in TARGET.dtypes for t in wl.op.outputs)]
 

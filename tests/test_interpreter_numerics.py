@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from flashgen.schedules.space import ScheduleSpace, domain
+from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
+from flashgen.workload import domain
 from tests.cases import case_id, numerics_cases
 
 CASES = numerics_cases()

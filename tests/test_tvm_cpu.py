@@ -12,9 +12,10 @@ from flashgen.errors import FlashgenError
 from flashgen.oplib import OPS
 
 ROW_OPS = [name for name, o in OPS.items() if o.kclass in ("rowwise", "pointwise") and "M" in o.dims]
-from flashgen.schedules.space import CPU_MAX_BLOCK_C, ScheduleSpace, domain
+from flashgen.schedules.row_space import CPU_MAX_BLOCK_C
+from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
-from flashgen.workload import Workload, workload
+from flashgen.workload import Workload, domain, workload
 from tests.cases import case_id, numerics_cases
 
 tvm_backend = pytest.importorskip("flashgen.targets.tvm_backend")

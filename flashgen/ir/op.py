@@ -16,8 +16,8 @@ from typing import Callable, Mapping, Union
 import torch
 
 from flashgen.ir import expr as E
+from flashgen.kernel_classes import kernel_class
 
-KERNEL_CLASSES = ("rowwise", "pointwise", "contraction", "attention")
 # Dtype placeholders that a workload binds from its attrs: the activation dtype and a quantized output's.
 DTYPE, OUT_DTYPE = "$dtype", "$out_dtype"
 
@@ -126,8 +126,8 @@ class Op:
 
     def body(self, attrs: Attrs) -> tuple[Stmt, ...]:
         stmts = self.build(attrs)
-        if self.kclass == "pointwise" and any(isinstance(s, Reduce) for s in stmts):
-            raise ValueError(f"{self.name}: a pointwise op cannot reduce")
+        if not kernel_class(self.kclass).reduces and any(isinstance(s, Reduce) for s in stmts):
+            raise ValueError(f"{self.name}: a {self.kclass} op cannot reduce")
         return stmts
 
     def inputs_for(self, attrs: Attrs) -> tuple[TensorSpec, ...]:

@@ -9,7 +9,6 @@ import torch
 import triton
 
 from flashgen import __version__
-from flashgen.schedules.space import Schedule
 from flashgen.targets import artifacts, staged
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
@@ -18,7 +17,7 @@ from flashgen.targets.triton.codegen import generate
 from flashgen.targets.triton.emit import KernelSource
 from flashgen.targets.triton.harness import runnable_source
 from flashgen.targets.triton.launch import TritonLauncher
-from flashgen.workload import Workload
+from flashgen.workload import Schedule, Workload
 
 ASM = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Attend
-from flashgen.schedules.space import Schedule
 from flashgen.targets.triton.emit import (Emitter, KernelSource, Scope, Scratch, grid_dependency, kernel_args,
                                           module_header)
-from flashgen.workload import Workload
+from flashgen.workload import Schedule, Workload
 
 
 LOG2E = 1.4426950408889634

@@ -1,12 +1,13 @@
-"""Triton code generation: the rowwise and pointwise kernel classes here, contraction in
-`contraction.py`; `generate` picks by the op's class.
+"""Triton code generation: `generate` builds any kernel class this backend has a generator for
+(flashgen/kernel_classes.py names them: the row classes' `generate_rows` here, contraction in
+`contraction.py`, attention in `attention.py`).
 
 The generated module is plain, readable Triton: one program per tile of `block_r` rows x `block_c`
 columns of the op's domain; every float computes in fp32 and is cast where it is stored. A rowwise op
 whose row fits one tile reads it once; a longer row is walked in tiles, one pass per reduction and a
 last pass for the stores that need every reduction, each store placed in the earliest pass that can
-make it. Dims other than the row count are compile-time constants, so tails and masks fold away when a
-tile divides the row.
+make it. A pointwise op (its class `tiles_cols`) tiles its columns across programs too. Dims other
+than the row count are compile-time constants, so tails and masks fold away when a tile divides the row.
 """
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typing import Mapping
 
 from flashgen.ir import expr as E
 from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, refs
-from flashgen.schedules.space import Schedule, domain
+from flashgen.kernel_classes import generator, kernel_class
 from flashgen.targets.triton.emit import (IDENTITY, Emitter, KernelSource, Scope, grid_dependency, kernel_args,
                                           module_header)
-from flashgen.workload import Workload
+from flashgen.workload import Schedule, Workload, domain
 
 
 class _RowGen:
@@ -27,7 +28,8 @@ class _RowGen:
         self.lets = {st.name: st.value for st in self.body if isinstance(st, Let)}
         self.reduces = [st for st in self.body if isinstance(st, Reduce)]
         self.rows, self.cols = domain(wl)
-        self.looped = self.op.kclass == "rowwise" and schedule["block_c"] < self.cols
+        self.tiles_cols = kernel_class(self.op.kclass).tiles_cols
+        self.looped = not self.tiles_cols and schedule["block_c"] < self.cols
         self.rmask = "rmask" if schedule["block_r"] > 1 else None
         self.cmask = "cmask" if self.cols % schedule["block_c"] != 0 else None
         self.em = Emitter(self.op, wl.attr, self.lets)
@@ -52,7 +54,7 @@ class _RowGen:
             scope.line(f"cmask = c < {self.em.emit(self.op.domain[1], scope)}")
 
     def single_tile(self, scope: Scope) -> None:
-        start = "pid_c * BLOCK_C + " if self.op.kclass == "pointwise" else ""
+        start = "pid_c * BLOCK_C + " if self.tiles_cols else ""
         self.column_setup(scope, start)
         for st in self.body:
             if isinstance(st, Reduce):
@@ -106,7 +108,7 @@ class _RowGen:
         scope = Scope(lines, "    ", {"r": ("r", self.rmask), "c": ("c", self.cmask)})
         grid_dependency(scope)
         scope.line("pid_r = tl.program_id(0)")
-        if self.op.kclass == "pointwise":
+        if self.tiles_cols:
             scope.line("pid_c = tl.program_id(1)")
         scope.line("r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
         if self.rmask:
@@ -116,19 +118,17 @@ class _RowGen:
         else:
             self.single_tile(scope)
         return KernelSource(name, "\n".join(lines) + "\n", args, (self.s["block_r"], self.s["block_c"]),
-                            tile_cols=self.op.kclass == "pointwise")
+                            tile_cols=self.tiles_cols)
+
+
+def generate_rows(wl: Workload, schedule: Schedule) -> KernelSource:
+    """The rowwise and pointwise classes' generator."""
+    return _RowGen(wl, schedule).generate()
 
 
 def generate(wl: Workload, schedule: Schedule) -> KernelSource:
-    if wl.op.kclass in ("rowwise", "pointwise"):
-        return _RowGen(wl, schedule).generate()
-    if wl.op.kclass == "contraction":
-        from flashgen.targets.triton.contraction import generate_contraction
-        return generate_contraction(wl, schedule)
-    if wl.op.kclass == "attention":
-        from flashgen.targets.triton.attention import generate_attention
-        return generate_attention(wl, schedule)
-    raise NotImplementedError(f"the triton backend does not generate {wl.op.kclass} kernels yet")
+    """The Triton source of `wl` under `schedule`, by its class's generator."""
+    return generator(wl.op.kclass, "triton")(wl, schedule)
 
 
 def grid(ks: KernelSource, wl: Workload, rows: int | None = None, sm_count: int = 0,

@@ -12,8 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from flashgen.check import OutputCheck, check
-from flashgen.schedules.space import Schedule
-from flashgen.workload import Workload
+from flashgen.workload import Schedule, Workload
 
 
 def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seeds: list[int],

@@ -12,6 +12,7 @@ from triton.runtime import _allocation
 from flashgen.errors import FlashgenError
 from flashgen.ir.op import eval_int
 from flashgen.targets.descriptor import Target
+from flashgen.targets.device import device_arch
 from flashgen.targets.triton.build import DIVISIBILITY, interpreting, load_function, stride_hints
 from flashgen.targets.triton.codegen import grid
 from flashgen.targets.triton.emit import KernelSource
@@ -22,15 +23,6 @@ MAX_PLANS = 4096  # grids remembered per launcher, by the call's dims (row count
 _UNSET = object()
 _PTR, _STRIDE, _DIM, _PARAM, _SCRATCH, _CONST = range(6)
 _CODE = {"ptr": _PTR, "stride": _STRIDE, "dim": _DIM, "param": _PARAM, "scratch": _SCRATCH, "constexpr": _CONST}
-
-
-def device_arch(device: torch.device) -> str:
-    """The running GPU's architecture in target spelling ("sm_90", "gfx942")."""
-    props = torch.cuda.get_device_properties(device)
-    arch = getattr(props, "gcnArchName", "")
-    if getattr(torch.version, "hip", None) and arch:
-        return arch.split(":")[0]
-    return f"sm_{props.major}{props.minor}"
 
 
 def _scratch_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:

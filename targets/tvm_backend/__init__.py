@@ -18,21 +18,21 @@ import torch
 import tvm
 from tvm.target import codegen
 
-from flashgen.schedules.space import Schedule
+from flashgen.kernel_classes import generator
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
 from flashgen.targets.tvm_backend.build import artifacts, compile_module, export, llvm_target, load_library
 from flashgen.targets.tvm_backend.launch import TVMLauncher
-from flashgen.targets.tvm_backend.lower import Arg, KernelSource, generate
-from flashgen.workload import Workload
+from flashgen.targets.tvm_backend.lower import Arg, KernelSource
+from flashgen.workload import Schedule, Workload
 
-__all__ = ["build", "generate", "launcher_from_binary", "TVMLauncher"]
+__all__ = ["build", "launcher_from_binary", "TVMLauncher"]
 
 
 def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     if target.backend != "tvm":
         raise ValueError(f"the tvm backend cannot build for {target.key} (backend {target.backend})")
-    ks: KernelSource = generate(wl, schedule)
+    ks: KernelSource = generator(wl.op.kclass, "tvm")(wl, schedule)
     llvm = llvm_target()
     ex = compile_module(ks, llvm)
     asm = artifacts(ex)

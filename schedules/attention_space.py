@@ -1,0 +1,65 @@
+"""Schedule-space rules of the attention class (paged decode and packed-sequence prefill), and its
+analytic defaults. The statement's kind (`Attend.kind`) picks one of two spaces.
+
+Decode: `pages` cache blocks per loop step (more keys in flight per program), warps, stages; `splits`
+shares one sequence's context among programs (flash-decoding) when B x Hkv < the SMs; `early_kv`
+(targets with programmatic dependent launch): the keys before each query's own position are read before
+waiting for the previous kernel (targets/triton/attention.py says when that holds).
+Prefill: query rows and key columns per tile, warps, stages; `tma` (sm_90): key and value tiles copied
+by TMA descriptors. Rules: the pipelined key/value tiles fit the shared memory and the output
+accumulator fits the warps' registers.
+"""
+from __future__ import annotations
+
+from flashgen.ir.op import Attend
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Schedule, Workload
+
+MAX_ELEMS_PER_THREAD = 64   # fp32 accumulator values a thread holds before spills become likely
+DECODE_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
+                "splits": (1, 2, 4, 8, 16, 32)}
+DECODE_ADDED = {"early_kv": 0}   # records written before `early_kv` existed read as early_kv=0
+PREFILL_KNOBS = {"block_m": (32, 64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+PREFILL_ADDED = {"tma": 0}       # and before `tma`, as tma=0
+
+
+def _kind(wl: Workload) -> str:
+    return next(st.kind for st in wl.op.body(wl.attr) if isinstance(st, Attend))
+
+
+def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
+    if _kind(wl) == "decode":
+        return {**DECODE_KNOBS, "early_kv": (0, 1) if target.pdl else (0,)}
+    return {**PREFILL_KNOBS, "tma": (0, 1) if target.capability >= 90 else (0,)}
+
+
+def added_knobs(wl: Workload) -> dict[str, int]:
+    return PREFILL_ADDED if _kind(wl) == "prefill" else DECODE_ADDED
+
+
+def why_invalid(wl: Workload, target: Target, s: Schedule) -> str | None:
+    if _kind(wl) != "prefill":
+        return None
+    d = wl.dim["D"]
+    smem = s["num_stages"] * 2 * s["block_n"] * d * 2 + s["block_m"] * d * 2
+    if smem > int(target.get("smem_per_block", 0)):
+        return f"{smem} bytes of key/value tiles exceed the shared memory"
+    if s["block_m"] * d > s["num_warps"] * target.warp_size * MAX_ELEMS_PER_THREAD:
+        return "the output accumulator does not fit the warps' registers"
+    return None
+
+
+def default(wl: Workload, target: Target) -> Schedule:
+    if _kind(wl) == "decode":
+        d = wl.dim
+        programs = d["B"] * d["Hkv"]
+        splits = 1
+        while splits < 32 and programs * splits < target.sm_count and d["L"] // (splits * 2) >= 512:
+            splits *= 2
+        return {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits, **DECODE_ADDED}
+    # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB).
+    for stages, block_n in ((2, 64), (1, 64), (1, 32)):
+        s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages, **PREFILL_ADDED}
+        if why_invalid(wl, target, s) is None:
+            return s
+    return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1, **PREFILL_ADDED}
