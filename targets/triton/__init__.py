@@ -9,7 +9,7 @@ import torch
 import triton
 
 from flashgen import __version__
-from flashgen.schedules.space import Schedule
+from flashgen.workload import Schedule
 from flashgen.targets import artifacts, staged
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
