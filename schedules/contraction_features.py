@@ -15,7 +15,8 @@ import numpy as np
 
 from flashgen.ir import dtypes
 from flashgen.roofline import bytes_moved
-from flashgen.schedules.contraction_space import ADDED_KNOBS, _extents, load_bytes, min_block_k, operand_dtype
+from flashgen.ir.contraction import extents, operand_dtype
+from flashgen.schedules.contraction_space import ADDED_KNOBS, load_bytes, min_block_k
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
@@ -40,7 +41,7 @@ def _peak_tflops(wl: Workload, target: Target) -> float:
 
 
 def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
-    m, n, k, _ = _extents(wl)
+    m, n, k, _ = extents(wl)
     kv = {name: np.asarray([float(s.get(name, ADDED_KNOBS.get(name))) for s in schedules]) for name in KNOBS}
     bm, bn, bk, split = kv["block_m"], kv["block_n"], kv["block_k"], kv["split_k"]
     ob = dtypes.BYTES[operand_dtype(wl)]

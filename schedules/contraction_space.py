@@ -36,13 +36,14 @@ from typing import Any
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
-from flashgen.ir.op import Contract, Let, eval_int
+from flashgen.ir.contraction import (MMA_MIN_ROWS, extents, int4_affine, operand_dtype,
+                                     symmetric_block_groups, tma_operands, whole_block_groups)
+from flashgen.ir.op import Let
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload, dequant_forms
 
 MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread
-MMA_MIN_ROWS = 16  # the fewest rows a matrix instruction takes: fewer rows are summed on the ALUs
 MAX_MMA_BLOCK_K = 512  # deeper k tiles only serve ALU tiles: a program needs many bytes in flight
 MAX_PRODUCTS_PER_THREAD = 512  # such a tile's products per thread per k step, at most (registers)
 MIN_PRODUCTS_PER_THREAD = 32  # and at least, or threads idle and loads narrow
@@ -62,19 +63,12 @@ CHUNK_MIN_WAVES = 1.9  # tiles per SM that each chunk of a weight dequantized fi
 DEQUANT_FIRST_DEFAULT_M = 2048  # and the default from here (measured: 5% of the staged 8192² GEMM at M = 4096)
 
 
-@functools.lru_cache(maxsize=256)
-def _extents(wl: Workload) -> tuple[int, int, int, Contract]:
-    [con] = [s for s in wl.op.body(wl.attr) if isinstance(s, Contract)]
-    m, n = (eval_int(e, wl.dim) for e in wl.op.domain)
-    return m, n, eval_int(con.extent, wl.dim), con
-
-
 def _p2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
 def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
-    m, n, k, _ = _extents(wl)
+    m, n, k, _ = extents(wl)
     amd = target.vendor == "amd"
     gemv_rows = tuple(b for b in (1, 2, 4, 8) if m <= GEMV_MAX_M and b <= _p2(m))
     kn = {"block_m": gemv_rows + tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(m))),
@@ -104,50 +98,7 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
 def dequant_first_form(wl: Workload) -> Workload | None:
     """The dense workload a weight dequantized first runs, where the space offers it, else None."""
     forms = dequant_forms(wl)
-    return forms[1] if forms and _extents(wl)[0] >= DEQUANT_FIRST_MIN_M else None
-
-
-@functools.lru_cache(maxsize=256)
-def int4_affine(wl: Workload) -> tuple | None:
-    """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)."""
-    return prologue.affine_codes(_extents(wl)[3].b, wl.dim)
-
-
-@functools.lru_cache(maxsize=256)
-def whole_block_groups(wl: Workload) -> bool:
-    """Whether the int4 codes' zero point and scale are constant over each block of INT4_PERIOD k (a
-    word's eight codes share them: groups of 128 k or more, or per channel)."""
-    affine = int4_affine(wl)
-    if affine is None:
-        return False
-    periods = [prologue.k_period(e, wl.dim) for e in affine[1:] if e is not None]
-    return all(p is None or p % INT4_PERIOD == 0 for p in periods)
-
-
-def symmetric_block_groups(wl: Workload) -> bool:
-    """int4 codes with the symmetric zero point and a scale constant over each block of INT4_PERIOD k:
-    what `operand_scale` needs to multiply the codes by their scale before the matrix instruction."""
-    affine = int4_affine(wl)
-    return bool(affine) and affine[1] == E.Const(8) and affine[2] is not None and whole_block_groups(wl)
-
-
-@functools.lru_cache(maxsize=256)
-def tma_operands(wl: Workload) -> tuple[str, str] | None:
-    """The A and B tensors when both operands are plain loads of the operand dtype at (r, k) and (c, k)
-    with rows a multiple of 16 elements apart: tiles that a TMA descriptor copies to shared memory
-    (zero-filled past the tensor's edges), with no prologue to apply on the way."""
-    _, _, k, con = _extents(wl)
-    operand = operand_dtype(wl)
-    a, b = con.a, con.b
-    plain = (isinstance(a, E.Load) and isinstance(b, E.Load) and a.mask is None and b.mask is None
-             and a.indices == (E.Index("r"), E.Index("k")) and b.indices == (E.Index("c"), E.Index("k"))
-             and wl.tensor_dtype(a.tensor) == operand == wl.tensor_dtype(b.tensor))
-    return (a.tensor, b.tensor) if plain and k % 16 == 0 else None
-
-
-def operand_dtype(wl: Workload) -> str:
-    _, _, _, con = _extents(wl)
-    return wl.attr[con.operand[1:]] if con.operand.startswith("$") else con.operand
+    return forms[1] if forms and extents(wl)[0] >= DEQUANT_FIRST_MIN_M else None
 
 
 def operand_bytes(wl: Workload) -> int:
@@ -159,7 +110,7 @@ def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
     """Bytes loaded per element of the A and B tiles, after the prologue is made tile-shaped
     (flashgen/ir/prologue.py): a packed int4 word serves eight elements, a group's scale G elements,
     a per-tile scale row none to speak of. The software pipeliner keeps each load in shared memory for every stage."""
-    _, _, _, con = _extents(wl)
+    _, _, _, con = extents(wl)
     lets = {st.name: st.value for st in wl.op.body(wl.attr) if isinstance(st, Let)}
 
     def total(e: E.Expr) -> float:
@@ -189,7 +140,7 @@ def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
 def min_block_k(wl: Workload) -> int:
     """The shallowest k step: packed int4 words interleave INT4_PERIOD k (flashgen/quant.py), and a
     k step takes whole blocks of them."""
-    _, _, _, con = _extents(wl)
+    _, _, _, con = extents(wl)
     packed = any(prologue.packed_int4(e) for e in E.walk(con.b))
     return INT4_PERIOD if packed else 32
 
@@ -221,7 +172,7 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return "TMA copies serve operands without a prologue (or a weight dequantized first)"
     if s["block_k"] % min_block_k(wl):
         return f"int4 words interleave {INT4_PERIOD} k: block_k must be a multiple of {INT4_PERIOD}"
-    if operand_bytes(wl) == 1 and dtypes.is_float(operand_dtype(wl)) and _extents(wl)[2] % s["block_k"]:
+    if operand_bytes(wl) == 1 and dtypes.is_float(operand_dtype(wl)) and extents(wl)[2] % s["block_k"]:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
     a_bytes, b_bytes = load_bytes(wl, s["block_k"])
     smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
@@ -232,8 +183,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     if s["persistent"] and s["split_k"] > 1:
         return "persistent programs walk whole tiles: split_k must be 1"
     min_steps = 1 if s["num_stages"] == 1 else SPLIT_K_MIN_STEPS  # one stage: no copy pipeline to keep full
-    if s["split_k"] > 1 and -(-_extents(wl)[2] // s["block_k"]) < s["split_k"] * min_steps:
-        return f"{s['split_k']} splits of K={_extents(wl)[2]} leave fewer than {min_steps} k step{'s' * (min_steps > 1)} of {s['block_k']} each"
+    if s["split_k"] > 1 and -(-extents(wl)[2] // s["block_k"]) < s["split_k"] * min_steps:
+        return f"{s['split_k']} splits of K={extents(wl)[2]} leave fewer than {min_steps} k step{'s' * (min_steps > 1)} of {s['block_k']} each"
     if s["ptx_unpack"] == 2 and s["block_m"] >= MMA_MIN_ROWS:
         return f"PTX quads of words serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
     if s["operand_scale"] and (s["block_m"] < MMA_MIN_ROWS or s["ptx_unpack"] != 1):
@@ -265,7 +216,7 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
 
 def default(wl: Workload, target: Target) -> dict[str, int]:
     """Analytic choice per regime, shrunk until it satisfies the rules."""
-    m, n, k, con = _extents(wl)
+    m, n, k, con = extents(wl)
     dense = dequant_first_form(wl)
     if dense is not None and m >= DEQUANT_FIRST_DEFAULT_M:
         # Thousands of rows share each weight tile: the dense op's tile on the weight dequantized first,

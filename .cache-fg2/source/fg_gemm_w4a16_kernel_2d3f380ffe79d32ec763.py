@@ -1,0 +1,91 @@
+# flashgen: gemm_w4a16 (contraction) - y = epilogue(x @ dequant(w_int4).T): 4-bit weights packed 8 per int32 (interleaved, flashgen/quant.py), group or per-channel scales, symmetric or with zero points
+# dims: {"G": 128, "K": 4096, "N": 6144} (run time: M); attrs: {"act": "none", "dtype": "bf16", "group": "group", "out": "none", "pack": "k128", "with_bias": "no", "with_residual": "no", "zp": "sym"}
+# schedule: {"block_k": 128, "block_m": 128, "block_n": 128, "dequant_chunks": 1, "dequant_first": 0, "early_load": 0, "group_m": 8, "num_stages": 3, "num_warps": 8, "operand_scale": 1, "persistent": 0, "ptx_unpack": 1, "split_k": 1, "tma": 0}
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _int4_code0_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x5410; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _int4_code1_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x5410; shr.b32 t, t, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _int4_code2_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x5410; shr.b32 t, t, 8; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _int4_code3_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x5410; shr.b32 t, t, 12; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _int4_code4_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x7632; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _int4_code5_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x7632; shr.b32 t, t, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _int4_code6_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x7632; shr.b32 t, t, 8; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _int4_code7_bf16_scaled(words, scale):
+    return tl.inline_asm_elementwise("{ .reg .b32 z, t, one, minus; prmt.b32 t, $1, $2, 0x7632; shr.b32 t, t, 12; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; mov.b32 one, 0x3f803f80; mov.b32 minus, 0xc308c308; fma.rn.bf16x2 t, t, one, minus; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, $3, z; }", "=r,r,r,r", [words, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def gemm_w4a16_kernel(x_ptr, w_packed_ptr, scales_ptr, y_ptr, x_s0, w_packed_s0, scales_s0, y_s0, M, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    rmask = r < M
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    acc_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = 0
+    k_hi = K
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    r_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    rmask_t = r_t < M
+    c_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    acc_acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kw0 = k0 // 8 + 0 + tl.arange(0, 16)[None, :]
+        words0 = tl.load(w_packed_ptr + c_t.to(tl.int64) * w_packed_s0 + kw0)
+        kx0 = k0 + 0 + tl.arange(0, 128)[:, None]
+        t0 = tl.load(x_ptr + r_t.to(tl.int64) * x_s0 + kx0, mask=rmask_t, other=0)
+        ksc0 = k0 + 0
+        t1 = (ksc0 // G)
+        t2 = tl.load(scales_ptr + c_t.to(tl.int64) * scales_s0 + t1).to(tl.float32)
+        sc0 = tl.broadcast_to((t2).to(tl.bfloat16), [BLOCK_N, 16])
+        c0 = _int4_code0_bf16_scaled(words0, sc0)
+        c1 = _int4_code1_bf16_scaled(words0, sc0)
+        c2 = _int4_code2_bf16_scaled(words0, sc0)
+        c3 = _int4_code3_bf16_scaled(words0, sc0)
+        c4 = _int4_code4_bf16_scaled(words0, sc0)
+        c5 = _int4_code5_bf16_scaled(words0, sc0)
+        c6 = _int4_code6_bf16_scaled(words0, sc0)
+        c7 = _int4_code7_bf16_scaled(words0, sc0)
+        w0 = tl.reshape(tl.permute(tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7))), (0, 4, 3, 2, 1)), [BLOCK_N, 128])
+        acc_acc_t = tl.dot(w0, t0, acc_acc_t)
+    acc_acc = tl.trans(acc_acc_t)
+    tl.store(y_ptr + r.to(tl.int64) * y_s0 + c, acc_acc.to(tl.bfloat16), mask=rmask)

@@ -1,0 +1,68 @@
+"""Analyses of a contraction workload's IR that both its schedule space and its code generators read:
+the Contract's extents, the operand dtype, int4 code forms and TMA-copyable operands."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from flashgen.ir import expr as E
+from flashgen.ir import prologue
+from flashgen.ir.op import Contract, eval_int
+from flashgen.quant import INT4_PERIOD
+
+if TYPE_CHECKING:
+    from flashgen.workload import Workload
+
+MMA_MIN_ROWS = 16  # the fewest rows a matrix instruction takes: fewer rows are summed on the ALUs
+
+
+@functools.lru_cache(maxsize=256)
+def extents(wl: Workload) -> tuple[int, int, int, Contract]:
+    """M, N, K and the Contract of a contraction workload."""
+    [con] = [s for s in wl.op.body(wl.attr) if isinstance(s, Contract)]
+    m, n = (eval_int(e, wl.dim) for e in wl.op.domain)
+    return m, n, eval_int(con.extent, wl.dim), con
+
+
+@functools.lru_cache(maxsize=256)
+def int4_affine(wl: Workload) -> tuple | None:
+    """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)."""
+    return prologue.affine_codes(extents(wl)[3].b, wl.dim)
+
+
+@functools.lru_cache(maxsize=256)
+def whole_block_groups(wl: Workload) -> bool:
+    """Whether the int4 codes' zero point and scale are constant over each block of INT4_PERIOD k (a
+    word's eight codes share them: groups of 128 k or more, or per channel)."""
+    affine = int4_affine(wl)
+    if affine is None:
+        return False
+    periods = [prologue.k_period(e, wl.dim) for e in affine[1:] if e is not None]
+    return all(p is None or p % INT4_PERIOD == 0 for p in periods)
+
+
+def symmetric_block_groups(wl: Workload) -> bool:
+    """int4 codes with the symmetric zero point and a scale constant over each block of INT4_PERIOD k:
+    what `operand_scale` needs to multiply the codes by their scale before the matrix instruction."""
+    affine = int4_affine(wl)
+    return bool(affine) and affine[1] == E.Const(8) and affine[2] is not None and whole_block_groups(wl)
+
+
+@functools.lru_cache(maxsize=256)
+def tma_operands(wl: Workload) -> tuple[str, str] | None:
+    """The A and B tensors when both operands are plain loads of the operand dtype at (r, k) and (c, k)
+    with rows a multiple of 16 elements apart: tiles that a TMA descriptor copies to shared memory
+    (zero-filled past the tensor's edges), with no prologue to apply on the way."""
+    _, _, k, con = extents(wl)
+    operand = operand_dtype(wl)
+    a, b = con.a, con.b
+    plain = (isinstance(a, E.Load) and isinstance(b, E.Load) and a.mask is None and b.mask is None
+             and a.indices == (E.Index("r"), E.Index("k")) and b.indices == (E.Index("c"), E.Index("k"))
+             and wl.tensor_dtype(a.tensor) == operand == wl.tensor_dtype(b.tensor))
+    return (a.tensor, b.tensor) if plain and k % 16 == 0 else None
+
+
+def operand_dtype(wl: Workload) -> str:
+    """The dtype both operands enter the matrix instruction in (an attr's value where it names one)."""
+    _, _, _, con = extents(wl)
+    return wl.attr[con.operand[1:]] if con.operand.startswith("$") else con.operand

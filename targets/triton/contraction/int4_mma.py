@@ -1,0 +1,114 @@
+"""Matrix tiles of int4 codes, computed transposed so that the unpacked weight is the matrix
+instruction's register operand: shared memory holds packed words, never a dequantized tile."""
+from __future__ import annotations
+
+from flashgen.ir import dtypes
+from flashgen.ir import expr as E
+from flashgen.ir import prologue
+from flashgen.quant import INT4_PERIOD
+from flashgen.targets.triton.contraction import ptx
+from flashgen.targets.triton.contraction.context import Tile
+from flashgen.targets.triton.contraction.operands import RUN, operand_tile
+
+
+def _joined(tiles: list[str]) -> str:
+    """Tiles of 16 k (code positions j, j+1, ...) as one [block_n, 16 * n] tile in k order: joined in
+    a tree (each join appends a dimension held in registers: the last one is the position's highest
+    bit), the position's bits moved before the 16 words, highest first, and reshaped. Triton's layouts
+    make all of it a renaming of registers into the matrix instruction's operand layout."""
+    if len(tiles) == 1:
+        return tiles[0]
+
+    def tree(ts: list[str]) -> str:
+        return ts[0] if len(ts) == 1 else f"tl.join({tree(ts[:len(ts) // 2])}, {tree(ts[len(ts) // 2:])})"
+
+    bits = len(tiles).bit_length() - 1
+    order = (0, *range(bits + 1, 1, -1), 1)
+    return f"tl.reshape(tl.permute({tree(tiles)}, {order}), [BLOCK_N, {RUN * len(tiles)}])"
+
+
+def _code_tile(t: Tile, words: str, scale: str, j: int) -> str:
+    """Code j of the words as 16-bit floats less 8: in PTX pairs (times the scale with
+    `operand_scale`), or per element under the 16-bit float's exponent."""
+    s = t.schedule
+    if s.get("operand_scale"):
+        return f"{ptx.codes(t, j, scaled=True)}({words}, {scale})"
+    if s.get("ptx_unpack"):
+        return f"{ptx.codes(t, j)}({words})"
+    magic, base = ptx.INT4_MAGIC[t.operand]
+    shifted = words if j == 0 else f"({words} >> {4 * j})"
+    return f"(({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[t.operand]}, bitcast=True) - {base + 8.0}"
+
+
+def mma_int4(t: Tile) -> None:
+    """The k loop of a matrix tile of int4 codes `(code - zero) * scale`, computed transposed:
+    acc^T [block_n, block_m] = W x^T, so that the weight is the instruction's A operand, which Hopper's
+    warpgroup MMA reads from registers. Each k step loads [block_n, 16] words per 128 k; code j of
+    those words is a run of 16 consecutive k. A code costs an AND-OR with a 16-bit float's exponent
+    (1024 or 128 + code, exact) and a paired subtraction of 1032 or 136; the runs of a dot are joined
+    into one operand tile (`_joined`) without moving data. Dots span the runs sharing a group (up to
+    128 k) and sum per segment before the segment's scale; a zero point other than 8 adds (8 - zero)
+    times the segment's sum of x."""
+    em, con, top, body, s, kmask, acc = t.em, t.con, t.top, t.body, t.schedule, t.kmask, t.acc
+    word, zero, scale = t.affine
+    rows, cols = em.emit(em.op.domain[0], top), em.emit(em.op.domain[1], top)
+    name = word.tensor
+    cmask = "cmask_t" if top.axes["c"][1] else None
+    top.line("r_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
+    top.line(f"rmask_t = r_t < {rows}")
+    top.line("c_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]")
+    if cmask:
+        top.line(f"cmask_t = c_t < {cols}")
+    top.line(f"{acc}_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)")
+    top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
+    k_extent = em.emit(con.extent, body)
+    offset = None if zero == E.Const(8) else zero
+    oscale = bool(s.get("operand_scale"))  # the scale multiplies the operand: no second accumulator
+    direct = oscale or not prologue.segment_sums(t.affine)
+    per_segment = t.per_segment
+    per_dot = min(per_segment, 8) & -min(per_segment, 8)  # runs per dot: a power of two within one block
+    for q in range(0, s["block_k"] // RUN, per_dot):
+        b, j = divmod(q, 8)
+        if j == 0:
+            body.line(f"kw{b} = k0 // 8 + {RUN * b} + tl.arange(0, {RUN})[None, :]")
+            bound = f"(kw{b} < {em.emit(em.op.tensors[name].shape[1], body)})" if kmask else None
+            mask = " & ".join(m for m in (cmask, bound) if m)
+            body.line(f"words{b} = tl.load({name}_ptr + c_t.to(tl.int64) * {name}_s0 + kw{b}"
+                      + (f", mask={mask}, other=0)" if mask else ")"))
+        body.line(f"kx{q} = k0 + {RUN * q} + tl.arange(0, {RUN * per_dot})[:, None]")
+        if kmask:
+            body.line(f"kxm{q} = kx{q} < {k_extent}")
+        x_scope = body.child(axes={"r": ("r_t", "rmask_t"), "k": (f"kx{q}", f"kxm{q}" if kmask else None)}, fresh=True)
+        x = operand_tile(t, con.a, x_scope)
+        if oscale and j == 0:  # one scale per row and block of 128 k (the rules ask for groups of 128 k or more)
+            body.line(f"ksc{b} = k0 + {INT4_PERIOD * b}")
+            if kmask:
+                body.line(f"kscm{b} = ksc{b} < {k_extent}")
+            sc_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"ksc{b}", f"kscm{b}" if kmask else None)}, fresh=True)
+            body.line(f"sc{b} = tl.broadcast_to(({em.emit(scale, sc_scope)}).to({dtypes.TL[t.operand]}), [BLOCK_N, {RUN}])")
+        runs = []
+        for jj in range(j, j + per_dot):
+            body.line(f"c{jj} = {_code_tile(t, f'words{b}', f'sc{b}', jj)}")
+            runs.append(f"c{jj}")
+        body.line(f"w{q} = {_joined(runs)}")
+        if direct:
+            body.line(f"{acc}_t = tl.dot(w{q}, {x}, {acc}_t)")
+            continue
+        if q % per_segment == 0:
+            body.line("seg = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)")
+            if offset is not None:
+                body.line("xs = tl.zeros([1, BLOCK_M], dtype=tl.float32)")
+        body.line(f"seg = tl.dot(w{q}, {x}, seg)")
+        if offset is not None:
+            body.line(f"xs += tl.sum({x}.to(tl.float32), axis=0)[None, :]")
+        if (q + per_dot) % per_segment == 0:
+            first = q + per_dot - per_segment
+            body.line(f"kseg{first} = k0 + {RUN * first}")
+            seg_mask = None
+            if kmask:
+                body.line(f"ksegm{first} = kseg{first} < {k_extent}")
+                seg_mask = f"ksegm{first}"
+            seg_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"kseg{first}", seg_mask)}, fresh=True)
+            value = "seg" if offset is None else f"(seg + (8.0 - {em.emit(offset, seg_scope)}) * xs)"
+            body.line(f"{acc}_t += {value}" + (f" * {em.emit(scale, seg_scope)}" if scale is not None else ""))
+    top.line(f"{acc} = tl.trans({acc}_t)")

@@ -1,0 +1,78 @@
+"""A k step's operand tiles through the op's prologue: the weight tile's packed int4 words, its codes
+unpacked per element into fp32, its group rows, and operand tiles cast to the operand dtype."""
+from __future__ import annotations
+
+from flashgen.ir import dtypes
+from flashgen.ir import expr as E
+from flashgen.ir import prologue
+from flashgen.quant import INT4_PERIOD
+from flashgen.targets.triton.contraction.context import Tile
+from flashgen.targets.triton.emit import Emitter, Scope
+
+MAGIC = 8388608.0  # 2^23: an fp32 with 2^23's exponent holds a small integer in its low mantissa bits
+RUN = prologue.RUN
+
+
+def operand_tile(t: Tile, e: E.Expr, scope: Scope) -> str:
+    """An operand tile of a matrix instruction, loaded in the operand dtype when it is stored in it."""
+    em = t.em
+    load = _bare_load(e, t.lets)
+    raw = load is not None and em.op.dtype_of(load.tensor, em.attrs) == t.operand
+    v = em.emit(e, scope, raw=raw)
+    return v if raw else em.temp(scope, f"{v}.to({dtypes.TL[t.operand]})")
+
+
+def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
+    while isinstance(e, E.Ref) and e.name in lets:
+        e = lets[e.name]
+    return e if isinstance(e, E.Load) else None
+
+
+def load_words(t: Tile, scope: Scope, word: E.Load) -> str:
+    """Load the tile's packed words once, [block_k / 8, block_n]."""
+    em, name = t.em, word.tensor
+    scope.line(f"kw_{name} = k0 // 8 + tl.arange(0, BLOCK_K // 8)[:, None]")
+    bound = f"(kw_{name} < {em.emit(em.op.tensors[name].shape[1], scope)})" if t.kmask else None
+    mask = " & ".join(m for m in (scope.axes["c"][1], bound) if m)
+    load = f"tl.load({name}_ptr + c.to(tl.int64) * {name}_s0 + kw_{name}" + (f", mask={mask}, other=0)" if mask else ")")
+    scope.line(f"words_{name} = {load}")
+    return f"words_{name}"
+
+
+def _unpack_int4(t: Tile, scope: Scope, word: E.Load, var: str) -> None:
+    """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile in k order
+    (as fp32 values: they only ever meet the float dequantization arithmetic)."""
+    words = load_words(t, scope, word)
+    # Codes become exact fp32 values without an int-to-float conversion (a quarter-rate instruction):
+    # 2^23 + code has the code in its low mantissa bits, so OR in 2^23's exponent and subtract 2^23.
+    scope.line(f"{var} = tl.reshape(((tl.reshape({words}, [BLOCK_K // {INT4_PERIOD}, 1, {RUN}, BLOCK_N]) "
+               f">> (tl.arange(0, 8) * 4)[None, :, None, None]) & 15) | 0x4B000000, [BLOCK_K, BLOCK_N])"
+               f".to(tl.float32, bitcast=True) - {MAGIC}")
+    t.em.named[var] = var
+
+
+def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.Expr | None) -> None:
+    """Load the tile's block_k / G group rows of a [c, k // G] tensor once and repeat each G times:
+    the load runs with k standing for the first k of each group."""
+    g = em.emit(load.indices[1].b, scope)
+    kg = f"kg_{load.tensor}"
+    scope.line(f"{kg} = k0 + (tl.arange(0, BLOCK_K // {g}) * {g})[:, None]")
+    mask = f"{kg}_mask" if k_extent is not None else None
+    if mask:
+        scope.line(f"{mask} = {kg} < {em.emit(k_extent, scope)}")
+    rows = em.emit(load, scope.child(axes={**scope.axes, "k": (kg, mask)}, fresh=True))
+    scope.line(f"{var} = tl.reshape(tl.broadcast_to({rows}[:, None, :], [BLOCK_K // {g}, {g}, BLOCK_N]), "
+               "[BLOCK_K, BLOCK_N])")
+    em.named[var] = var
+
+
+def b_tile_values(t: Tile, b_scope: Scope) -> None:
+    """A k step's [block_k, block_n] indices of the weight tile, its unpacked int4 codes and its
+    group rows (what the rewritten prologue refers to)."""
+    b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+    if t.kmask:
+        b_scope.line(f"kmask_b = kb < {t.em.emit(t.con.extent, b_scope)}")
+    for word, var in t.unpacked.items():
+        _unpack_int4(t, b_scope, word, var)
+    for load, var in t.grouped.items():
+        _group_rows(t.em, b_scope, load, var, t.con.extent if t.kmask else None)
