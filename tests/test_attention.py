@@ -67,8 +67,13 @@ def test_bad_shapes_are_clear():
         decode(Hq=6, Hkv=4)
     with pytest.raises(FlashgenError, match="cannot hold"):
         decode(MAXB=2, L=100)
-    with pytest.raises(FlashgenError, match="power of two"):
-        decode(D=96)
+    for d in (8, 12, 100, 264, 1 << 20):
+        with pytest.raises(FlashgenError, match=f"head dim D={d} must be a multiple of 8 from 16 to 256"):
+            decode(D=d)
+        with pytest.raises(FlashgenError, match=f"head dim D={d} must be a multiple of 8"):
+            prefill(D=d)
+        with pytest.raises(FlashgenError, match=f"head dim D={d} must be a multiple of 8"):
+            chunked(D=d)
 
 
 def test_one_kernel_serves_any_batch_and_cache_size():
