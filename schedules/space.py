@@ -122,7 +122,7 @@ class ScheduleSpace:
         if self.kclass == "contraction":
             return contraction_space.why_invalid(self.workload, self.target, s)
         if self.kclass == "attention" and self._attention_kind() == "prefill":
-            d = self.workload.dim["D"]
+            d = next_pow2(self.workload.dim["D"])  # the tiles' head dim: padded to a power of two
             smem = s["num_stages"] * 2 * s["block_n"] * d * 2 + s["block_m"] * d * 2
             if smem > int(self.target.get("smem_per_block", 0)):
                 return f"{smem} bytes of key/value tiles exceed the shared memory"
@@ -188,12 +188,17 @@ class ScheduleSpace:
                 while splits < 32 and programs * splits < self.target.sm_count and d["L"] // (splits * 2) >= 512:
                     splits *= 2
                 return {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits, **DECODE_ADDED}
-            # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB).
-            for stages, block_n in ((2, 64), (1, 64), (1, 32)):
-                s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages, **PREFILL_ADDED}
-                if self.is_valid(s):
-                    return s
-            return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1, **PREFILL_ADDED}
+            # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB), with
+            # 8 warps where 4 cannot hold the accumulator (heads padded to 256 on 32-lane warps).
+            for warps in (4, 8):
+                for stages, block_n in ((2, 64), (1, 64), (1, 32)):
+                    s = {"block_m": 64, "block_n": block_n, "num_warps": warps, "num_stages": stages, **PREFILL_ADDED}
+                    if self.is_valid(s):
+                        return s
+            s = {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1, **PREFILL_ADDED}
+            if not self.is_valid(s):
+                raise FlashgenError(f"no prefill schedule fits {self.workload} on {self.target.id}: {self.why_invalid(s)}")
+            return s
         rows, cols = domain(self.workload)
         pc = next_pow2(cols)
         if self.target.backend != "triton":
