@@ -450,3 +450,18 @@ def test_head_dims_aot(target, d):
         assert k.binary[:4] == b"\x7fELF" and 0 < k.metadata["shared_bytes"] <= smem, (wl, k.metadata["shared_bytes"])
         text = k.asm["ptx"] if target == "h200" else k.asm["amdgcn"]
         assert ("mma" in text) or ("v_mfma" in text)
+
+
+@pytest.mark.parametrize("d", [80, 192])
+def test_padded_head_tma_build(d):
+    """TMA boxes of D_PAD columns over [T, Hkv, D] tensors (rows of D * 2 bytes, 16-byte aligned) build
+    on sm_90 and copy with UTMALDG; the copy fills the columns past D with zeros."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import opcodes, summary
+    wl = prefill(T=65536, B=8, Hq=32, Hkv=8, D=d, dtype="bf16")
+    s = {"block_m": 64, "block_n": 64, "num_warps": 8 if d > 128 else 4, "num_stages": 2, "tma": 1}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    sass = summary(opcodes(flashgen.compile(wl, "sm_90", schedule=s).binary))
+    assert sass["tma"] > 0 and sass["wgmma"] > 0, sass
