@@ -177,9 +177,7 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
         if tma:
             _tma_tiles(body, cols)
         else:
-            body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
-            body.line(f"kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None]{_load_mask(None, pad, '[:, None]')})")
-            body.line(f"v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :]{_load_mask(None, pad, '[None, :]')})")
+            _packed_tiles(body, pad, None, None)
         _scores(em, att, body, dt, masked=False)
     else:
         blk.line("full = 0")
@@ -191,14 +189,22 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     if tma:  # keys past the sequence (the next one's, or TMA's zeros) are masked out of the logits
         _tma_tiles(body, cols)
     else:
-        body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
-        body.line(f"kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None]{_load_mask('jmask', pad, '[:, None]')})")
-        body.line(f"v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :]{_load_mask('jc < n', pad, '[None, :]')})")
+        _packed_tiles(body, pad, "jmask", "jc < n")
     _scores(em, att, body, dt)
     blk.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
     blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), "
              f"mask={_cols('imask', pad, '[None, :]')})")
     return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True, seq_tiles="B")
+
+
+def _packed_tiles(body: Scope, pad: bool, kmask: str | None, vmask: str | None) -> None:
+    """`kt` [D, block_n] and `v` [block_n, D] of the packed keys and values at n0, loaded under the
+    key and value masks (None: the whole tile is in the sequence)."""
+    body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
+    body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None]"
+              f"{_load_mask(kmask, pad, '[:, None]')})")
+    body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :]"
+              f"{_load_mask(vmask, pad, '[None, :]')})")
 
 
 def _sequence_of_tile(top: Scope) -> None:
