@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from flashgen.ir.op import Attend
 from flashgen.targets.descriptor import Target
+from flashgen.schedules.row_space import next_pow2
 from flashgen.workload import Schedule, Workload
 
 MAX_ELEMS_PER_THREAD = 64   # fp32 accumulator values a thread holds before spills become likely
@@ -40,7 +41,7 @@ def added_knobs(wl: Workload) -> dict[str, int]:
 def why_invalid(wl: Workload, target: Target, s: Schedule) -> str | None:
     if _kind(wl) != "prefill":
         return None
-    d = wl.dim["D"]
+    d = next_pow2(wl.dim["D"])  # the tiles' head dim: padded to a power of two
     smem = s["num_stages"] * 2 * s["block_n"] * d * 2 + s["block_m"] * d * 2
     if smem > int(target.get("smem_per_block", 0)):
         return f"{smem} bytes of key/value tiles exceed the shared memory"
@@ -57,9 +58,11 @@ def default(wl: Workload, target: Target) -> Schedule:
         while splits < 32 and programs * splits < target.sm_count and d["L"] // (splits * 2) >= 512:
             splits *= 2
         return {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": splits, **DECODE_ADDED}
-    # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB).
-    for stages, block_n in ((2, 64), (1, 64), (1, 32)):
-        s = {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": stages, **PREFILL_ADDED}
-        if why_invalid(wl, target, s) is None:
-            return s
+    # 64x64 tiles, double-buffered where the shared memory allows (not at D=128 on AMD's 64 KB), with
+    # 8 warps where 4 cannot hold the accumulator (heads padded to 256 on 32-lane warps).
+    for warps in (4, 8):
+        for stages, block_n in ((2, 64), (1, 64), (1, 32)):
+            s = {"block_m": 64, "block_n": block_n, "num_warps": warps, "num_stages": stages, **PREFILL_ADDED}
+            if why_invalid(wl, target, s) is None:
+                return s
     return {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1, **PREFILL_ADDED}

@@ -67,8 +67,13 @@ def test_bad_shapes_are_clear():
         decode(Hq=6, Hkv=4)
     with pytest.raises(FlashgenError, match="cannot hold"):
         decode(MAXB=2, L=100)
-    with pytest.raises(FlashgenError, match="power of two"):
-        decode(D=96)
+    for d in (8, 12, 100, 264, 1 << 20):
+        with pytest.raises(FlashgenError, match=f"head dim D={d} must be a multiple of 8 from 16 to 256"):
+            decode(D=d)
+        with pytest.raises(FlashgenError, match=f"head dim D={d} must be a multiple of 8"):
+            prefill(D=d)
+        with pytest.raises(FlashgenError, match=f"head dim D={d} must be a multiple of 8"):
+            chunked(D=d)
 
 
 def test_one_kernel_serves_any_batch_and_cache_size():
@@ -367,3 +372,96 @@ def test_attention_benchmark_reranks_the_fastest_recorded_schedules(tmp_path):
         got = fastest_recorded(db, wl, target, space, 3)
         assert got == [{**new, "splits": 16}, {**new, "splits": 32}, {**new, "splits": 8}]
         assert fastest_recorded(db, wl, target, space, 1) == got[:1]
+
+
+# ---- head dims that are not powers of two: tiles padded to D_PAD, the pad columns masked ----------
+HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)  # Llama, Qwen, Phi and Gemma heads
+PADDED = [(80, "none", "same", {**DEFAULT, "splits": 2}), (96, "window", "same", {**DEFAULT, "splits": 1, "early_kv": 1}),
+          (112, "softcap", "fp8e4m3", {**DEFAULT, "splits": 4, "early_kv": 1}), (192, "alibi", "same", {**DEFAULT, "splits": 2}),
+          (256, "softcap", "fp8e4m3", {**DEFAULT, "splits": 1})]
+MOD_PARAMS = {"window": {"window": 9.0}, "softcap": {"softcap": 1.5}}
+
+
+@pytest.mark.parametrize("d, mod, kv, schedule", PADDED, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         f"s{v['splits']}-e{v.get('early_kv', 0)}")
+def test_padded_head_dims_decode(interpreter, d, mod, kv, schedule):
+    """Each padded head dim with GQA groups of 2, ragged contexts, a mod, split-KV merges, early_kv and
+    the e4m3 cache (whose masked lanes are undefined until zeroed)."""
+    wl = decode(B=2, Hq=4, Hkv=2, D=d, BS=16, L=40, MAXB=4, NB=10, mod=mod, kv=kv)
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(schedule)
+    params = {**MOD_PARAMS.get(mod, {}), **({"k_scale": 0.5, "v_scale": 2.0} if kv == "fp8e4m3" else {})}
+    for c in interpreter.check(wl, schedule, "h200", seed=d, params=params or None):
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("d, mod, tma", [(80, "none", 1), (96, "alibi", 0), (112, "window", 0), (192, "softcap", 1),
+                                         (256, "none", 0)])
+def test_padded_head_dims_prefill(interpreter, d, mod, tma):
+    """Packed ragged sequences longer than a key tile (so the unmasked full tiles run), a GQA group of 2,
+    with TMA tiles, whose boxes of D_PAD columns the copy fills with zeros past D."""
+    wl = prefill(T=45, B=2, Hq=4, Hkv=2, D=d, mod=mod)
+    s = {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 1, "tma": tma}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    for c in interpreter.check(wl, s, "h200", seed=d, params=MOD_PARAMS.get(mod)):
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("d, mod, tma", [(80, "alibi", 0), (96, "none", 1), (112, "softcap", 0), (192, "window", 0),
+                                         (256, "none", 1)])
+def test_padded_head_dims_chunked_prefill(interpreter, d, mod, tma):
+    """New tokens after cached prefixes read through the block table, with padded heads."""
+    wl = chunked(T=40, B=2, Hq=4, Hkv=2, D=d, BS=16, NB=8, MAXB=3, mod=mod)
+    s = {**PREFILL, "num_stages": 1, "tma": tma}
+    for c in interpreter.check(wl, s, "h200", seed=d, params=MOD_PARAMS.get(mod)):
+        assert c.ok, c
+
+
+def test_power_of_two_heads_are_not_padded():
+    """A power-of-two head dim generates no D_PAD and no column mask; any other gets both."""
+    from flashgen.targets.triton.codegen import generate
+    for d in HEAD_DIMS:
+        for wl, s in ((decode(D=d), {**DEFAULT, "splits": 4, "early_kv": 1}), (chunked(D=d), {**PREFILL, "tma": 1})):
+            src = generate(wl, s).source
+            padded = d & (d - 1) != 0
+            assert ("D_PAD: tl.constexpr" in src) == padded and ("dmask" in src) == padded, d
+            assert f"tl.arange(0, {'D_PAD' if padded else 'D'})" in src
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx90a", "gfx942"])
+def test_every_head_dim_has_a_valid_default(target):
+    """The defaults fit the padded tiles in the target's shared memory and registers: 8 warps for
+    256-column accumulators on 32-lane warps, 32-key tiles in AMD's 64 KB."""
+    for d in HEAD_DIMS:
+        for wl in (decode(D=d, Hq=32, Hkv=8, L=4096, MAXB=256, NB=4096), prefill(D=d, T=65536, B=8, Hq=32, Hkv=8),
+                   chunked(D=d, T=4096, B=8, Hq=32, Hkv=8, NB=4096, MAXB=256)):
+            space = ScheduleSpace(wl, get_target(target))
+            assert space.is_valid(space.default()), (d, space.default(), space.why_invalid(space.default()))
+
+
+@pytest.mark.parametrize("target", ["h200", "mi300x"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_head_dims_aot(target, d):
+    """The default schedule of each op builds for each head dim, within the target's shared memory."""
+    smem = int(get_target(target).get("smem_per_block"))
+    for wl in (decode(dtype="bf16", D=d, Hq=32, Hkv=8, BS=16, NB=4096, MAXB=256, L=4096),
+               prefill(T=65536, B=8, Hq=32, Hkv=8, D=d, dtype="bf16"),
+               chunked(T=4096, B=8, Hq=32, Hkv=8, D=d, NB=4096, MAXB=256, dtype="bf16")):
+        k = flashgen.compile(wl, target)
+        assert k.binary[:4] == b"\x7fELF" and 0 < k.metadata["shared_bytes"] <= smem, (wl, k.metadata["shared_bytes"])
+        text = k.asm["ptx"] if target == "h200" else k.asm["amdgcn"]
+        assert ("mma" in text) or ("v_mfma" in text)
+
+
+@pytest.mark.parametrize("d", [80, 192])
+def test_padded_head_tma_build(d):
+    """TMA boxes of D_PAD columns over [T, Hkv, D] tensors (rows of D * 2 bytes, 16-byte aligned) build
+    on sm_90 and copy with UTMALDG; the copy fills the columns past D with zeros."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from disasm import opcodes, summary
+    wl = prefill(T=65536, B=8, Hq=32, Hkv=8, D=d, dtype="bf16")
+    s = {"block_m": 64, "block_n": 64, "num_warps": 8 if d > 128 else 4, "num_stages": 2, "tma": 1}
+    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    sass = summary(opcodes(flashgen.compile(wl, "sm_90", schedule=s).binary))
+    assert sass["tma"] > 0 and sass["wgmma"] > 0, sass

@@ -5,8 +5,9 @@ paged_decode_attention: one new query token per sequence against a paged KV cach
 Cache layout: k_cache and v_cache are [NB, BS, Hkv, D] — NB physical blocks of BS tokens; the tokens
 of sequence b live in blocks block_tables[b, 0], block_tables[b, 1], ..., in order, and the first
 context_lens[b] positions are valid. q is [B, Hq, D]; query head h reads KV head h // (Hq / Hkv) (GQA).
-The query sits at position context_lens[b] - 1. With kv=fp8e4m3 the cache holds e4m3 values with
-per-tensor scales (k_scale, v_scale: the cached value times its scale is the key or value). Logits are q·k / sqrt(D), then the `mod`:
+The query sits at position context_lens[b] - 1. Head dims D are multiples of 8 from 16 to 256 (64,
+80, 96, 112, 128, 192, 256 of the Llama, Qwen, Phi and Gemma families), powers of two or not. With
+kv=fp8e4m3 the cache holds e4m3 values with per-tensor scales (k_scale, v_scale: the cached value times its scale is the key or value). Logits are q·k / sqrt(D), then the `mod`:
 - window: keys more than `window` positions back are masked;
 - softcap: logits become softcap · tanh(logit / softcap);
 - alibi: logits get alibi_slopes[h] · (kpos - qpos).
@@ -43,6 +44,7 @@ def _build(a) -> tuple:
     return (Attend(*_mods(a), kind="decode"),)
 
 
+MAX_HEAD_DIM = 256  # the widest head of the usual families (Gemma); wider tiles leave no registers
 REFERENCE_SCORES = 1 << 27  # float64 scores the reference holds at once
 
 
@@ -112,20 +114,26 @@ def _cache_check(d) -> str | None:
     return None  # NB < MAXB is fine: a runtime pads its tables to one width
 
 
+def _head_dim_check(d) -> str | None:
+    """Head dims the kernels take: multiples of 8 (16-byte rows of 16-bit values, as vector loads and TMA
+    copies want) from 16 to MAX_HEAD_DIM; one that is not a power of two runs in tiles padded to the next."""
+    if d["D"] % 8 or not 16 <= d["D"] <= MAX_HEAD_DIM:
+        return f"head dim D={d['D']} must be a multiple of 8 from 16 to {MAX_HEAD_DIM}"
+    return None
+
+
 def _check(d, a) -> str | None:
     if d["Hq"] % d["Hkv"]:
         return f"Hq={d['Hq']} must be a multiple of Hkv={d['Hkv']}"
     if d["MAXB"] * d["BS"] < d["L"]:
         return f"a block table of MAXB={d['MAXB']} blocks of BS={d['BS']} cannot hold L={d['L']} tokens"
-    if d["D"] & (d["D"] - 1) or d["D"] < 16:
-        return f"head dim D={d['D']} must be a power of two, at least 16"
-    return _cache_check(d)
+    return _head_dim_check(d) or _cache_check(d)
 
 
 PAGED_DECODE = Op(
     name="paged_decode_attention", kclass="attention",
     doc="one query token per sequence against a paged KV cache (bf16/fp16, or fp8 e4m3 with scales); GQA; "
-        "mods window|softcap|alibi",
+        "head dims 16-256 (multiples of 8); mods window|softcap|alibi",
     dims=("B", "Hq", "Hkv", "D", "BS", "NB", "MAXB", "L"), row_dims=("B", "NB", "MAXB", "L"),
     inputs=(TensorSpec("q", (B, Hq, D), DTYPE),
             TensorSpec("k_cache", (NB, BS, Hkv, D), "$kv", touched=B * L * Hkv * D),
@@ -171,8 +179,8 @@ def _prefill_inputs(d, a, g) -> dict:
 def _prefill_check(d, a) -> str | None:
     if d["Hq"] % d["Hkv"]:
         return f"Hq={d['Hq']} must be a multiple of Hkv={d['Hkv']}"
-    if d["D"] & (d["D"] - 1) or d["D"] < 16:
-        return f"head dim D={d['D']} must be a power of two, at least 16"
+    if msg := _head_dim_check(d):
+        return msg
     if d["B"] > d["T"]:
         return f"B={d['B']} sequences cannot share T={d['T']} tokens"
     return None
@@ -183,7 +191,8 @@ PACKED = (TensorSpec("q", (T, Hq, D), DTYPE), TensorSpec("k", (T, Hkv, D), DTYPE
           TensorSpec("v", (T, Hkv, D), DTYPE), TensorSpec("cu_seqlens", (B + 1,), "int32"))
 FLASH_PREFILL = Op(
     name="flash_prefill_attention", kclass="attention",
-    doc="causal attention over packed variable-length sequences (cu_seqlens); GQA; mods window|softcap|alibi",
+    doc="causal attention over packed variable-length sequences (cu_seqlens); GQA; head dims 16-256 "
+        "(multiples of 8); mods window|softcap|alibi",
     dims=("T", "B", "Hq", "Hkv", "D"), row_dims=("T", "B"),
     inputs=(*PACKED, ALIBI),
     outputs=(TensorSpec("out", (T, Hq, D), DTYPE),),
@@ -237,7 +246,7 @@ def _chunked_check(d, a) -> str | None:
 CHUNKED_PREFILL = Op(
     name="chunked_prefill_attention", kclass="attention",
     doc="prefill of packed new tokens after per-sequence prefixes already in a paged KV cache "
-        "(chunked prefill, prompt-cache reuse); GQA; mods",
+        "(chunked prefill, prompt-cache reuse); GQA; head dims 16-256 (multiples of 8); mods",
     dims=("T", "B", "Hq", "Hkv", "D", "BS", "NB", "MAXB"), row_dims=("T", "B", "NB", "MAXB"),
     inputs=(*PACKED, TensorSpec("k_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
             TensorSpec("v_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),

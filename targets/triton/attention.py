@@ -14,6 +14,10 @@ Prefill: one program per (block_m queries of one sequence, query head); the quer
 sequences are numbered one after another (at most T / block_m + B of them, so no host-side lengths are
 needed), and each program finds its sequence from the cumulative lengths (`_sequence_of_tile`). Key
 tiles stop at the diagonal (causal), and the same score and mask expressions apply.
+
+Head dims: tile shapes must be powers of two, so a head dim D that is not one (80, 96, 112, 192) gets
+tiles of D_PAD (the next power of two) columns, the columns past D read as zeros (they add nothing to
+q·k, and the output's are never stored). A power-of-two D generates no D_PAD and no column mask.
 """
 from __future__ import annotations
 
@@ -80,6 +84,35 @@ def _scores(em: Emitter, att: Attend, body: Scope, dt: str, masked: bool = True)
     _online_softmax(body, dt, finite=not masked, factor=factor)
 
 
+def _padding(d: int) -> dict[str, int]:
+    """The D_PAD constexpr of a head dim that is not a power of two; none for one that is."""
+    pad = 1 << (d - 1).bit_length()
+    return {"D_PAD": pad} if pad != d else {}
+
+
+def _head_cols(top: Scope, pad: bool) -> None:
+    """`dd`, the tiles' head-dim columns, and with padding `dmask`, those below D."""
+    top.line(f"dd = tl.arange(0, {'D_PAD' if pad else 'D'})")
+    if pad:
+        top.line("dmask = dd < D")
+
+
+def _cols(mask: str | None, pad: bool, axis: str) -> str | None:
+    """`mask` and, with padding, the head-dim mask along `axis` ("[None, :]" for columns of a row tile,
+    "[:, None]" for rows of a transposed key tile)."""
+    if not pad:
+        return mask
+    if mask is None:
+        return f"dmask{axis}"
+    return f"({mask}) & dmask{axis}" if " " in mask else f"{mask} & dmask{axis}"
+
+
+def _load_mask(mask: str | None, pad: bool, axis: str, other: str = ", other=0") -> str:
+    """The mask arguments of a tile load (none for an unmasked tile of a power-of-two D)."""
+    full = _cols(mask, pad, axis)
+    return "" if full is None else f", mask={full}{other}"
+
+
 def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     [att] = [st for st in wl.op.body(wl.attr) if isinstance(st, Attend)]
     return (_prefill if att.kind == "prefill" else _decode)(wl, s, att)
@@ -90,7 +123,9 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     group = dim["Hq"] // dim["Hkv"]
     em = Emitter(op, attrs, {})
     name = f"{op.name}_kernel"
-    args = kernel_args(wl, {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"]})
+    padding = _padding(dim["D"])
+    pad, cols = bool(padding), "D_PAD" if padding else "D"
+    args = kernel_args(wl, {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], **padding})
     lines = module_header(wl, s, name, args)
     dt = dtypes.TL[attrs["dtype"]]
     top = Scope(lines, "    ", {})
@@ -98,10 +133,10 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     top.line("h = tl.program_id(1)")
     top.line(f"kvh = h // {group}")
     tma = s.get("tma", 0)
-    if tma:  # [T, Hkv, D] key and value tensors, one [block_n, 1, D] box per tile: zero-filled past T
+    if tma:  # [T, Hkv, D] key and value tensors, one [block_n, 1, D_PAD] box per tile: zero-filled past T and D
         for t in ("k", "v"):
             top.line(f"{t}_desc = tl.make_tensor_descriptor({t}_ptr, shape=[T, Hkv, D], strides=[{t}_s0, {t}_s1, 1], "
-                     "block_shape=[BLOCK_N, 1, D])")
+                     f"block_shape=[BLOCK_N, 1, {cols}])")
     _sequence_of_tile(top)
     top.line("pid_m = tl.cdiv(n, BLOCK_M) - 1 - nth  # each sequence's longest (causal) tiles first")
     paged = "prefix_lens" in op.tensors
@@ -111,11 +146,11 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     blk.line("i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
     blk.line("imask = i < n")
     blk.line("qpos = pre + i")
-    blk.line("dd = tl.arange(0, D)")
-    blk.line("q = tl.load(q_ptr + (s0 + i).to(tl.int64) * q_s0 + h * q_s1 + dd[None, :], mask=imask, other=0)")
+    _head_cols(blk, pad)
+    blk.line(f"q = tl.load(q_ptr + (s0 + i).to(tl.int64) * q_s0 + h * q_s1 + dd[None, :]{_load_mask('imask', pad, '[None, :]')})")
     blk.line("m_i = tl.full([BLOCK_M, 1], float(\"-inf\"), tl.float32)")
     blk.line("l_i = tl.zeros([BLOCK_M, 1], tl.float32)")
-    blk.line("acc = tl.zeros([BLOCK_M, D], tl.float32)")
+    blk.line(f"acc = tl.zeros([BLOCK_M, {cols}], tl.float32)")
     blk.line("scale = 1.0 / tl.sqrt(D * 1.0)")
     axes = {"h": ("h", None), "qpos": ("qpos", "imask"), "kpos": ("kpos", "jmask")}
     if paged:  # the cached prefix: every query sees all of it (masks permitting), read through the block table
@@ -127,9 +162,9 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
         body.line("pg_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=jmask, other=0)")
         body.line("pg_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kc // BS, mask=kc < pre, other=0)")
         body.line("kt = tl.load(k_cache_ptr + pg_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
-                  "kvh * k_cache_s2 + dd[:, None], mask=jmask, other=0)")
+                  f"kvh * k_cache_s2 + dd[:, None]{_load_mask('jmask', pad, '[:, None]')})")
         body.line("v = tl.load(v_cache_ptr + pg_c.to(tl.int64) * v_cache_s0 + (kc % BS) * v_cache_s1 + "
-                  "kvh * v_cache_s2 + dd[None, :], mask=kc < pre, other=0)")
+                  f"kvh * v_cache_s2 + dd[None, :]{_load_mask('kc < pre', pad, '[None, :]')})")
         _scores(em, att, body, dt)
     if att.mask == CAUSAL:
         # Key tiles wholly before the query tile's first row need no mask: keys < n, and causal holds.
@@ -139,11 +174,9 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
         body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
         body.line("kpos = pre + j")
         if tma:
-            _tma_tiles(body)
+            _tma_tiles(body, cols)
         else:
-            body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
-            body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None])")
-            body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :])")
+            _packed_tiles(body, pad, None, None)
         _scores(em, att, body, dt, masked=False)
     else:
         blk.line("full = 0")
@@ -153,15 +186,24 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     body.line("jmask = j < n")
     body.line("kpos = pre + j")
     if tma:  # keys past the sequence (the next one's, or TMA's zeros) are masked out of the logits
-        _tma_tiles(body)
+        _tma_tiles(body, cols)
     else:
-        body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
-        body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None], mask=jmask, other=0)")
-        body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :], mask=jc < n, other=0)")
+        _packed_tiles(body, pad, "jmask", "jc < n")
     _scores(em, att, body, dt)
     blk.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
-    blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=imask)")
+    blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), "
+             f"mask={_cols('imask', pad, '[None, :]')})")
     return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True, seq_tiles="B")
+
+
+def _packed_tiles(body: Scope, pad: bool, kmask: str | None, vmask: str | None) -> None:
+    """`kt` [D, block_n] and `v` [block_n, D] of the packed keys and values at n0, loaded under the
+    key and value masks (None: the whole tile is in the sequence)."""
+    body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
+    body.line("kt = tl.load(k_ptr + (s0 + j).to(tl.int64) * k_s0 + kvh * k_s1 + dd[:, None]"
+              f"{_load_mask(kmask, pad, '[:, None]')})")
+    body.line("v = tl.load(v_ptr + (s0 + jc).to(tl.int64) * v_s0 + kvh * v_s1 + dd[None, :]"
+              f"{_load_mask(vmask, pad, '[None, :]')})")
 
 
 def _sequence_of_tile(top: Scope) -> None:
@@ -183,11 +225,12 @@ def _sequence_of_tile(top: Scope) -> None:
     top.line("nth = t - (s0 // BLOCK_M + b)")
 
 
-def _tma_tiles(body: Scope) -> None:
-    """`kt` [D, block_n] and `v` [block_n, D] of the key tile at n0, copied by the TMA descriptors. Value
-    rows past the sequence meet zero probabilities."""
-    body.line("kt = tl.trans(tl.reshape(k_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, D]))")
-    body.line("v = tl.reshape(v_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, D])")
+def _tma_tiles(body: Scope, cols: str) -> None:
+    """`kt` [cols, block_n] and `v` [block_n, cols] of the key tile at n0, copied by the TMA descriptors
+    (`cols`: D or D_PAD, whose columns past D the copy fills with zeros). Value rows past the sequence
+    meet zero probabilities."""
+    body.line(f"kt = tl.trans(tl.reshape(k_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, {cols}]))")
+    body.line(f"v = tl.reshape(v_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, {cols}])")
 
 
 def _split_scratch(g_pad: int, splits: int, d: int) -> tuple[Scratch, ...]:
@@ -199,20 +242,20 @@ def _split_scratch(g_pad: int, splits: int, d: int) -> tuple[Scratch, ...]:
             Scratch("done", "int32", lambda dims: dims["B"] * dims["Hkv"], zeroed=True))
 
 
-def _combine(top: Scope, dt: str, fp8: bool, group: int, splits: int, d: int, num_warps: int) -> None:
+def _combine(top: Scope, dt: str, fp8: bool, group: int, splits: int, d: int, num_warps: int, pad: bool) -> None:
     """Split-KV epilogue: the split that finishes last for its (sequence, KV head) merges every split's
     partial result and resets the counter, so one launch does flash-decoding with no combine kernel.
     Only the group's real rows and the splits that had keys (split * span < ctx) are stored and read:
     a context much shorter than L leaves most splits empty. The merge reads [group, splits, D] tiles
     (as many splits at a time as about 64 registers per thread hold) in one layout, so that all its loads
     are in flight together; a loop over splits with [group, 1] weights would convert layouts through
-    shared memory and wait for each split's loads in turn."""
+    shared memory and wait for each split's loads in turn. `d`: the tiles' (padded) head dim."""
     rows = 1 << (group - 1).bit_length()
     chunk = max(1, min(splits, 64 * 32 * num_warps // (rows * d)))
     chunk = 1 << (chunk.bit_length() - 1)
     top.line("tile = ((b * Hkv + kvh) * SPLITS + split) * G_PAD + g")
     top.line("keep = gmask & (lo < ctx)")
-    top.line("tl.store(part_acc_ptr + tile.to(tl.int64) * D + dd[None, :], acc, mask=keep)")
+    top.line(f"tl.store(part_acc_ptr + tile.to(tl.int64) * D + dd[None, :], acc, mask={_cols('keep', pad, '[None, :]')})")
     top.line("tl.store(part_ml_ptr + tile * 2, m_i, mask=keep)")
     top.line("tl.store(part_ml_ptr + tile * 2 + 1, l_i, mask=keep)")
     top.line("tl.debug_barrier()")
@@ -221,7 +264,7 @@ def _combine(top: Scope, dt: str, fp8: bool, group: int, splits: int, d: int, nu
     last = top.child(top.indent + "    ")
     last.line("tl.debug_barrier()")  # after the acquiring atomic, L2 (.cg) loads see every split's stores
     last.line(f"gi = tl.arange(0, {rows})[:, None, None]")
-    last.line("di = tl.arange(0, D)[None, None, :]")
+    last.line(f"di = tl.arange(0, {'D_PAD' if pad else 'D'})[None, None, :]")
     last.line("first = (b * Hkv + kvh) * SPLITS * G_PAD + gi")
 
     def split_rows(c0: int, n: int) -> None:
@@ -238,46 +281,49 @@ def _combine(top: Scope, dt: str, fp8: bool, group: int, splits: int, d: int, nu
     for c0 in range(0, splits, chunk):
         if chunk < splits:
             split_rows(c0, chunk)
-        part = ("tl.sum(tl.load(part_acc_ptr + rows3.to(tl.int64) * D + di, mask=live3, other=0.0, "
+        live = "live3 & (di < D)" if pad else "live3"
+        part = (f"tl.sum(tl.load(part_acc_ptr + rows3.to(tl.int64) * D + di, mask={live}, other=0.0, "
                 "cache_modifier=\".cg\") * tl.math.exp2(m3 - m_top), axis=1)")
         last.line(f"merged = {part}" if c0 == 0 else f"merged += {part}")
     last.line("out = merged / tl.where(l_sum == 0.0, 1.0, l_sum)" + (" * v_scale" if fp8 else ""))
     last.line(f"go = tl.arange(0, {rows})[:, None]")
     last.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + (kvh * {group} + go) * out_s1 + dd[None, :], out.to({dt}), "
-              f"mask=go < {group})")
+              f"mask={_cols(f'go < {group}', pad, '[None, :]')})")
     last.line("tl.atomic_xchg(done_ptr + b * Hkv + kvh, 0)")
 
 
-def _kv_tiles(body: Scope, fp8: bool, dt: str, end: str) -> None:
+def _kv_tiles(body: Scope, fp8: bool, dt: str, end: str, pad: bool) -> None:
     """The key tile `kt` [D, BS * pages] and value tile `v` at `start`, through the block table: keys
-    at or past `end` are masked out."""
+    at or past `end` (and the padded head-dim columns) are masked out."""
     body.line("kpos = start + tl.arange(0, BS * PAGES)[None, :]")
     body.line(f"kmask = kpos < {end}")
     body.line("kcol = start + tl.arange(0, BS * PAGES)[:, None]")
     body.line("page_r = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kpos // BS, mask=kmask, other=0)")
     body.line(f"page_c = tl.load(block_tables_ptr + b.to(tl.int64) * block_tables_s0 + kcol // BS, mask=kcol < {end}, other=0)")
     other = "" if fp8 else ", other=0"  # Triton has no fp8 literal: fp8 lanes are zeroed after conversion
+    kmask, vmask = _cols("kmask", pad, "[:, None]"), _cols(f"kcol < {end}", pad, "[None, :]")
     body.line("kt = tl.load(k_cache_ptr + page_r.to(tl.int64) * k_cache_s0 + (kpos % BS) * k_cache_s1 + "
-              f"kvh * k_cache_s2 + dd[:, None], mask=kmask{other})")
+              f"kvh * k_cache_s2 + dd[:, None], mask={kmask}{other})")
     body.line("v = tl.load(v_cache_ptr + page_c.to(tl.int64) * v_cache_s0 + (kcol % BS) * v_cache_s1 + "
-              f"kvh * v_cache_s2 + dd[None, :], mask=kcol < {end}{other})")
+              f"kvh * v_cache_s2 + dd[None, :], mask={vmask}{other})")
     if fp8:
-        body.line(f"kt = tl.where(kmask, kt.to({dt}), 0.0).to({dt})")
-        body.line(f"v = tl.where(kcol < {end}, v.to({dt}), 0.0).to({dt})")
+        body.line(f"kt = tl.where({kmask}, kt.to({dt}), 0.0).to({dt})")
+        body.line(f"v = tl.where({vmask}, v.to({dt}), 0.0).to({dt})")
 
 
-def _newest_key(top: Scope, fp8: bool) -> None:
+def _newest_key(top: Scope, fp8: bool, pad: bool) -> None:
     """With `early_kv`: the key and value at the query's own position (which the kernel before this one
     may have just written) read after the wait, and their column added to the online softmax by the
     split whose range holds it. A single column needs no matrix instruction: the score is a sum of
     products over D."""
     top.line("own = (lo <= qpos) & (qpos < hi)")
     other = "" if fp8 else ", other=0"
+    mask = _cols("own", pad, "[None, :]")
     for t in ("k", "v"):
         top.line(f"{t}n = tl.load({t}_cache_ptr + page_n.to(tl.int64) * {t}_cache_s0 + (qpos % BS) * {t}_cache_s1 + "
-                 f"kvh * {t}_cache_s2 + dd[None, :], mask=own{other}).to(tl.float32)")
+                 f"kvh * {t}_cache_s2 + dd[None, :], mask={mask}{other}).to(tl.float32)")
         if fp8:
-            top.line(f"{t}n = tl.where(own, {t}n, 0.0)")
+            top.line(f"{t}n = tl.where({mask}, {t}n, 0.0)")
 
 
 def _newest_column(em: Emitter, att: Attend, top: Scope, fp8: bool) -> None:
@@ -304,29 +350,31 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     splits = s["splits"]
     early = s.get("early_kv", 0)
     scratch = _split_scratch(g_pad, splits, dim["D"]) if splits > 1 else ()
+    padding = _padding(dim["D"])
+    pad, cols = bool(padding), "D_PAD" if padding else "D"
     em = Emitter(op, attrs, {})
     name = f"{op.name}_kernel"
-    args = kernel_args(wl, {"G_PAD": g_pad, "PAGES": s["pages"], "SPLITS": splits}, scratch)
+    args = kernel_args(wl, {"G_PAD": g_pad, "PAGES": s["pages"], "SPLITS": splits, **padding}, scratch)
     lines = module_header(wl, s, name, args)
     top = Scope(lines, "    ", {"h": ("h", "gmask"), "qpos": ("qpos", None)})
     if not early:
         grid_dependency(top)
     dt = dtypes.TL[attrs["dtype"]]
     fp8 = op.dtype_of("k_cache", attrs) in dtypes.FP8
-    q_load = "q = tl.load(q_ptr + b.to(tl.int64) * q_s0 + h * q_s1 + dd[None, :], mask=gmask, other=0)"
+    q_load = f"q = tl.load(q_ptr + b.to(tl.int64) * q_s0 + h * q_s1 + dd[None, :]{_load_mask('gmask', pad, '[None, :]')})"
     top.line("b = tl.program_id(0)")
     top.line("kvh = tl.program_id(1)")
     top.line("g = tl.arange(0, G_PAD)[:, None]")
     top.line(f"gmask = g < {group}")
     top.line(f"h = kvh * {group} + g")
-    top.line("dd = tl.arange(0, D)")
+    _head_cols(top, pad)
     if not early:
         top.line(q_load)
     top.line("ctx = tl.load(context_lens_ptr + b)")
     top.line("qpos = ctx - 1")
     top.line("m_i = tl.full([G_PAD, 1], float(\"-inf\"), tl.float32)")
     top.line("l_i = tl.zeros([G_PAD, 1], tl.float32)")
-    top.line("acc = tl.zeros([G_PAD, D], tl.float32)")
+    top.line(f"acc = tl.zeros([G_PAD, {cols}], tl.float32)")
     top.line("scale = 1.0 / tl.sqrt(D * 1.0)")
     if splits > 1:  # this program's share of the context: whole loop steps, the last share shorter
         top.line("split = tl.program_id(2)")
@@ -344,23 +392,24 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
         end, first = "last", "lo + BS * PAGES"
         step = top.child(top.indent, axes, fresh=True)
         step.line("start = lo")
-        _kv_tiles(step, fp8, dt, end)
+        _kv_tiles(step, fp8, dt, end, pad)
         grid_dependency(top)
         top.line(q_load)
-        _newest_key(top, fp8)
+        _newest_key(top, fp8, pad)
         factor = _logit(em, att, step, "tl.dot(q, kt)" + (" * k_scale" if fp8 else ""), "kmask & gmask")
         _online_softmax(step, dt, factor=factor)
     top.line(f"for start in range({first}, {end}, BS * PAGES):")
     body = top.child(top.indent + "    ", axes, fresh=True)
-    _kv_tiles(body, fp8, dt, end)
+    _kv_tiles(body, fp8, dt, end, pad)
     factor = _logit(em, att, body, "tl.dot(q, kt)" + (" * k_scale" if fp8 else ""), "kmask & gmask")
     _online_softmax(body, dt, factor=factor)
     if early:
         _newest_column(em, att, top, fp8)
     if splits > 1:
-        _combine(top, dt, fp8, group, splits, dim["D"], s["num_warps"])
+        _combine(top, dt, fp8, group, splits, padding.get("D_PAD", dim["D"]), s["num_warps"], pad)
     else:
         top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)" + (" * v_scale" if fp8 else ""))
-        top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), mask=gmask)")
+        top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), "
+                 f"mask={_cols('gmask', pad, '[None, :]')})")
     return KernelSource(name, "\n".join(lines) + "\n", args, (1, 1), tile_cols=True, grid_z=splits,
                         scratch=scratch)
