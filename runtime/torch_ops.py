@@ -10,10 +10,11 @@ running GPU's; the dispatcher picks the schedule.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
+from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir.op import Op, eval_int
 from flashgen.oplib import OPS
@@ -71,6 +72,25 @@ def _splitter(op: Op) -> Callable[[tuple], tuple[dict, dict, dict, dict]]:
     return split
 
 
+def check_tables(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mapping[str, int]) -> None:
+    """A paged cache's lengths and the block-table entries they use must lie inside the cache: a kernel
+    reads whatever they point at. Checked on CPU tensors only, where it costs no wait for a device."""
+    lens_name = next((n for n in ("context_lens", "prefix_lens") if n in tensors), None)
+    if lens_name is None or "block_tables" not in tensors or tensors["block_tables"].device.type != "cpu":
+        return
+    dims = bind_shapes(op_name, tensors, given)
+    lens, tables, cap = tensors[lens_name].long(), tensors["block_tables"].long(), dims["MAXB"] * dims["BS"]
+    low = 1 if lens_name == "context_lens" else 0
+    if lens.numel() and not (low <= int(lens.min()) and int(lens.max()) <= cap):
+        raise FlashgenError(f"{op_name}: {lens_name} must lie in [{low}, MAXB*BS={cap}], got {lens.tolist()}")
+    used = torch.arange(tables.shape[1])[None, :] < (lens[:, None] + dims["BS"] - 1) // dims["BS"]
+    bad = used & ((tables < 0) | (tables >= dims["NB"]))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise FlashgenError(f"{op_name}: block_tables[{b}, {j}] = {int(tables[b, j])} is outside the cache's "
+                            f"NB={dims['NB']} blocks")
+
+
 def register(op: Op) -> None:
     """Define flashgen::<op> with its real and fake implementations (idempotent)."""
     if op.name in _REGISTERED:
@@ -81,6 +101,7 @@ def register(op: Op) -> None:
 
     def real(*args: Any):
         tensors, params, attrs, dims = split(args)
+        check_tables(op.name, tensors, dims)
         kernel = _DISPATCHER.kernel(op.name, tensors, attrs, dims)
         vals = tuple(kernel.run(tensors, params=params).values())  # in the op's output order
         return vals[0] if len(vals) == 1 else vals

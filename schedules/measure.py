@@ -165,6 +165,17 @@ def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs
             conn.send({"status": "crash", "error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
 
 
+def _result(schedule: Schedule, reply: dict[str, Any]) -> MeasureResult:
+    """A worker's answer. A latency of 0 us or less measured nothing (a difference of medians under the
+    noise): it is a failure, which can never be a best, whatever path timed it."""
+    lat = reply.get("latency_us")
+    if reply["status"] == "ok" and not (lat is not None and lat > 0):
+        return MeasureResult(schedule, "crash", error=f"timed at {lat} us, under the noise: no measurement",
+                             runs=reply.get("runs", 0))
+    return MeasureResult(schedule, reply["status"], lat, reply.get("spread_us"), reply.get("error", ""),
+                         reply.get("runs", 0))
+
+
 class _Worker:
     def __init__(self, device: str, target: Target, factory: str, runs: int, behind: tuple[dict, Schedule] | None):
         self.args = (device, target.id, factory, runs, behind)
@@ -202,8 +213,7 @@ class _Worker:
             code = self.proc.exitcode
             self.stop()
             return MeasureResult(schedule, "crash", error=f"worker died (exit code {code})")
-        return MeasureResult(schedule, reply["status"], reply.get("latency_us"), reply.get("spread_us"),
-                             reply.get("error", ""), reply.get("runs", 0))
+        return _result(schedule, reply)
 
 
 class Runner:

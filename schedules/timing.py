@@ -121,14 +121,18 @@ def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_byt
         return _summary([s.elapsed_time(e) * 1e3 / calls for s, e in events])
 
 
+BEHIND_ATTEMPTS = 3  # timings behind a producer before a difference of 0 us or less stands
+
+
 def behind_cost(call: Callable[[], Any], produce: Callable[[], Any], device: torch.device, l2_bytes: int,
                 rounds: int = 5, runs: int = 30) -> Timing:
     """A call's cost right behind `produce`, the kernel that writes its input. On a GPU: each (L2 flush,
     produce, call) against (L2 flush, produce), both replayed from CUDA graphs, where the call's programs
     start while the producer still runs (programmatic dependent launch) and its first weight loads can
     overlap it, which timing the call alone cannot see. On the CPU: the two in sequence against `produce`.
-    The result is the median of `rounds` interleaved differences of medians, the spread their range; a
-    difference under the noise reads as 0. On a GPU the pair first runs back to back for
+    The result is the median of `rounds` interleaved differences of medians, the spread their range. A
+    median of 0 us or less (the call hidden in the noise, as on a loaded CPU) is timed again, up to
+    `BEHIND_ATTEMPTS` times in all, and then returned as it is: the runner records it as no timing. On a GPU the pair first runs back to back for
     `POWER_WARMUP_MS`: the tuner builds a batch before it measures one, and an idle H200 clocks down.
     (The first candidate of a tune still read 1.1-1.4 us apart across rounds on the H200, most others
     0.1-0.4: why is not established, and the median does not follow one such round.)"""
@@ -157,8 +161,11 @@ def behind_cost(call: Callable[[], Any], produce: Callable[[], Any], device: tor
         while time.perf_counter() < deadline:
             both()
         torch.cuda.synchronize(device)
-    diffs = [timed(both) - timed(base) for _ in range(rounds)]
-    return Timing(max(statistics.median(diffs), 0.0), max(diffs) - min(diffs), rounds * runs)
+    for _ in range(BEHIND_ATTEMPTS):
+        diffs = [timed(both) - timed(base) for _ in range(rounds)]
+        if statistics.median(diffs) > 0:
+            break
+    return Timing(statistics.median(diffs), max(diffs) - min(diffs), rounds * runs)
 
 
 def cpu_time(fn: Callable[[], Any], runs: int = 20, min_run_s: float = 0.002) -> Timing:

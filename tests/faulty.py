@@ -1,6 +1,7 @@
 """Kernel factories for runner tests: each schedule's block_c picks a behaviour."""
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -14,7 +15,10 @@ class FakeKernel:
     def __init__(self, wl, behaviour: str):
         self.wl, self.behaviour = wl, behaviour
 
-    def run(self, inputs, outputs):
+    def run(self, inputs, outputs=None):
+        if outputs is None:  # a producer's first call: it allocates its outputs
+            from flashgen.check import poisoned
+            outputs = poisoned(self.wl, self.wl.dim, "cpu")
         if self.behaviour == "raise":
             raise RuntimeError("candidate kernel failed at launch")
         if self.behaviour == "hang":
@@ -38,3 +42,22 @@ def factory(wl, schedule, target):
     if behaviour == "no_build":
         raise ValueError("unsupported tile")
     return FakeKernel(wl, behaviour)
+
+
+def _timed_as(medians_us):
+    """Make every CPU timing in this worker read the next of `medians_us`: a machine under load."""
+    from flashgen.schedules import timing
+    values = iter(medians_us)
+    timing.cpu_time = lambda fn, runs=20, min_run_s=0.0: timing.Timing(next(values), 0.0, runs)
+
+
+def zero_timing_factory(wl, schedule, target):
+    """Every call and its producer time alike: each difference behind the producer is 0 us."""
+    _timed_as(itertools.repeat(5.0))
+    return FakeKernel(wl, "ok")
+
+
+def negative_timing_factory(wl, schedule, target):
+    """Each timing longer than the one before: the call behind its producer reads faster than the producer."""
+    _timed_as(itertools.count(5.0))
+    return FakeKernel(wl, "ok")

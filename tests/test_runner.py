@@ -1,6 +1,10 @@
 """Runner isolation: every way a candidate can fail is recorded with its status, and measuring goes on."""
 from __future__ import annotations
 
+import io
+
+import torch
+
 import flashgen
 from flashgen.schedules.measure import Runner
 from flashgen.targets import get_target
@@ -44,3 +48,38 @@ def test_one_worker_per_device_in_parallel():
     assert [r.schedule["block_c"] for r in results] == blocks
     assert [r.status for r in results] == ["ok", "wrong_result", "ok", "crash", "ok", "compile_error"]
     assert started == [True, True] and elapsed < 60  # both devices' workers took candidates
+
+
+def _behind_results(factory: str) -> list:
+    wl = flashgen.workload("rmsnorm", M=4, N=256, dtype="fp32")
+    schedule = {"block_r": 1, "block_c": 16, "num_warps": 1}
+    runner = Runner(get_target("cpu"), devices=["cpu"], timeout_s=30.0, runs=3, factory=factory,
+                    start_timeout_s=60, behind=(wl, schedule))
+    try:
+        return runner.measure(wl, [schedule, schedule])
+    finally:
+        runner.close()
+
+
+def test_timing_behind_a_producer_of_zero_or_less_is_never_ok():
+    """A difference of medians at or under 0 us is re-timed, then recorded as a failure, never as a best."""
+    from flashgen.schedules.tuner import Progress, _record
+    for factory in ("tests.faulty:zero_timing_factory", "tests.faulty:negative_timing_factory"):
+        results = _behind_results(factory)
+        for r in results:
+            assert r.status != "ok" and r.latency_us is None and "us" in r.error, (factory, r)
+        wl = flashgen.workload("rmsnorm", M=4, N=256, dtype="fp32")
+        rec = _record(wl, get_target("cpu"), "cpu", results[0], (wl, results[0].schedule))
+        assert rec.status != "ok" and rec.latency_us is None
+        Progress(wl, 2, 1.0, io.StringIO()).update(results)
+
+
+def test_behind_cost_retimes_a_difference_of_zero_or_less(monkeypatch):
+    from flashgen.schedules import timing
+    # (call + producer, producer) medians per round: 0 us, then -1 us, then 2 us apart
+    medians = iter([5.0, 5.0, 4.0, 5.0, 7.0, 5.0])
+    monkeypatch.setattr(timing, "cpu_time", lambda fn, runs=20: timing.Timing(next(medians), 0.0, runs))
+    t = timing.behind_cost(lambda: None, lambda: None, torch.device("cpu"), 0, rounds=1, runs=3)
+    assert t.median_us == 2.0 and next(medians, None) is None
+    monkeypatch.setattr(timing, "cpu_time", lambda fn, runs=20: timing.Timing(5.0, 0.0, runs))
+    assert timing.behind_cost(lambda: None, lambda: None, torch.device("cpu"), 0, rounds=1, runs=3).median_us <= 0

@@ -201,21 +201,29 @@ def _scaled_reference(t, p, d, a) -> torch.Tensor:
     return (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ (f64(t["w"]) * f64(t["w_scale"])[:, None]).T
 
 
-def _scaled(name: str, qdtype: str, acc: str, doc: str) -> Op:
+def _fp8_check(d, a) -> str | None:
+    """Triton cannot zero-fill an fp8 load, so k steps (32 deep at the least) must divide K."""
+    if d["K"] % 32:
+        return f"fp8 loads cannot be zero-filled past K: K must be a multiple of 32 (the shallowest k step), got K={d['K']}"
+    return None
+
+
+def _scaled(name: str, qdtype: str, acc: str, doc: str, check=lambda d, a: None) -> Op:
     return _contraction_op(
         name, doc, ("M", "N", "K"),
         (TensorSpec("x", (M, K), qdtype), TensorSpec("x_scale", (M,), "fp32"),
          TensorSpec("w", (N, K), qdtype), TensorSpec("w_scale", (N,), "fp32")), {"dtype": HALF},
         lambda a: (Contract("acc", Load("x", (r, k)), Load("w", (c, k)), K, qdtype, acc),
                    Ref("acc") * Load("x_scale", (r,)) * Load("w_scale", (c,))),
-        _scaled_reference, lambda d, a, g: _scaled_inputs(d, a, g, qdtype))
+        _scaled_reference, lambda d, a, g: _scaled_inputs(d, a, g, qdtype), check)
 
 
 W8A8 = _scaled("gemm_w8a8", "int8", "int32",
                "y = (x_int8 @ w_int8.T) * x_scale[m] * w_scale[n]: int8 tensor cores, int32 accumulation, "
                "per-token and per-channel scales fused")
 FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
-              "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90)")
+              "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90); "
+              "K a multiple of 32", _fp8_check)
 
 
 def dequant_form(base: Op, weight, weight_ref) -> Op:

@@ -7,6 +7,9 @@ per token and one column per rotated pair of every head, q heads first.
 
 `rope_cache` is the decoder's form: it also stores each token's rotated k and its v at its slot
 (block * block_size + offset) of a KV cache viewed as [NS, Hkv, D], updating the cache in place.
+
+Indices outside their tables are never followed: a slot outside [0, NS) (vLLM pads a batch with
+slot -1) writes nothing, and a position outside [0, L) reads no cos/sin row, so its token rotates to 0.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from flashgen.ir.expr import Dim, Load, Ref
 from flashgen.ir.op import DTYPE, Let, Op, Store, TensorSpec
 from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, r, randn
 
-Hq, Hkv, D, L = Dim("Hq"), Dim("Hkv"), Dim("D"), Dim("L")
+Hq, Hkv, D, L, NS = Dim("Hq"), Dim("Hkv"), Dim("D"), Dim("L"), Dim("NS")
 HALF = D // 2
 
 
@@ -34,9 +37,10 @@ def _build(a) -> tuple:
     def both(idx):  # the element of q or of k that this column rotates
         return Load("q", (r, h, idx), is_q) + Load("k", (r, h - Hq, idx), is_k)
 
+    in_table = (pos >= 0) & (pos < L)  # a position past the table reads nothing: cos = sin = 0
     out = (("x1", i1, Ref("x1") * Ref("cos") - Ref("x2") * Ref("sin")),
            ("x2", i2, Ref("x2") * Ref("cos") + Ref("x1") * Ref("sin")))
-    return (Let("cos", Load("cos_sin", (pos, i))), Let("sin", Load("cos_sin", (pos, i + HALF))),
+    return (Let("cos", Load("cos_sin", (pos, i), in_table)), Let("sin", Load("cos_sin", (pos, i + HALF), in_table)),
             Let("x1", both(i1)), Let("x2", both(i2)),
             *(Store("q_out", (r, h, idx), v, is_q) for _, idx, v in out),
             *(Store("k_out", (r, h - Hq, idx), v, is_k) for _, idx, v in out))
@@ -47,10 +51,11 @@ def _build_cache(a) -> tuple:
     columns' programs do: the decode step's cache write needs no launch of its own."""
     h, _, is_k, _, i1, i2 = _pairs(a)
     slot, kvh = Load("slots", (r,)), h - Hq
+    kept = is_k & (slot >= 0) & (slot < NS)  # a slot outside the cache (-1: padding) is not written
     rope = _build(a)
     rotated = [st for st in rope if isinstance(st, Store) and st.tensor == "k_out"]
-    return (*rope, *(Store("k_cache", (slot, kvh, st.indices[2]), st.value, is_k) for st in rotated),
-            *(Store("v_cache", (slot, kvh, idx), Load("v", (r, kvh, idx), is_k), is_k) for idx in (i1, i2)))
+    return (*rope, *(Store("k_cache", (slot, kvh, st.indices[2]), st.value, kept) for st in rotated),
+            *(Store("v_cache", (slot, kvh, idx), Load("v", (r, kvh, idx), is_k), kept) for idx in (i1, i2)))
 
 
 def cos_sin_cache(max_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -71,7 +76,8 @@ def _rotate(x: torch.Tensor, cs: torch.Tensor, style: str) -> torch.Tensor:
 
 
 def _reference(t, p, d, a) -> dict:
-    cs = f64(t["cos_sin"])[t["positions"]]
+    pos = t["positions"]
+    cs = f64(t["cos_sin"])[pos.clamp(0, d["L"] - 1)] * ((pos >= 0) & (pos < d["L"]))[:, None]
     return {"q_out": _rotate(f64(t["q"]), cs, a["style"]), "k_out": _rotate(f64(t["k"]), cs, a["style"])}
 
 
@@ -85,7 +91,8 @@ def _inputs(d, a, g) -> dict:
 def _reference_cache(t, p, d, a) -> dict:
     out = _reference(t, p, d, a)
     k_cache, v_cache = f64(t["k_cache"]).clone(), f64(t["v_cache"]).clone()
-    k_cache[t["slots"]], v_cache[t["slots"]] = out["k_out"], f64(t["v"])
+    kept = (t["slots"] >= 0) & (t["slots"] < d["NS"])
+    k_cache[t["slots"][kept]], v_cache[t["slots"][kept]] = out["k_out"][kept], f64(t["v"])[kept]
     return {**out, "k_cache": k_cache, "v_cache": v_cache}
 
 
@@ -118,10 +125,10 @@ ROPE = Op(
     build=_build, reference=_reference, make_inputs=_inputs, check_dims=_check,
 )
 
-NS = Dim("NS")
 ROPE_CACHE = Op(
     name="rope_cache", kclass="pointwise",
-    doc="rope, plus each token's rotated k and its v written to its slot of a KV cache (in place)",
+    doc="rope, plus each token's rotated k and its v written to its slot of a KV cache (in place); "
+        "slots outside [0, NS), such as -1 for padding, are skipped",
     dims=("M", "Hq", "Hkv", "D", "L", "NS"), row_dims=("M", "NS"),
     inputs=(*ROPE.inputs, TensorSpec("v", (M, Hkv, D), DTYPE), TensorSpec("slots", (M,), "int64"),
             TensorSpec("k_cache", (NS, Hkv, D), DTYPE, touched=M * Hkv * D, written=True),

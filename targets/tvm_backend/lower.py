@@ -144,9 +144,9 @@ class _Gen:
             k = self.kind(e.x)
             return k if e.fn in ("neg", "abs") and k != "f32" else "f32"
         if isinstance(e, E.Binary):
-            if e.op in COMPARE:
-                return "bool"
             ka, kb = self.kind(e.a), self.kind(e.b)
+            if e.op in COMPARE or (e.op == "and" and ka == kb == "bool"):  # and of two conditions: a condition
+                return "bool"
             if e.op in ("floordiv", "mod") or (e.op != "div" and "f32" not in (ka, kb)):
                 return "i64" if "i64" in (ka, kb) else "i32"
             return "f32"
@@ -288,7 +288,7 @@ class _Gen:
         for ix in indices:
             v = self.emit(ix, scope)
             if mask is not None and not isinstance(ix, (E.Const, E.Index)):
-                v = f"T.Select({mask}, {v}, 0)"
+                v = f"T.Select({mask}, {v}, {'T.int64(0)' if self.kind(ix) == 'i64' else 0})"
             idx.append(v)
         return f"{self.buf[tensor]}[{', '.join(idx)}]"
 
