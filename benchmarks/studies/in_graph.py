@@ -14,7 +14,7 @@ The producer is an RMSNorm whose output's first rows are the candidate's input, 
 SM (as decode attention leaves the SMs idle before the o projection), 8192 rows a bandwidth-bound one
 (as a GEMV before the next layer's).
 
-    python benchmarks/in_graph.py --db DB [--workloads FILE] [--top 6] [--rows 1,8192] [--rounds 5]
+    python benchmarks/studies/in_graph.py --db DB [--workloads FILE] [--top 6] [--rows 1,8192] [--rounds 5]
         [--name in_graph] [--out-dir DIR]
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, write_results  # noqa: E402
 
 import flashgen  # noqa: E402

@@ -2,7 +2,7 @@
 each layer shape measured both ways, the fastest W4A16 and W8A8 kernel at each M, and the mode the
 runtime's per-call choice (runtime/linear.py `choose`) picks from the same records.
 
-    python benchmarks/crossover.py benchmarks/results/h200_gemm_records.jsonl [--target cuda:sm_90/h200]
+    python benchmarks/studies/crossover.py benchmarks/results/h200_gemm_records.jsonl [--target cuda:sm_90/h200]
 
 W8A8 times are the GEMM's alone: a W8A8 linear also quantizes its activations (one rowwise kernel, a few
 microseconds at decode sizes; see rowwise.md), which the choice does not count.
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 
 from flashgen.db import Database  # noqa: E402

@@ -7,7 +7,7 @@ have stood in for it, and whether those seeds hold its winner, is read off the r
 file and workload, the rank correlation of the two timings over the schedules timed both ways, and
 the alone rank of the schedule that was fastest behind the producer.
 
-    python benchmarks/behind_ranks.py RECORDS.jsonl [RECORDS.jsonl ...] [--name behind_ranks] [--out-dir DIR]
+    python benchmarks/studies/behind_ranks.py RECORDS.jsonl [RECORDS.jsonl ...] [--name behind_ranks] [--out-dir DIR]
 
 Records timed alone are pooled from every file given; each file's records timed behind a producer make
 its own rows (one file per tuning protocol or lease).
@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, write_results  # noqa: E402
 from in_graph import ranks, spearman  # noqa: E402
 

@@ -6,7 +6,7 @@ idle, 5 ms of warm-up, no power warm-up: how the tuner timed candidates before) 
 `gpu_time`: first `POWER_WARMUP_MS` of back-to-back calls), with the SM clock, power draw and temperature
 that nvidia-smi reads right after each; then in interleaved rounds, as `gemm.py` times them.
 
-    python benchmarks/power_warmup.py --db DB [--shapes gate_up,down] [--m 4096] [--idle 1.5] [--out-dir DIR]
+    python benchmarks/studies/power_warmup.py --db DB [--shapes gate_up,down] [--m 4096] [--idle 1.5] [--out-dir DIR]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, bench_side_by_side, environment, print_table, write_results  # noqa: E402
 from gemm import SHAPES, make_workload, peer  # noqa: E402
 

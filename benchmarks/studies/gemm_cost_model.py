@@ -2,7 +2,7 @@
 H200 GEMM records: the tuner measures only the model's top few schedules per workload, so this says
 how much a short tune can miss.
 
-    python benchmarks/gemm_cost_model.py benchmarks/results/h200_gemm_records.jsonl
+    python benchmarks/studies/gemm_cost_model.py benchmarks/results/h200_gemm_records.jsonl
 
 Scores are top-k: best recorded latency / best latency among the k schedules the model ranks first
 (1.0: the model's first choices hold the best). Splits: workloads held out at random (4 folds, two
@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 from search_quality import topk  # noqa: E402
 

@@ -8,8 +8,8 @@ The table gives the first window's time per call, the plateau's (the median wind
 `--settle-ms`), the plateau side by side with cuBLAS's, and the clocks, power and reasons seen over each
 half of the run. `--render` recomputes the table of a saved run (its JSON keeps every window).
 
-    python benchmarks/sustained_load.py --db DB [--shapes gate_up] [--m 4096] [--seconds 3] [--out-dir DIR]
-    python benchmarks/sustained_load.py --render benchmarks/results/sustained_load.json --name sustained_load
+    python benchmarks/studies/sustained_load.py --db DB [--shapes gate_up] [--m 4096] [--seconds 3] [--out-dir DIR]
+    python benchmarks/studies/sustained_load.py --render benchmarks/results/sustained_load.json --name sustained_load
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, write_results  # noqa: E402
 from power_warmup import shape_calls  # noqa: E402
 

@@ -2,7 +2,7 @@
 workload's best record) runs a chosen schedule: how to time a schedule inside the decoder's CUDA graph,
 where its cost can differ from the tuner's measurement of it alone.
 
-    python benchmarks/pin_records.py OUT.jsonl RECORDS.jsonl [RECORDS.jsonl ...] --op paged_decode_attention
+    python benchmarks/studies/pin_records.py OUT.jsonl RECORDS.jsonl [RECORDS.jsonl ...] --op paged_decode_attention
         --dim B=1 --dim L=2560 (--schedule JSON | --knob early_kv=1)
 
 Every record of other workloads is kept. Of the matching workload's records, --schedule keeps those of

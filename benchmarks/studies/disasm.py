@@ -4,7 +4,7 @@ warpgroup MMA (HGMMA/IGMMA/QGMMA) against the older warp MMA (HMMA/IMMA), 16-byt
 and LDGSTS.128 asynchronous copies to shared memory) against narrower ones, TMA copies (UTMALDG), and
 shared-memory stores of a dequantized tile (STS), per kernel, whole binary.
 
-    python benchmarks/disasm.py benchmarks/results/h200_gemm_records.jsonl [--ops gemm,gemm_w4a16]
+    python benchmarks/studies/disasm.py benchmarks/results/h200_gemm_records.jsonl [--ops gemm,gemm_w4a16]
 
 Uses the nvdisasm that ships with Triton.
 """
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 
 import flashgen  # noqa: E402

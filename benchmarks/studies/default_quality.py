@@ -2,7 +2,7 @@
 H200 records: the default is what `flashgen compile` and the runtime build when the database has no
 record of a workload, and the first schedule every tune measures.
 
-    python benchmarks/default_quality.py benchmarks/results/h200_gemm_records.jsonl [--m 1] [--name default_quality]
+    python benchmarks/studies/default_quality.py benchmarks/results/h200_gemm_records.jsonl [--m 1] [--name default_quality]
 
 For each workload whose default schedule has a record: its latency, the best recorded latency and
 their ratio (best / default; 1.0: the default is the best recorded). Workloads whose default was never
@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 
 from flashgen.db.record import schedule_key  # noqa: E402

@@ -2,7 +2,7 @@
 (`attention.py`'s decode cases), with SDPA (cuDNN, flash) in the same rounds: the tuner times
 candidates on ragged contexts, so this says which schedules lead where every sequence is L long.
 
-    python benchmarks/decode_full_contexts.py [--out-dir benchmarks/results]
+    python benchmarks/studies/decode_full_contexts.py [--out-dir benchmarks/results]
 
 Grids: B=32 L=4096, splits 4/8/16 x pages 4/8 x 4/8 warps x 1-3 stages; B=8 L=32768, splits 8/16/32
 x pages 4/8 x 2-3 stages x early_kv 0/1 (4 warps). Prints each case's ten fastest; writes every time
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from attention import decode_case  # noqa: E402
 from common import RESULTS, bench_side_by_side  # noqa: E402
 

@@ -2,7 +2,7 @@
 totals per kernel name, and the step's wall time against the sum of its kernels (the difference is
 idle device time: launch gaps, host work, the token's trip to the host).
 
-    python benchmarks/decode_profile.py [--batch 1] [--quant bf16] [--prompt-len 2000] [--steps 20]
+    python benchmarks/studies/decode_profile.py [--batch 1] [--quant bf16] [--prompt-len 2000] [--steps 20]
                                         [--no-chain] [--name decode_profile_b1_bf16]
 
 FLASHGEN_PDL=0 in the environment builds the kernels without programmatic dependent launch.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, copy_gbs, environment, print_table, write_results  # noqa: E402
 
 from flashgen.runtime import bench  # noqa: E402
