@@ -5,7 +5,7 @@ In a decode step each GEMV is launched right behind the kernel that writes its i
 programmatic dependent launch: its programs start while that kernel still runs, and an early-load
 schedule fetches its first weights before it waits. The tuner times a candidate alone (the L2 flushed,
 CUDA events around one call) and cannot see that overlap, and its ranking has disagreed with the
-decoder's (NOTES.md: fused bf16 GEMVs tuned alone, 231 tokens/s, against 239 with the plain forms'
+decoder's (docs/findings.md: fused bf16 GEMVs tuned alone, 231 tokens/s, against 239 with the plain forms'
 early-load schedules). Here a workload's fastest records timed alone, plus the best one of each `early_load` value,
 are timed both ways. Behind a producer: a CUDA graph of (L2 flush, producer, candidate) triples against
 one of (L2 flush, producer) pairs, the difference per triple being the candidate's cost in the graph.
