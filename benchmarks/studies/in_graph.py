@@ -156,7 +156,7 @@ def main() -> None:
 NOTE = ("alone_us: one call with the L2 flushed before it, CUDA events (the tuner's timing). behind_R_us: the "
         "call's cost in a CUDA graph right after an RMSNorm of R rows that writes its input (programmatic "
         "dependent launch), each triple (L2 flush, RMSNorm, call) against the pair without the call; median "
-        "of the rounds' differences of medians (the best difference before the seventeenth run). Ranks: 1 is fastest. The metadata's spearman lists, per workload, "
+        "of the rounds' differences of medians. Ranks: 1 is fastest. The metadata's spearman lists, per workload, "
         "the rank correlation of alone_us with each behind_R_us.")
 
 
