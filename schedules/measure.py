@@ -9,7 +9,7 @@ per device measures in parallel.
 Given a producer (`behind`: a workload and its schedule), each candidate is timed right behind that
 kernel, its first input being the producer's first output (`schedules.timing.behind_cost`): how a decode
 step runs a GEMV behind the kernel before it, where the tuner's ranking of candidates timed alone has
-disagreed with the decoder's (NOTES.md, sixteenth run).
+disagreed with the decoder's (`benchmarks/results/in_graph_bf16_b1.md`).
 """
 from __future__ import annotations
 

@@ -242,7 +242,7 @@ def test_prefill_tma_rules_and_build():
     the sm_90 binary copies its key and value tiles with UTMALDG."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import opcodes, summary
     wl = prefill(T=65536, B=8, Hq=32, Hkv=8, D=128, dtype="bf16")
     assert ScheduleSpace(wl, get_target("h200")).knobs()["tma"] == (0, 1)
@@ -304,7 +304,7 @@ def test_early_kv_rules_and_order():
 
 
 def test_pin_records_makes_dispatch_take_a_chosen_schedule(tmp_path, monkeypatch):
-    """benchmarks/pin_records.py: of one workload's records only the chosen schedule's (or knob value's)
+    """benchmarks/studies/pin_records.py: of one workload's records only the chosen schedule's (or knob value's)
     stay, so dispatch, which takes the workload's best, runs it (a schedule given without the knobs that
     records may predate matches as their neutral value); other workloads keep every record, and
     a pin that leaves the workload no record is refused (dispatch would fall back to another one)."""
@@ -314,7 +314,7 @@ def test_pin_records_makes_dispatch_take_a_chosen_schedule(tmp_path, monkeypatch
 
     from flashgen.compiler import choose_schedule
     from flashgen.db import Database, Record
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     import pin_records
 
     wl = decode(dtype="bf16", D=128, Hq=32, Hkv=8, BS=16, NB=160, MAXB=512, L=2560, B=1)
@@ -458,7 +458,7 @@ def test_padded_head_tma_build(d):
     on sm_90 and copy with UTMALDG; the copy fills the columns past D with zeros."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import opcodes, summary
     wl = prefill(T=65536, B=8, Hq=32, Hkv=8, D=d, dtype="bf16")
     s = {"block_m": 64, "block_n": 64, "num_warps": 8 if d > 128 else 4, "num_stages": 2, "tma": 1}

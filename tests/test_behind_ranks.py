@@ -1,4 +1,4 @@
-"""benchmarks/behind_ranks.py: the replay of records timed alone against records timed behind a producer."""
+"""benchmarks/studies/behind_ranks.py: the replay of records timed alone against records timed behind a producer."""
 import json
 import sys
 from pathlib import Path
@@ -10,7 +10,7 @@ from flashgen.db import Record
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
 import behind_ranks  # noqa: E402
 
 H200 = get_target("h200")

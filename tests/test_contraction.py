@@ -27,7 +27,7 @@ BUDGETS = {"int4_mma": (580, ("HGMMA",)), "int4_mma_operand_scale": (260, ("HGMM
 
 def assert_budget(kind: str, binary: bytes) -> None:
     """The k loop of `binary` (an sm_90 cubin) within kind's budget."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes
     most, needed = BUDGETS[kind]
     loop = loop_opcodes(binary)
@@ -108,7 +108,7 @@ def test_gemv_tiles_without_copy_pipeline(interpreter):
     """One stage: NVIDIA GEMV tiles load weights straight into registers (16-byte LDG, no cp.async
     and no barrier in a 1024-deep k loop); matrix tiles keep their copy pipeline of 2 or more stages.
     Numerics: M=3, N=40 and K=1000 leave partial row, column and k tiles."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes
     h200 = get_target("h200")
     s = {"block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 1, "group_m": 1}
@@ -226,7 +226,7 @@ def test_tma_tiles_numerics(interpreter, op, kw, split_k, persistent):
 def test_tma_rules_and_build():
     """TMA tiles are offered on sm_90 for operands without a prologue, copied by UTMALDG; never on
     sm_80 or AMD, nor for int4 weights or ALU tiles."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import opcodes, summary
     wl = flashgen.workload("gemm", M=256, N=512, K=512, dtype="bf16")
     assert ScheduleSpace(wl, get_target("h200")).knobs()["tma"] == (0, 1)
@@ -358,7 +358,7 @@ def test_int4_matrix_tiles_unpack_in_the_operand_layout():
     one dot per group, the scale applied once per group, no reshape of loaded data through shared
     memory. On sm_90 the weight is wgmma's register operand: shared memory holds packed words, and no
     dequantized tile is stored to it 2 bytes at a time."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import opcodes, summary
     wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=512, G=64, dtype="bf16")
     s = {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "group_m": 1}
@@ -372,7 +372,7 @@ def test_int4_ptx_unpack():
     """ptx_unpack: two codes per AND-OR in inline PTX, on NVIDIA int4 matrix tiles only; fewer
     instructions than the Triton expressions, still no 2-byte shared stores. (Triton's interpreter runs
     no PTX: its numerics are checked on the GPU.)"""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes, opcodes, summary
     wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=4096, G=128, dtype="bf16")
     assert ScheduleSpace(wl, get_target("h200")).knobs()["ptx_unpack"] == (0, 1, 2)  # 2: GEMV tiles only
@@ -402,7 +402,7 @@ def test_int4_gemv_pairs(dtype):
     """ptx_unpack in GEMV tiles: one inline-PTX dot per word and row in fp16 pairs (x in fp16, scaled
     by 2^-8 when it is bf16), fewer instructions per k step than the fp32 codes on sm_90 and sm_80.
     (Numerics: on the GPU.)"""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes
     wl = flashgen.workload("gemm_w4a16", M=2, N=512, K=4096, G=128, dtype=dtype, zp="asym")
     s = {"block_m": 2, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 3, "group_m": 1, "ptx_unpack": 1}
@@ -419,7 +419,7 @@ def test_int4_gemv_quads(dtype):
     """ptx_unpack=2 in GEMV tiles: the words and x pairs split into quads of consecutive words, one
     inline-PTX dot per quad and row (one conversion to fp32 and one scale per four words): fewer k-loop
     instructions than one dot per word, on sm_90 and sm_80. (Numerics: on the GPU.)"""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes
     wl = flashgen.workload("gemm_w4a16", M=2, N=512, K=4096, G=128, dtype=dtype, zp="asym")
     s = {"block_m": 2, "block_n": 16, "block_k": 1024, "num_warps": 2, "num_stages": 3, "group_m": 1, "ptx_unpack": 2}
@@ -435,7 +435,7 @@ def test_bf16_x_pairs_packed_by_one_conversion():
     """bf16 x, scaled into fp16 through fp32 anyway, is packed two at a time by one paired conversion
     (F2FP in the SASS); fp16 x keeps its integer pairing. The bf16 one-stage quad tile's k loop gets
     shorter than fp32 halves paired with integer ops would make it (634 against 667 when measured)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes
     from flashgen.targets.triton.codegen import generate
     s = {"block_m": 1, "block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 1, "group_m": 1, "ptx_unpack": 2}
@@ -577,7 +577,7 @@ def test_int4_operand_scale(dtype):
     in the 16-bit float, so every group accumulates into one tile: no FFMA with a scale in the k loop,
     one accumulator (128 x 256 tiles fit), symmetric codes in groups of 128 k or more only, NVIDIA only.
     (Numerics: on the GPU.)"""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes, opcodes, summary
     wl = flashgen.workload("gemm_w4a16", M=256, N=512, K=4096, G=128, dtype=dtype)
     h200 = ScheduleSpace(wl, get_target("h200"))
@@ -598,10 +598,10 @@ def test_int4_operand_scale(dtype):
 
 
 def test_default_quality_replay(tmp_path, monkeypatch):
-    """benchmarks/default_quality.py scores a workload's recorded default against its best record and
+    """benchmarks/studies/default_quality.py scores a workload's recorded default against its best record and
     counts, without scoring, a workload whose default has no record; failed records are ignored."""
     import json
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     import default_quality
     from flashgen.db import Record
     h200 = get_target("h200")
@@ -671,7 +671,7 @@ def test_dequant_first_rules_and_build(tmp_path):
     """The knob is offered to ops with a weight prologue from DEQUANT_FIRST_MIN_M rows, with the dense
     op's knobs (16-bit k steps, TMA) and rules, never with code unpacking; from 2048 rows it is the
     default. The sm_90 binary of the GEMM is warpgroup MMA on TMA copies; the kernel saves both parts."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import opcodes, summary
     from flashgen.schedules.contraction_space import DEQUANT_FIRST_MIN_M
     h200 = get_target("h200")

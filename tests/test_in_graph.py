@@ -1,4 +1,4 @@
-"""benchmarks/in_graph.py's choice of candidates and its rank statistics (the timing itself needs a GPU)."""
+"""benchmarks/studies/in_graph.py's choice of candidates and its rank statistics (the timing itself needs a GPU)."""
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import flashgen
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import get_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
 from in_graph import candidates, ranks, spearman  # noqa: E402
 
 
