@@ -203,7 +203,7 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         products = s["block_m"] * s["block_n"] * s["block_k"]
         if products > threads * MAX_PRODUCTS_PER_THREAD:
             return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile does not fit {threads} threads' registers"
-        whole = s["block_n"] >= _extents(wl)[1] and s["block_k"] >= _extents(wl)[2]  # nothing left to give threads
+        whole = s["block_n"] >= extents(wl)[1] and s["block_k"] >= extents(wl)[2]  # nothing left to give threads
         if products < threads * MIN_PRODUCTS_PER_THREAD and not whole:
             return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile leaves some of {threads} threads idle"
         return None
