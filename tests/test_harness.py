@@ -37,3 +37,12 @@ def test_an_edited_kernel_file_runs_as_edited(tmp_path):
     path.write_text(path.read_text().replace("tl.rsqrt(", "tl.sqrt("))
     done = _run(path, "M=4")
     assert done.returncode == 1 and "WRONG" in done.stdout
+
+
+def test_generated_source_keeps_the_ir_value_names():
+    import flashgen
+    k = flashgen.compile(flashgen.workload("layernorm", M=8, N=300, dtype="fp16"), target="h200")
+    body = k.source.split("def layernorm_kernel", 1)[1]
+    for name in ("x", "xc", "ssd"):  # the op's Lets and reductions (flashgen/oplib/norm.py)
+        assert f"\n    {name} = " in body, name
+    assert "\n    sum = " not in body and "\n    sum_1 = " in body  # a Python builtin's name is not taken

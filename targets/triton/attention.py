@@ -193,7 +193,7 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     blk.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)")
     blk.line(f"tl.store(out_ptr + (s0 + i).to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), "
              f"mask={_cols('imask', pad, '[None, :]')})")
-    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], 1), tile_cols=True, seq_tiles="B")
+    return KernelSource(name, em.finish(lines), args, (s["block_m"], 1), tile_cols=True, seq_tiles="B")
 
 
 def _packed_tiles(body: Scope, pad: bool, kmask: str | None, vmask: str | None) -> None:
@@ -411,5 +411,5 @@ def _decode(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
         top.line("out = acc / tl.where(l_i == 0.0, 1.0, l_i)" + (" * v_scale" if fp8 else ""))
         top.line(f"tl.store(out_ptr + b.to(tl.int64) * out_s0 + h * out_s1 + dd[None, :], out.to({dt}), "
                  f"mask={_cols('gmask', pad, '[None, :]')})")
-    return KernelSource(name, "\n".join(lines) + "\n", args, (1, 1), tile_cols=True, grid_z=splits,
+    return KernelSource(name, em.finish(lines), args, (1, 1), tile_cols=True, grid_z=splits,
                         scratch=scratch)

@@ -59,7 +59,8 @@ class _RowGen:
         for st in self.body:
             if isinstance(st, Reduce):
                 fn = "tl.sum" if st.kind == "sum" else "tl.max"
-                self.em.named[st.name] = self.em.temp(scope, f"{fn}({self.reduce_tile(st, scope)}, axis=1)[:, None]")
+                self.em.named[st.name] = self.em.temp(scope, f"{fn}({self.reduce_tile(st, scope)}, axis=1)[:, None]",
+                                                      st.name)
             elif isinstance(st, Store):
                 self.em.store(st, scope)
 
@@ -96,7 +97,7 @@ class _RowGen:
                 op = f"{acc} + {v}" if red.kind == "sum" else f"tl.maximum({acc}, {v})"
                 inner.line(f"{acc} = {op}")
                 fn = "tl.sum" if red.kind == "sum" else "tl.max"
-                self.em.named[red.name] = self.em.temp(scope, f"{fn}({acc}, axis=1)[:, None]")
+                self.em.named[red.name] = self.em.temp(scope, f"{fn}({acc}, axis=1)[:, None]", red.name)
                 done.add(red.name)
                 row_level_ready()
         assert not pending, f"stores never became ready: {pending}"
@@ -117,7 +118,7 @@ class _RowGen:
             self.multi_tile(scope)
         else:
             self.single_tile(scope)
-        return KernelSource(name, "\n".join(lines) + "\n", args, (self.s["block_r"], self.s["block_c"]),
+        return KernelSource(name, self.em.finish(lines), args, (self.s["block_r"], self.s["block_c"]),
                             tile_cols=self.tiles_cols)
 
 

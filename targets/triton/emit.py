@@ -6,7 +6,10 @@ with its bounds mask when the tile can run past the domain.
 """
 from __future__ import annotations
 
+import builtins
 import json
+import keyword
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -85,7 +88,9 @@ class Scope:
 
 
 class Emitter:
-    """Writes IR expressions as Triton: every non-trivial node becomes a temporary, emitted once."""
+    """Writes IR expressions as Triton: every non-trivial node becomes a temporary, emitted once. A
+    temporary that holds a named IR value (a Let, a reduction) takes that name in the finished source
+    (`finish`), so the generated kernel reads like the op's description."""
 
     def __init__(self, op: Op, attrs: Mapping[str, str], lets: Mapping[str, E.Expr]):
         self.op, self.attrs, self.lets = op, attrs, lets
@@ -93,12 +98,34 @@ class Emitter:
         self.row_pass: tuple = ()  # a contraction's statements before its Contract (evaluated per row)
         self.row_factors: tuple = ()  # row-pass values a GEMV tile took out of the A prologue (see contraction.py)
         self.ntemp = 0
+        self.labels: dict[str, str] = {}  # temporary -> the IR name of the value it holds
 
-    def temp(self, scope: Scope, code: str) -> str:
+    def temp(self, scope: Scope, code: str, label: str | None = None) -> str:
         name = f"t{self.ntemp}"
         self.ntemp += 1
         scope.line(f"{name} = {code}")
+        if label:
+            self.labels[name] = label
         return name
+
+    def finish(self, lines: list[str]) -> str:
+        """The module text with each labelled temporary renamed to its IR name (made unique against every
+        identifier the text already has: a second value of one name becomes name_1, ...)."""
+        text = "\n".join(lines) + "\n"
+        code = "\n".join(line.split("#")[0] for line in lines)  # names in comments and after a dot are free
+        taken = set(re.findall(r"(?<![.\w])[A-Za-z_]\w*", code)) | set(dir(builtins))
+        rename: dict[str, str] = {}
+        for temp in sorted(self.labels, key=lambda t: int(t[1:])):
+            base = self.labels[temp] if self.labels[temp].isidentifier() and not keyword.iskeyword(self.labels[temp]) else "v"
+            name, i = base, 0
+            while name in taken:
+                i += 1
+                name = f"{base}_{i}"
+            taken.add(name)
+            rename[temp] = name
+        if not rename:
+            return text
+        return re.sub(r"\bt\d+\b", lambda m: rename.get(m.group(0), m.group(0)), text)
 
     def emit(self, e: E.Expr, scope: Scope, raw: bool = False) -> str:
         """The variable or literal holding `e`; `raw` loads keep the tensor's dtype (no fp32 upcast)."""
@@ -115,6 +142,8 @@ class Emitter:
             if e.name in self.named:
                 return self.named[e.name]
             v = self.emit(self.lets[e.name], scope, raw)
+            if re.fullmatch(r"t\d+", v) and v not in self.labels:
+                self.labels[v] = e.name
         elif isinstance(e, E.Load):
             v = self.temp(scope, self.load(e, scope, raw))
         elif isinstance(e, E.Unary):

@@ -127,5 +127,5 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
             em.store(st, out)
     head = lines.index("@triton.jit")  # the helpers go before the kernel
     lines[head:head] = [line for src in t.helpers.values() for line in (*src.splitlines(), "", "")]
-    return KernelSource(name, "\n".join(lines) + "\n", args, (s["block_m"], s["block_n"]), tile_cols=True, flat=True,
+    return KernelSource(name, em.finish(lines), args, (s["block_m"], s["block_n"]), tile_cols=True, flat=True,
                         grid_z=split_k, scratch=scratch, persistent=persistent)
