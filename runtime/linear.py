@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashgen.db import Database
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.quant import pack_int4, quantize_rtn
+from flashgen.runtime.buckets import best_records, nearest
 from flashgen.workload import recorded_workload
 
 MODES = ("bf16", "w8a16", "w4a16", "w8a8", "mixed")
@@ -76,20 +76,17 @@ def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
 
 def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
     """w4a16 or w8a8 for an M x N x K call, by the fastest measured workload of each at the nearest
-    measured M at or above m (else the largest below; records of a workload defined otherwise today
-    are not counted); the M=64 crossover where one is unmeasured."""
+    measured M (`buckets.nearest`: at or above m, else the largest below; records of a workload defined
+    otherwise today are not counted); the M=64 crossover where one is unmeasured. The records are read
+    once per database state (`buckets.best_records`)."""
     best: dict[str, float] = {}
-    if db_path is not None:
-        with Database(db_path) as db:
-            for mode, op in (("w4a16", "gemm_w4a16"), ("w8a8", "gemm_w8a8")):
-                recs = [r for r in db.best_all(target_id) if r.workload.get("op") == op
+    records = best_records(db_path, target_id) if db_path is not None else []
+    for mode, op in (("w4a16", "gemm_w4a16"), ("w8a8", "gemm_w8a8")):
+        pick = nearest([(r.workload["dims"]["M"], 0.0, r) for r in records if r.workload.get("op") == op
                         and r.workload["dims"].get("N") == n and r.workload["dims"].get("K") == k
-                        and recorded_workload(r.workload, r.workload_key)]
-                if recs:
-                    above = [r for r in recs if r.workload["dims"]["M"] >= m]
-                    pick = (min(above, key=lambda r: r.workload["dims"]["M"]) if above
-                            else max(recs, key=lambda r: r.workload["dims"]["M"]))
-                    best[mode] = pick.latency_us
+                        and recorded_workload(r.workload, r.workload_key)], m)
+        if pick is not None:
+            best[mode] = pick[1].latency_us
     if len(best) == 2:
         return min(best, key=best.get)
     return "w4a16" if m <= DEFAULT_CROSSOVER_M else "w8a8"
