@@ -80,14 +80,17 @@ class Decoder:
 
     def _choose(self, n: int, k: int, m: int) -> str:
         target = dispatcher().target_for(self.device)
-        return choose(dispatcher().db_path if dispatcher().db_path.exists() else None, n, k, m, target.id)
+        return choose(dispatcher().db_path, n, k, m, target.id)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
-                  batch: Batch) -> torch.Tensor:
+                  batch: Batch, keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Each sequence's new queries against its whole cached context (the new keys already written),
-        causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU."""
+        causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU.
+        `keys` (`decode_keys`, once per step) lets a torch decode step skip rebuilding its cache index."""
         if self.uses_tables:
             return self._generated_attention(q, k, v, cache, layer, batch)
+        if all(n == 1 for n in batch.lens):
+            return self._torch_decode_attention(q, cache, layer, keys or self.decode_keys(batch, cache))
         return self._torch_attention(q, cache, layer, batch)
 
     @property
@@ -123,23 +126,53 @@ class Decoder:
         prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)
         return torch.ops.flashgen.chunked_prefill_attention(q, k, v, cu, kc, vc, table, prefix, None, window, **mod)
 
+    def decode_keys(self, batch: Batch, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a torch decode step: every sequence's cache blocks as rows of one width [B, W] (a layer's
+        keys gathered by it in one index), and which of the W * block_size slots each query sees
+        [B, 1, 1, W * block_size] (its context, within the sliding window if any). The same for every layer."""
+        m, c = cache.manager, self.c
+        width = max(m.blocks_for(n) for n in batch.ctx)
+        rows = [m.tables[s][:width] for s in batch.seqs]  # (a table may hold blocks reserved for later tokens)
+        index = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
+        kpos = torch.arange(width * m.block_size, device=self.device)[None, :]
+        ctx = torch.tensor(batch.ctx, device=self.device)[:, None]
+        seen = kpos < ctx
+        if c.sliding_window:
+            seen &= kpos >= ctx - c.sliding_window
+        return index, seen[:, None, None, :]
+
+    def _torch_decode_attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int,
+                                keys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One query per sequence, all sequences in one call: the query heads sharing a KV head are that
+        head's rows (grouped-query attention without repeating keys)."""
+        self.fallbacks.add("attention (torch over the paged cache)")
+        c = self.c
+        index, seen = keys
+        b, group = q.shape[0], c.num_heads // c.num_kv_heads
+
+        def gather(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, W * block_size, D]
+            return x[index].reshape(b, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(q.reshape(b, c.num_kv_heads, group, c.head_dim), gather(cache.k[layer]),
+                                           gather(cache.v[layer]), attn_mask=seen)
+        return o.reshape(b, c.num_heads, c.head_dim)
+
     def _torch_attention(self, q, cache, layer, batch) -> torch.Tensor:
         c = self.c
         self.fallbacks.add("attention (torch over the paged cache)")
         out = torch.empty_like(q)
-        group = c.num_heads // c.num_kv_heads
         start = 0
         for seq, n, ctx in zip(batch.seqs, batch.lens, batch.ctx):
             blocks = torch.tensor(cache.manager.tables[seq][: cache.manager.blocks_for(ctx)], device=self.device)
-            k = cache.k[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx].repeat_interleave(group, 1)
-            v = cache.v[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx].repeat_interleave(group, 1)
+            k = cache.k[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
+            v = cache.v[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
             qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
             kpos = torch.arange(ctx, device=self.device)[None, :]
             mask = kpos <= qpos
             if c.sliding_window:
                 mask &= kpos > qpos - c.sliding_window
             o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k.transpose(0, 1),
-                                               v.transpose(0, 1), attn_mask=mask)
+                                               v.transpose(0, 1), attn_mask=mask, enable_gqa=True)
             out[start:start + n] = o.transpose(0, 1)
             start += n
         return out
@@ -152,6 +185,8 @@ class Decoder:
         if self.uses_tables and batch.tables is None:
             batch = self.with_tables(batch, cache)
         x = self.embed[batch.tokens]  # the residual stream: each linear into it adds it in its epilogue
+        decode = not self.uses_tables and all(n == 1 for n in batch.lens)
+        keys = self.decode_keys(batch, cache) if decode else None
         for i, L in enumerate(self.layers):
             qkv = self.linear(x, L["qkv"], L.get("qkv_bias"), norm=L["in_norm"])
             nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -161,7 +196,7 @@ class Decoder:
             v = v.contiguous()
             q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin, v,
                                                  batch.slots, *cache.slot_views(i))
-            a = self.attention(q, k, v, cache, i, batch).reshape(-1, nq)
+            a = self.attention(q, k, v, cache, i, batch, keys).reshape(-1, nq)
             x = self.linear(a, L["o"], residual=x)
             x = self.linear(self.linear(x, L["gate_up"], norm=L["post_norm"]), L["down"], gated=True, residual=x)
         h = torch.ops.flashgen.rmsnorm(x, self.final_norm, c.rms_norm_eps)
