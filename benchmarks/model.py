@@ -5,7 +5,7 @@ transformers' eager generate on the same weights, interleaved in rounds (the bes
 
     python benchmarks/model.py [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
                                [--no-cuda-graphs] [--peer-batch 1,64] [--fused-rows 1,0]
-    python benchmarks/model.py --device cpu [--batch 1,8] [--prompt-len 64] [--new-tokens 32] [--rounds 2]
+    python benchmarks/model.py --device cpu [--batch 1,8] [--prompt-len 64] [--new-tokens 32] [--rounds 2] [--threads 0]
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def generate_tps(model, batch: int, prompt_len: int, new_tokens: int, static: bo
     dev = model.device
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=dev)
     kw = {"cache_implementation": "static"} if static else {}
+    kw.update(attention_mask=torch.ones_like(ids), pad_token_id=0)  # no padding: every prompt is as long
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with torch.no_grad():
         # Warm-up (and compilation): with a static cache, at the timed length, or the cache's new size recompiles.
@@ -83,6 +84,8 @@ def cpu_main(args: argparse.Namespace) -> None:
 
     from flashgen.runtime.model import Decoder
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = "smollm2-135m"
     c = replace(bench.CONFIGS[config], max_position_embeddings=max(bench.CONFIGS[config].max_position_embeddings,
                                                                   args.prompt_len + args.new_tokens + 16))
@@ -137,6 +140,7 @@ def main() -> None:
                                                  "(default: model, model_cpu with --device cpu)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of both sides (--device cpu)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of both sides (--device cpu; 0: torch's)")
     args = ap.parse_args()
     cpu = args.device == "cpu"
     for flag, gpu_default, cpu_default in (("batch", "1,16,64", "1,8"), ("prompt_len", 2000, 64),

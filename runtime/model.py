@@ -12,6 +12,7 @@ used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; run
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,8 @@ class Decoder:
         return choose(dispatcher().db_path, n, k, m, target.id)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
-                  batch: Batch, keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  batch: Batch, keys: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+                  ) -> torch.Tensor:
         """Each sequence's new queries against its whole cached context (the new keys already written),
         causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU.
         `keys` (`decode_keys`, once per step) lets a torch decode step skip rebuilding its cache index."""
@@ -126,35 +128,47 @@ class Decoder:
         prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)
         return torch.ops.flashgen.chunked_prefill_attention(q, k, v, cu, kc, vc, table, prefix, None, window, **mod)
 
-    def decode_keys(self, batch: Batch, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a torch decode step: every sequence's cache blocks as rows of one width [B, W] (a layer's
-        keys gathered by it in one index), and which of the W * block_size slots each query sees
-        [B, 1, 1, W * block_size] (its context, within the sliding window if any). The same for every layer."""
+    def decode_keys(self, batch: Batch, cache: PagedKVCache) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+        """For a torch decode step, the same for every layer: how to take every sequence's first W cache
+        blocks out of a layer's [blocks, block_size, Hkv, D] tensor as one [B, W * block_size, Hkv, D]
+        tensor, and which of those slots each query sees, [B, 1, 1, W * block_size] (its context,
+        within the sliding window if any). Blocks reserved together lie in runs evenly spaced (a
+        request reserves its prompt and new tokens at once): those are taken as a view, no copy; other
+        tables are gathered through an index."""
         m, c = cache.manager, self.c
-        width = max(m.blocks_for(n) for n in batch.ctx)
+        width, bs = max(m.blocks_for(n) for n in batch.ctx), m.block_size
         rows = [m.tables[s][:width] for s in batch.seqs]  # (a table may hold blocks reserved for later tokens)
-        index = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
-        kpos = torch.arange(width * m.block_size, device=self.device)[None, :]
+        starts = [r[0] for r in rows]
+        step = starts[1] - starts[0] if len(starts) > 1 else 0
+        if step >= 0 and all(r == list(range(s, s + width)) for r, s in zip(rows, starts)) and \
+                all(b - a == step for a, b in zip(starts, starts[1:])):
+            def select(x: torch.Tensor) -> torch.Tensor:
+                block = x[0].numel()
+                return x.as_strided((len(rows), width * bs, *x.shape[2:]), (step * block, *x.stride()[1:]),
+                                    x.storage_offset() + starts[0] * block)
+        else:
+            index = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
+
+            def select(x: torch.Tensor) -> torch.Tensor:
+                return x[index].reshape(len(rows), width * bs, *x.shape[2:])
+        kpos = torch.arange(width * bs, device=self.device)[None, :]
         ctx = torch.tensor(batch.ctx, device=self.device)[:, None]
         seen = kpos < ctx
         if c.sliding_window:
             seen &= kpos >= ctx - c.sliding_window
-        return index, seen[:, None, None, :]
+        return select, seen[:, None, None, :]
 
     def _torch_decode_attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int,
-                                keys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                                keys: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """One query per sequence, all sequences in one call: the query heads sharing a KV head are that
         head's rows (grouped-query attention without repeating keys)."""
         self.fallbacks.add("attention (torch over the paged cache)")
         c = self.c
-        index, seen = keys
+        select, seen = keys
         b, group = q.shape[0], c.num_heads // c.num_kv_heads
-
-        def gather(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, W * block_size, D]
-            return x[index].reshape(b, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(q.reshape(b, c.num_kv_heads, group, c.head_dim), gather(cache.k[layer]),
-                                           gather(cache.v[layer]), attn_mask=seen)
+        o = F.scaled_dot_product_attention(q.reshape(b, c.num_kv_heads, group, c.head_dim),
+                                           select(cache.k[layer]).transpose(1, 2),
+                                           select(cache.v[layer]).transpose(1, 2), attn_mask=seen)
         return o.reshape(b, c.num_heads, c.head_dim)
 
     def _torch_attention(self, q, cache, layer, batch) -> torch.Tensor:
