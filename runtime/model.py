@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from flashgen.oplib.rope import cos_sin_cache
 from flashgen.runtime.kv_cache import PagedKVCache
-from flashgen.runtime.linear import QuantLinear, apply, choose, prepare
+from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.weights import ModelConfig
 
@@ -51,7 +51,8 @@ class Decoder:
         self.fallbacks: set[str] = set()
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        # (on the CPU a tied head is a second copy of the embedding, in oneDNN's form: runtime/linear.py)
+        self.lm_head = cpu_weight(self.embed if config.tie_word_embeddings else w["lm_head.weight"])
         self.final_norm = w["model.norm.weight"]
         self.layers = []
         for i in range(config.num_layers):
@@ -217,4 +218,4 @@ class Decoder:
         if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
             h = h[ends]
-        return F.linear(h, self.lm_head)
+        return torch_linear(h, self.lm_head)
