@@ -1,12 +1,16 @@
 """Whole-model decode on Llama-3-8B-shaped random weights: flashgen's decoder in each quant mode
 against transformers' generate (eager, and static cache with torch.compile), and the bandwidth limit.
+With --device cpu: SmolLM2-135M-shaped random weights in float32, the decoder and engine against
+transformers' eager generate on the same weights, interleaved in rounds (the best round of each counts).
 
     python benchmarks/model.py [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
                                [--no-cuda-graphs] [--peer-batch 1,64] [--fused-rows 1,0]
+    python benchmarks/model.py --device cpu [--batch 1,8] [--prompt-len 64] [--new-tokens 32] [--rounds 2] [--threads 0]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,39 +24,110 @@ from flashgen.runtime import bench, linear  # noqa: E402
 from flashgen.runtime.dispatch import describe_sources  # noqa: E402
 
 
-def transformers_tps(batch: int, prompt_len: int, new_tokens: int, static: bool) -> float:
+def hf_model(config: str, device: str, dtype: torch.dtype, weights: dict[str, torch.Tensor] | None = None):
+    """transformers' LlamaForCausalLM of a bench config, with `weights` (Hugging Face names) if given."""
     import transformers
 
-    c = bench.CONFIGS["llama3-8b"]
+    c = bench.CONFIGS[config]
     cfg = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                                    intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
                                    num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                                   max_position_embeddings=8192, rope_theta=c.rope_theta)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    ids = torch.randint(0, c.vocab_size, (batch, prompt_len), device="cuda")
+                                   head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+                                   rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+                                   tie_word_embeddings=c.tie_word_embeddings)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
+    return model
+
+
+def generate_tps(model, batch: int, prompt_len: int, new_tokens: int, static: bool = False) -> float:
+    """Decode tokens/s of transformers' greedy generate: the time of a generate call minus that of a
+    one-token call (its prefill)."""
+    dev = model.device
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=dev)
     kw = {"cache_implementation": "static"} if static else {}
+    kw.update(attention_mask=torch.ones_like(ids), pad_token_id=0)  # no padding: every prompt is as long
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with torch.no_grad():
         # Warm-up (and compilation): with a static cache, at the timed length, or the cache's new size recompiles.
         warm = new_tokens if static else 8
         model.generate(ids, max_new_tokens=warm, min_new_tokens=warm, do_sample=False, **kw)
         spent = []
         for n in (1, new_tokens):  # decode time = whole generate - a generate that only prefills
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
-            torch.cuda.synchronize()
+            sync()
             spent.append(time.perf_counter() - t0)
+    return batch * (new_tokens - 1) / (spent[1] - spent[0])
+
+
+def transformers_tps(batch: int, prompt_len: int, new_tokens: int, static: bool) -> float:
+    model = hf_model("llama3-8b", "cuda", torch.bfloat16)
+    tps = generate_tps(model, batch, prompt_len, new_tokens, static)
     del model
     torch.cuda.empty_cache()
-    return batch * (new_tokens - 1) / (spent[1] - spent[0])
+    return tps
+
+
+def load() -> str:
+    """The 1-, 5- and 15-minute load averages, as text (other processes share the CPU cores)."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_main(args: argparse.Namespace) -> None:
+    """The decoder and engine against transformers' eager generate on the CPU, same weights, prompt
+    length and new tokens, greedy, float32; both sides alternate in each round."""
+    from dataclasses import replace
+
+    from flashgen.runtime.model import Decoder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = "smollm2-135m"
+    c = replace(bench.CONFIGS[config], max_position_embeddings=max(bench.CONFIGS[config].max_position_embeddings,
+                                                                  args.prompt_len + args.new_tokens + 16))
+    weights = bench.random_weights(c, torch.float32, torch.device("cpu"))
+    ours = Decoder(c, weights, "cpu", torch.float32)
+    peer = hf_model(config, "cpu", torch.float32, weights)
+    batches = [int(b) for b in args.batch.split(",")]
+    runs: dict[tuple[str, int], list[float]] = {}
+    loads = [load()]
+    for _ in range(args.rounds):
+        for b in batches:
+            runs.setdefault(("flashgen", b), []).append(
+                bench.decode(ours, b, args.prompt_len, args.new_tokens)["decode_tokens_per_s"])
+            runs.setdefault(("transformers eager", b), []).append(
+                generate_tps(peer, b, args.prompt_len, args.new_tokens))
+            print(b, {k: v[-1] for k, v in runs.items() if k[1] == b}, flush=True)
+        loads.append(load())
+    rows = []
+    for b in batches:
+        f, t = max(runs[("flashgen", b)]), max(runs[("transformers eager", b)])
+        rows.append([b, f, t, f / t, ", ".join(f"{x:.2f}" for x in runs[("flashgen", b)]),
+                     ", ".join(f"{x:.2f}" for x in runs[("transformers eager", b)])])
+    meta = {**environment("cpu"), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "load_avg_1_5_15_per_round": loads}
+    write_results(args.name, ("batch", "flashgen_tokens_per_s", "transformers_eager_tokens_per_s", "ratio",
+                              "flashgen_rounds", "transformers_rounds"), rows, meta, args.out_dir,
+                  f"SmolLM2-135M-shaped random weights (hidden {c.hidden_size}, {c.num_layers} layers, "
+                  f"{c.num_heads} heads, {c.num_kv_heads} KV heads, vocab {c.vocab_size}, tied embeddings), float32 "
+                  f"on the CPU, {torch.get_num_threads()} torch threads, prompt {args.prompt_len}, "
+                  f"{args.new_tokens} new tokens, greedy. Decode tokens/s, the best of {args.rounds} interleaved "
+                  "rounds (each round's value in the last columns); transformers: the time of a generate call "
+                  "minus that of a one-token call. Load averages (1/5/15 min) before and after each round: "
+                  + "; ".join(loads) + ".")
+    print_table(("batch", "flashgen tok/s", "transformers tok/s", "ratio"), [r[:4] for r in rows])
+    print("command: " + meta["command"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", default="1,16,64")
-    ap.add_argument("--prompt-len", type=int, default=2000)
-    ap.add_argument("--new-tokens", type=int, default=300)
+    ap.add_argument("--batch", default=None, help="default: 1,16,64 (cpu: 1,8)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default: 2000 (cpu: 64)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default: 300 (cpu: 32)")
     ap.add_argument("--quant", default="bf16,w4a16")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="flashgen decode steps run eagerly")
     ap.add_argument("--peer-batch", default=None,
@@ -61,8 +136,21 @@ def main() -> None:
                     help="comma-separated row limits for norms and SiLU·mul fused into the linears they feed "
                          "(runtime/linear.py), one run of each (0: their own kernels)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
-    ap.add_argument("--name", default="model", help="result files: <out-dir>/<name>.json and .md")
+    ap.add_argument("--name", default=None, help="result files: <out-dir>/<name>.json and .md "
+                                                 "(default: model, model_cpu with --device cpu)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of both sides (--device cpu)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of both sides (--device cpu; 0: torch's)")
     args = ap.parse_args()
+    cpu = args.device == "cpu"
+    for flag, gpu_default, cpu_default in (("batch", "1,16,64", "1,8"), ("prompt_len", 2000, 64),
+                                           ("new_tokens", 300, 32)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, cpu_default if cpu else gpu_default)
+    if cpu:
+        args.name = args.name or "model_cpu"
+        return cpu_main(args)
+    args.name = args.name or "model"
     bw = copy_gbs()
     batches = [int(b) for b in args.batch.split(",")]
     rows: list[list] = []

@@ -18,6 +18,7 @@ from flashgen.runtime.weights import ModelConfig
 
 CONFIGS = {
     "llama3-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, None, False, False),
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, None, False, True),
     "tiny": ModelConfig("llama", 256, 128, 352, 2, 4, 2, 32, 1e-5, 10000.0, 1024, None, False, False),
 }
 
@@ -68,32 +69,39 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
     model = Decoder(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
     rows = []
     for b in batches:
-        per_seq = -(-(prompt_len + new_tokens) // 16)
-        g = torch.Generator().manual_seed(b)
-        prompts = torch.randint(0, c.vocab_size, (b, prompt_len), generator=g).tolist()
-        engine = Engine(model, num_blocks=b * per_seq + 4, cuda_graphs=cuda_graphs)
-        # Untimed: builds (or loads) the kernels of this batch's prefill and decode shapes, and captures
-        # the decode step's CUDA graph.
-        engine.generate(prompts, SamplingParams(max_new_tokens=2))
-        ids = [engine.add(p, SamplingParams(max_new_tokens=new_tokens)) for p in prompts]
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        t0 = time.perf_counter()
-        engine.step()  # every prefill, and the first token of each request
-        sync()
-        ttft = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        while engine.running or engine.pending:
-            engine.step()
-        sync()
-        decode_s = time.perf_counter() - t1
-        steps = sum(len(engine.finished[i].output) for i in ids) // b - 1  # decode steps after the first token
+        r = decode(model, b, prompt_len, new_tokens, cuda_graphs)
         nbytes = step_bytes(c, quant, torch.finfo(dtype).bits // 8, b, prompt_len + new_tokens / 2)
         limit = copy_gbs * 1e9 / nbytes * b  # tokens/s if each step only read its bytes once
-        tps = b * steps / decode_s if steps else 0.0
-        rows.append({"batch": b, "ttft_s": ttft, "decode_tokens_per_s": tps, "bandwidth_limit_tokens_per_s": limit,
-                     "of_limit": tps / limit, "steps": steps, "cuda_graphs": engine.graphs is not None,
+        graphs = r.pop("graphs")
+        rows.append({**r, "bandwidth_limit_tokens_per_s": limit, "of_limit": r["decode_tokens_per_s"] / limit,
                      "fallbacks": sorted(model.fallbacks),
                      # where the decode GEMMs' schedules came from (their M: the batch, or its graph bucket)
                      "decode_gemm_schedules": dispatcher().sources(
-                         "contraction", rows=bucket_for(b, engine.graphs.sizes) if engine.graphs else b)})
+                         "contraction", rows=bucket_for(b, graphs.sizes) if graphs else b)})
     return rows
+
+
+def decode(model: Decoder, batch: int, prompt_len: int, new_tokens: int, cuda_graphs: bool = True,
+           seed: int | None = None) -> dict:
+    """Time to first token and decode tokens/s of `batch` random prompts through a fresh engine; its
+    kernels are built (or loaded) and its CUDA graph captured by an untimed generate first."""
+    c, dev = model.c, model.device
+    per_seq = -(-(prompt_len + new_tokens) // 16)
+    g = torch.Generator().manual_seed(batch if seed is None else seed)
+    prompts = torch.randint(0, c.vocab_size, (batch, prompt_len), generator=g).tolist()
+    engine = Engine(model, num_blocks=batch * per_seq + 4, cuda_graphs=cuda_graphs)
+    engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    ids = [engine.add(p, SamplingParams(max_new_tokens=new_tokens)) for p in prompts]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    engine.step()  # every prefill, and the first token of each request
+    sync()
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    while engine.running or engine.pending:
+        engine.step()
+    sync()
+    decode_s = time.perf_counter() - t1
+    steps = sum(len(engine.finished[i].output) for i in ids) // batch - 1  # decode steps after the first token
+    return {"batch": batch, "ttft_s": ttft, "decode_tokens_per_s": batch * steps / decode_s if steps else 0.0,
+            "steps": steps, "cuda_graphs": engine.graphs is not None, "graphs": engine.graphs}

@@ -30,6 +30,7 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.oplib import get_op
+from flashgen.runtime.buckets import best_records, nearest
 from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
 from flashgen.targets.device import device_target
@@ -118,13 +119,14 @@ class Dispatcher:
                 if best is not None and space.is_valid(best.schedule):
                     timed = f" (timed behind {best.extra['behind']['op']})" if best.timing == BEHIND else ""
                     return Decision(wl, target.id, best.schedule, "exact" + timed)
-                bucket = self._bucket(db, wl, target, space)
-                if bucket is not None:
-                    return bucket
+            bucket = self._bucket(wl, target, space)
+            if bucket is not None:
+                return bucket
         return Decision(wl, target.id, space.default(), "default")
 
-    def _bucket(self, db: Database, wl: Workload, target: Target, space: ScheduleSpace) -> Decision | None:
-        """The nearest tuned workload differing only in row dims: M rounded up, else the largest below.
+    def _bucket(self, wl: Workload, target: Target, space: ScheduleSpace) -> Decision | None:
+        """The nearest tuned workload differing only in row dims (`buckets.nearest`): M rounded up, else
+        the largest below.
         Failing that, the same in the other 16-bit float dtype (fp16 and bf16 kernels of one schedule
         run alike: a schedule tuned in one serves the other), then in the workload's plain form
         (`Op.plain_form`: the same weights streamed, without the fused norm or epilogue)."""
@@ -139,16 +141,13 @@ class Dispatcher:
             changed = " ".join(f"{a}={v}" for a, v in sorted(plain_attrs.items()) if wl.attr.get(a) != v)
             forms.append((plain_op, plain_attrs, f", tuned as {plain_op}" + (f" {changed}" if changed else "")))
         ops = {f[0] for f in forms}
-        best = [rec for rec in db.best_all(target.id) if rec.workload.get("op") in ops and
+        best = [rec for rec in best_records(self.db_path, target.id) if rec.workload.get("op") in ops and
                 all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
         for op_name, attrs, note in forms:
-            tuned = [(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
-                     if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs]
-            if tuned:
-                m = wl.dim[row]
-                above = [t for t in tuned if t[0] >= m]
-                size, _, rec = (min(above, key=lambda t: t[:2]) if above else
-                                max(tuned, key=lambda t: (t[0], -t[1])))
+            pick = nearest([(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
+                            if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs], wl.dim[row])
+            if pick is not None:
+                size, rec = pick
                 return Decision(wl, target.id, rec.schedule, f"bucket {row}={size}{note}")
         return None
 

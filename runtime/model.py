@@ -12,13 +12,14 @@ used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; run
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from flashgen.oplib.rope import cos_sin_cache
 from flashgen.runtime.kv_cache import PagedKVCache
-from flashgen.runtime.linear import QuantLinear, apply, choose, prepare
+from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.weights import ModelConfig
 
@@ -50,7 +51,8 @@ class Decoder:
         self.fallbacks: set[str] = set()
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        # (on the CPU a tied head is a second copy of the embedding, in oneDNN's form: runtime/linear.py)
+        self.lm_head = cpu_weight(self.embed if config.tie_word_embeddings else w["lm_head.weight"])
         self.final_norm = w["model.norm.weight"]
         self.layers = []
         for i in range(config.num_layers):
@@ -80,14 +82,18 @@ class Decoder:
 
     def _choose(self, n: int, k: int, m: int) -> str:
         target = dispatcher().target_for(self.device)
-        return choose(dispatcher().db_path if dispatcher().db_path.exists() else None, n, k, m, target.id)
+        return choose(dispatcher().db_path, n, k, m, target.id)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
-                  batch: Batch) -> torch.Tensor:
+                  batch: Batch, keys: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+                  ) -> torch.Tensor:
         """Each sequence's new queries against its whole cached context (the new keys already written),
-        causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU."""
+        causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU.
+        `keys` (`decode_keys`, once per step) lets a torch decode step skip rebuilding its cache index."""
         if self.uses_tables:
             return self._generated_attention(q, k, v, cache, layer, batch)
+        if all(n == 1 for n in batch.lens):
+            return self._torch_decode_attention(q, cache, layer, keys or self.decode_keys(batch, cache))
         return self._torch_attention(q, cache, layer, batch)
 
     @property
@@ -123,23 +129,65 @@ class Decoder:
         prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)
         return torch.ops.flashgen.chunked_prefill_attention(q, k, v, cu, kc, vc, table, prefix, None, window, **mod)
 
+    def decode_keys(self, batch: Batch, cache: PagedKVCache) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+        """For a torch decode step, the same for every layer: how to take every sequence's first W cache
+        blocks out of a layer's [blocks, block_size, Hkv, D] tensor as one [B, W * block_size, Hkv, D]
+        tensor, and which of those slots each query sees, [B, 1, 1, W * block_size] (its context,
+        within the sliding window if any). Blocks reserved together lie in runs evenly spaced (a
+        request reserves its prompt and new tokens at once): those are taken as a view, no copy; other
+        tables are gathered through an index."""
+        m, c = cache.manager, self.c
+        width, bs = max(m.blocks_for(n) for n in batch.ctx), m.block_size
+        rows = [m.tables[s][:width] for s in batch.seqs]  # (a table may hold blocks reserved for later tokens)
+        starts = [r[0] for r in rows]
+        step = starts[1] - starts[0] if len(starts) > 1 else 0
+        if step >= 0 and all(r == list(range(s, s + width)) for r, s in zip(rows, starts)) and \
+                all(b - a == step for a, b in zip(starts, starts[1:])):
+            def select(x: torch.Tensor) -> torch.Tensor:
+                block = x[0].numel()
+                return x.as_strided((len(rows), width * bs, *x.shape[2:]), (step * block, *x.stride()[1:]),
+                                    x.storage_offset() + starts[0] * block)
+        else:
+            index = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
+
+            def select(x: torch.Tensor) -> torch.Tensor:
+                return x[index].reshape(len(rows), width * bs, *x.shape[2:])
+        kpos = torch.arange(width * bs, device=self.device)[None, :]
+        ctx = torch.tensor(batch.ctx, device=self.device)[:, None]
+        seen = kpos < ctx
+        if c.sliding_window:
+            seen &= kpos >= ctx - c.sliding_window
+        return select, seen[:, None, None, :]
+
+    def _torch_decode_attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int,
+                                keys: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One query per sequence, all sequences in one call: the query heads sharing a KV head are that
+        head's rows (grouped-query attention without repeating keys)."""
+        self.fallbacks.add("attention (torch over the paged cache)")
+        c = self.c
+        select, seen = keys
+        b, group = q.shape[0], c.num_heads // c.num_kv_heads
+        o = F.scaled_dot_product_attention(q.reshape(b, c.num_kv_heads, group, c.head_dim),
+                                           select(cache.k[layer]).transpose(1, 2),
+                                           select(cache.v[layer]).transpose(1, 2), attn_mask=seen)
+        return o.reshape(b, c.num_heads, c.head_dim)
+
     def _torch_attention(self, q, cache, layer, batch) -> torch.Tensor:
         c = self.c
         self.fallbacks.add("attention (torch over the paged cache)")
         out = torch.empty_like(q)
-        group = c.num_heads // c.num_kv_heads
         start = 0
         for seq, n, ctx in zip(batch.seqs, batch.lens, batch.ctx):
             blocks = torch.tensor(cache.manager.tables[seq][: cache.manager.blocks_for(ctx)], device=self.device)
-            k = cache.k[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx].repeat_interleave(group, 1)
-            v = cache.v[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx].repeat_interleave(group, 1)
+            k = cache.k[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
+            v = cache.v[layer][blocks].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx]
             qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
             kpos = torch.arange(ctx, device=self.device)[None, :]
             mask = kpos <= qpos
             if c.sliding_window:
                 mask &= kpos > qpos - c.sliding_window
             o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k.transpose(0, 1),
-                                               v.transpose(0, 1), attn_mask=mask)
+                                               v.transpose(0, 1), attn_mask=mask, enable_gqa=True)
             out[start:start + n] = o.transpose(0, 1)
             start += n
         return out
@@ -152,6 +200,8 @@ class Decoder:
         if self.uses_tables and batch.tables is None:
             batch = self.with_tables(batch, cache)
         x = self.embed[batch.tokens]  # the residual stream: each linear into it adds it in its epilogue
+        decode = not self.uses_tables and all(n == 1 for n in batch.lens)
+        keys = self.decode_keys(batch, cache) if decode else None
         for i, L in enumerate(self.layers):
             qkv = self.linear(x, L["qkv"], L.get("qkv_bias"), norm=L["in_norm"])
             nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -161,11 +211,11 @@ class Decoder:
             v = v.contiguous()
             q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin, v,
                                                  batch.slots, *cache.slot_views(i))
-            a = self.attention(q, k, v, cache, i, batch).reshape(-1, nq)
+            a = self.attention(q, k, v, cache, i, batch, keys).reshape(-1, nq)
             x = self.linear(a, L["o"], residual=x)
             x = self.linear(self.linear(x, L["gate_up"], norm=L["post_norm"]), L["down"], gated=True, residual=x)
         h = torch.ops.flashgen.rmsnorm(x, self.final_norm, c.rms_norm_eps)
         if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
             h = h[ends]
-        return F.linear(h, self.lm_head)
+        return torch_linear(h, self.lm_head)

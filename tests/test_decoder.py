@@ -266,3 +266,35 @@ def test_chained_steps_keep_every_token():
     assert plain == chained
     assert [len(o) <= n for o, n in zip(plain, (16, 11, 16, 8, 2))] == [True] * 5
     assert plain[req] == free[req][:at + 1]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_torch_decode_attention_views_and_gathers_alike(window):
+    """A CPU decode step's attention over all sequences at once, through a view of evenly spaced block
+    runs or a gather of scattered tables, against each sequence's own attention (float64 softmax)."""
+    from dataclasses import replace as with_
+    from flashgen.runtime import bench
+    from flashgen.runtime.kv_cache import PagedKVCache
+
+    c = with_(bench.CONFIGS["tiny"], sliding_window=window)
+    model = Decoder(c, bench.random_weights(c, torch.float32, torch.device("cpu")))
+    g = torch.Generator().manual_seed(5)
+    for tables in ([[2, 3, 4], [7, 8, 9, 10], [12, 13, 14]], [[1], [9, 3, 6], [0, 5]]):
+        cache = PagedKVCache(1, 16, 4, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu"))
+        cache.k[0].normal_(generator=g)
+        cache.v[0].normal_(generator=g)
+        ctx = [min(4 * len(t), n) for t, n in zip(tables, (11, 9, 6))]
+        cache.manager.tables = dict(enumerate(tables))
+        batch = Batch(torch.zeros(3, dtype=torch.long), torch.tensor(ctx) - 1, torch.zeros(3, dtype=torch.long),
+                      [0, 1, 2], [1, 1, 1], ctx)
+        q = torch.randn(3, c.num_heads, c.head_dim, generator=g)
+        got = model.attention(q, None, None, cache, 0, batch)
+        group = c.num_heads // c.num_kv_heads
+        for i, (t, n) in enumerate(zip(tables, ctx)):
+            k = cache.k[0][t].reshape(-1, c.num_kv_heads, c.head_dim)[:n].double().repeat_interleave(group, 1)
+            v = cache.v[0][t].reshape(-1, c.num_kv_heads, c.head_dim)[:n].double().repeat_interleave(group, 1)
+            s = torch.einsum("hd,nhd->hn", q[i].double(), k) / c.head_dim ** 0.5
+            if window:
+                s[:, : max(0, n - window)] = float("-inf")
+            want = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+            assert torch.allclose(got[i].double(), want, atol=1e-5), (tables, i)

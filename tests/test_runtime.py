@@ -165,6 +165,31 @@ def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
         assert Dispatcher(h200, db_path).choose(call, h200).schedule == far
 
 
+def test_mixed_linears_read_the_database_once_per_state(tmp_path, monkeypatch):
+    """A mixed-mode linear asks for its mode on every call: the records are read once, and again only
+    after the database changed (a later record flips the choice), while dispatch's buckets share them."""
+    from flashgen.runtime.linear import choose
+
+    reads = []
+    best_all = Database.best_all
+    monkeypatch.setattr(Database, "best_all", lambda self, *a, **k: reads.append(1) or best_all(self, *a, **k))
+    db_path, h200 = tmp_path / "t.db", "cuda:sm_90/h200"
+    w4 = flashgen.workload("gemm_w4a16", M=16, N=1000, K=768, G=128, dtype="bf16")
+    w8 = flashgen.workload("gemm_w8a8", M=16, N=1000, K=768, dtype="bf16")
+    with Database(db_path) as db:
+        _record(db, w4, {"s": 1}, 10.0)
+        _record(db, w8, {"s": 1}, 14.0)
+    assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16, 1, 3, 16, 200)] == ["w4a16"] * 7
+    assert len(reads) == 1
+    d = Dispatcher(get_target("h200"), db_path)
+    d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), get_target("h200"))  # a bucket lookup
+    assert len(reads) == 1
+    with Database(db_path) as db:
+        _record(db, w8, {"s": 2}, 7.0)
+    assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16)] == ["w8a8"] * 3
+    assert len(reads) == 2
+
+
 def test_warm_start_compiles_nothing(monkeypatch):
     """A second process-like dispatcher finds the kernel in the artifact cache: no Triton compile."""
     x, w = torch.randn(8, 3072, dtype=torch.bfloat16), torch.randn(3072, dtype=torch.bfloat16)

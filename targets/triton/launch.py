@@ -94,7 +94,9 @@ class TritonLauncher:
                 if st is None:
                     st = strides[tensor] = tensors[tensor].stride()
                 v = st[axis]
-                if hinted and v % DIVISIBILITY:
+                if hinted and v % DIVISIBILITY and tensors[tensor].shape[axis] == 1:
+                    v = 0  # a size-1 axis is only ever indexed at 0: any stride serves, and 0 keeps the promise
+                elif hinted and v % DIVISIBILITY:
                     raise FlashgenError(f"{self.wl.op_name}: tensor '{tensor}' stride {v} on axis {axis} is "
                                         f"not a multiple of {DIVISIBILITY}, as this binary assumes; pass a contiguous tensor")
                 out.append(v)
