@@ -3,7 +3,9 @@
 Both dispatch (a kernel's schedule for an untuned row count) and mixed-mode linears (w4a16 or w8a8 for
 a row count) ask which tuned workload is nearest a call's: the smallest tuned row count at or above the
 call's, else the largest below, and among records of that row count the nearest in the other row dims.
-Linears ask on every call, so `best_records` keeps what it read until the database file changes.
+Linears ask on every call, so `best_records` keeps what it read until the database file changes. The
+records come from the user's database first, then from the records shipped with flashgen
+(flashgen/db/shipped.py) for workloads the user has not measured.
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from typing import Sequence, TypeVar
 
 from flashgen.db import Database
 from flashgen.db.record import Record
+from flashgen.db.shipped import TunedRecords, shipped_database
 
 T = TypeVar("T")
 
-_BEST: dict[tuple[str, str], tuple[tuple, list[Record]]] = {}  # (db, target) -> (file state, best_all)
+_BEST: dict[tuple[str, str, int], tuple[tuple, list[Record]]] = {}  # (db, target, shipped) -> (file state, best_all)
 
 
 def nearest(tuned: Sequence[tuple[int, float, T]], rows: int) -> tuple[int, T] | None:
@@ -41,18 +44,22 @@ def _state(path: Path) -> tuple:
     return tuple(out)
 
 
-def best_records(db_path: str | os.PathLike, target_id: str) -> list[Record]:
-    """`Database.best_all(target_id)` of the database at `db_path` (none if it does not exist), read
-    again only after the file changed."""
-    path = Path(db_path)
-    state = _state(path)
-    if state[0] is None:
-        return []
-    key = (str(path.resolve()), target_id)
+def best_records(db_path: str | os.PathLike | None, target_id: str) -> list[Record]:
+    """The best record of every workload on `target_id`: the user's database at `db_path` (if there is
+    one), then the shipped records for workloads it lacks; the database is read again only after its
+    file changed."""
+    path = Path(db_path) if db_path is not None else None
+    state = _state(path) if path is not None else (None, None)
+    shipped = shipped_database()
+    key = (str(path.resolve()) if path is not None else "", target_id, id(shipped))
     hit = _BEST.get(key)
     if hit is not None and hit[0] == state:
         return hit[1]
-    with Database(path) as db:
-        records = db.best_all(target_id)
-    _BEST[key] = (_state(path), records)
+    user = Database(path, readonly=True) if state[0] is not None else None
+    try:
+        records = [rec for rec, _ in TunedRecords(user, shipped).best_all(target_id)]
+    finally:
+        if user is not None:
+            user.close()
+    _BEST[key] = (state, records)
     return records

@@ -26,6 +26,7 @@ import torch
 from flashgen.compiler import compile as compile_kernel
 from flashgen.db import Database, default_db_path
 from flashgen.db.record import BEHIND
+from flashgen.db.shipped import ORIGIN, TunedRecords
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
@@ -45,7 +46,7 @@ class Decision:
     workload: Workload
     target: str
     schedule: Schedule
-    source: str  # "exact", "exact (timed behind OP)", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "default"
+    source: str  # "exact", "exact (timed behind OP)", "exact from shipped records", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "default"
 
     @property
     def kind(self) -> str:
@@ -113,15 +114,19 @@ class Dispatcher:
 
     def choose(self, wl: Workload, target: Target) -> Decision:
         space = ScheduleSpace(wl, target)
-        if self.db_path.exists():
-            with Database(self.db_path) as db:
-                best = db.best(wl.key, target.id)
-                if best is not None and space.is_valid(best.schedule):
-                    timed = f" (timed behind {best.extra['behind']['op']})" if best.timing == BEHIND else ""
-                    return Decision(wl, target.id, best.schedule, "exact" + timed)
-            bucket = self._bucket(wl, target, space)
-            if bucket is not None:
-                return bucket
+        user = Database(self.db_path, readonly=True) if self.db_path.exists() else None
+        try:
+            found = TunedRecords(user).best(wl.key, target.id, lambda rec: space.is_valid(rec.schedule))
+        finally:
+            if user is not None:
+                user.close()
+        if found is not None:
+            best, origin = found
+            timed = f" (timed behind {best.extra['behind']['op']})" if best.timing == BEHIND else ""
+            return Decision(wl, target.id, best.schedule, "exact" + timed + (" from shipped records" if origin == ORIGIN else ""))
+        bucket = self._bucket(wl, target, space)
+        if bucket is not None:
+            return bucket
         return Decision(wl, target.id, space.default(), "default")
 
     def _bucket(self, wl: Workload, target: Target, space: ScheduleSpace) -> Decision | None:

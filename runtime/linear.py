@@ -96,7 +96,7 @@ def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
     otherwise today are not counted); the M=64 crossover where one is unmeasured. The records are read
     once per database state (`buckets.best_records`)."""
     best: dict[str, float] = {}
-    records = best_records(db_path, target_id) if db_path is not None else []
+    records = best_records(db_path, target_id)
     for mode, op in (("w4a16", "gemm_w4a16"), ("w8a8", "gemm_w8a8")):
         pick = nearest([(r.workload["dims"]["M"], 0.0, r) for r in records if r.workload.get("op") == op
                         and r.workload["dims"].get("N") == n and r.workload["dims"].get("K") == k

@@ -100,3 +100,19 @@ def test_db_list_shipped(capsys):
     assert "cuda:sm_90/h200" in out and "rmsnorm" in out
     assert main(["db", "list", "--shipped", "--db", "x.db"]) == 2
     assert "takes no --db" in capsys.readouterr().err
+
+
+def test_dispatch_serves_shipped_records_exactly_and_as_buckets(tmp_path):
+    from flashgen.runtime.dispatch import Dispatcher
+    rec = next(r for r in shipped_database().best_all("cuda:sm_90/h200") if r.workload["op"] == "rmsnorm")
+    wl = recorded_workload(rec.workload, rec.workload_key)
+    target = get_target("h200")
+    d = Dispatcher(target, tmp_path / "none.db").choose(wl, target)  # no user database at all
+    assert d.source == "exact from shipped records" and d.schedule == rec.schedule and d.kind == "exact"
+    near = wl.with_dims(M=wl.dim["M"] + 1)
+    assert Dispatcher(target, tmp_path / "none.db").choose(near, target).kind == "bucket"
+    with Database(tmp_path / "u.db") as user:
+        user.add(Record(workload_key=rec.workload_key, workload=rec.workload, target_key=rec.target_key,
+                        schedule=ScheduleSpace(wl, target).default(), status="ok", latency_us=99.0, device="mine"))
+    d = Dispatcher(target, tmp_path / "u.db").choose(wl, target)
+    assert d.source == "exact" and d.schedule == ScheduleSpace(wl, target).default()
