@@ -352,6 +352,28 @@ def test_prefill_tma_tiles_on_gpu(wl):
         assert c.ok, (c, kernel.schedule)
 
 
+PADDED_D = ([flashgen.workload("paged_decode_attention", B=3, Hq=16, Hkv=4, D=d, BS=16, NB=256, MAXB=64, L=900,
+                               dtype="bf16", kv=kv) for d in (80, 96, 112, 192) for kv in ("same", "fp8e4m3")
+              if kv in ("same", *TARGET.dtypes)]
+            + [flashgen.workload("flash_prefill_attention", T=1500, B=3, Hq=16, Hkv=4, D=d, dtype="bf16")
+               for d in (80, 96, 112, 192, 256)])
+
+
+@pytest.mark.parametrize("wl", PADDED_D, ids=case_id)
+@pytest.mark.parametrize("tma", [0, 1])
+def test_padded_head_dims_on_gpu(wl, tma):
+    """Head dims that are not a power of two run in tiles padded to the next one, the padding masked
+    (TMA boxes fill it with zeros)."""
+    space = ScheduleSpace(wl, TARGET)
+    s = {**space.default(), **({"tma": tma} if "tma" in space.knobs() else {})}
+    if tma and (s.get("tma") != 1 or not space.is_valid(s)):
+        pytest.skip("no TMA tiles for this workload and target")
+    kernel = flashgen.compile(wl, TARGET, schedule=s)
+    params = {k: v for k, v in {"k_scale": 0.5, "v_scale": 2.0}.items() if k in wl.op.params}
+    for c in check(wl, _run(kernel), 5, DEVICE, params=params):
+        assert c.ok, (c, kernel.schedule)
+
+
 FP8_KV = [flashgen.workload("paged_decode_attention", B=4, Hq=32, Hkv=8, D=128, BS=16, NB=512, MAXB=64, L=700,
                             dtype=dt, kv="fp8e4m3") for dt in ("bf16", "fp16") if "fp8e4m3" in TARGET.dtypes]
 
