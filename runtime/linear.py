@@ -6,7 +6,8 @@ quantized int8 activations), and mixed: each call picks w4a16 or w8a8 for its ro
 tuning database's measurements of both on this layer's shape (small M is bandwidth-bound and favours
 4-bit weights, large M compute-bound and favours int8 tensor cores), falling back to a crossover of
 M = 64 where nothing is measured. On a GPU each mode runs its generated GEMM; on the CPU the weight is
-dequantized and torch multiplies (reported as a fallback).
+dequantized and torch multiplies (reported as a fallback), a float32 weight reordered once for oneDNN
+(`cpu_weight`).
 
 A linear may take the RMSNorm that feeds it (`norm`), a gated input (`gated`: x = [g | u], the
 linear's input being silu(g) * u) and the residual it adds (`residual`, the GEMM's epilogue). In the
