@@ -149,6 +149,11 @@ def test_linear_takes_its_norm_gate_and_residual_on_cpu():
     gate, up = xg.double().chunk(2, dim=-1)
     out = apply(xg, q, "bf16", None, set(), gated=True)
     assert rel(out, (gate * torch.sigmoid(gate) * up) @ w.double().T) < 1e-5
+    assert q.weight.is_mkldnn  # a float32 CPU weight is held reordered for oneDNN
+    for m in (1, 5):  # odd N, a bias, one row
+        w7, b7, x7 = torch.randn(77, 96, generator=g), torch.randn(77, generator=g), torch.randn(m, 96, generator=g)
+        out = apply(x7, prepare(w7, "bf16"), "bf16", b7, set())
+        assert out.shape == (m, 77) and rel(out, x7.double() @ w7.double().T + b7.double()) < 1e-5
 
 
 def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
