@@ -275,6 +275,14 @@ def test_early_kv_numerics(interpreter, schedule, bs, length, mod):
         assert c.ok, c
 
 
+def test_scales_belong_to_an_fp8_cache(interpreter):
+    """A cache in the query's dtype holds the keys and values themselves: k_scale and v_scale do not
+    apply to it, in the kernel and in the reference alike."""
+    wl = decode(dtype="fp16")
+    for c in interpreter.check(wl, DEFAULT, "h200", seed=6, params={"k_scale": 0.5, "v_scale": 2.0}):
+        assert c.ok, c
+
+
 def test_early_kv_fp8(interpreter):
     """The newest key and value of an e4m3 cache are scaled like every other."""
     wl = decode(kv="fp8e4m3", dtype="fp16", L=70, MAXB=6, NB=24)

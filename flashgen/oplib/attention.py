@@ -68,7 +68,9 @@ def _attend(q, k, v, qpos, kpos, t, p, a) -> torch.Tensor:
 
 
 def _reference(t, p, d, a) -> dict:
-    q, kc, vc = f64(t["q"]), f64(t["k_cache"]) * p["k_scale"], f64(t["v_cache"]) * p["v_scale"]
+    fp8 = a["kv"] != "same"  # the scales belong to an fp8 cache; a cache of the query's dtype holds the values
+    q, kc, vc = (f64(t["q"]), f64(t["k_cache"]) * (p["k_scale"] if fp8 else 1.0),
+                 f64(t["v_cache"]) * (p["v_scale"] if fp8 else 1.0))
     group = d["Hq"] // d["Hkv"]
     out = torch.empty_like(q)
     for b in range(d["B"]):
