@@ -6,11 +6,13 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
-    """Keep tests off the user's cache and tuning database."""
+    """Keep tests off the user's cache and tuning database, and off the shipped records: a test checks
+    what it measures or writes itself (test_shipped.py turns the shipped records back on)."""
     mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp("flashgen-cache")
     mp.setenv("FLASHGEN_CACHE_DIR", str(root))
     mp.setenv("FLASHGEN_DB", str(root / "tuning.db"))
+    mp.setenv("FLASHGEN_SHIPPED", "0")
     yield
     mp.undo()
 

@@ -13,12 +13,6 @@ from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 
 
-@pytest.fixture(autouse=True)
-def _own_records_only(monkeypatch):
-    """These tests check dispatch on the records they write; the shipped H200 records (served when a
-    user database lacks a workload) are tested in test_shipped.py."""
-    monkeypatch.setenv("FLASHGEN_SHIPPED", "0")
-
 register_all()
 
 
