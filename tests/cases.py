@@ -25,6 +25,14 @@ def numerics_cases(Ms=(1, 3, 17), Ns=(1, 127, 5120, 11008), dtypes=("fp32", "fp1
     for i, (m, d, hq, hkv, ns) in enumerate([(1, 64, 4, 1, 33), (3, 128, 8, 2, 3), (17, 64, 5, 5, 50)]):
         out.append(workload("rope_cache", M=m, Hq=hq, Hkv=hkv, D=d, L=97, NS=ns,
                             style=("neox", "gptj")[i % 2], dtype=dtypes[(i + 1) % len(dtypes)]))
+    # partial rotary: Phi-2 (D=80, R=32), GPT-J (D=256, R=64, gptj), GPT-NeoX (D=128, R=32)
+    for i, (m, d, rd, hq, hkv, style) in enumerate([(3, 80, 32, 4, 2, "neox"), (1, 256, 64, 2, 2, "gptj"),
+                                                    (5, 128, 32, 3, 1, "neox"), (6, 64, 64, 2, 1, "gptj")]):
+        out.append(workload("rope_partial", M=m, Hq=hq, Hkv=hkv, D=d, R=rd, L=61, style=style,
+                            dtype=dtypes[i % len(dtypes)]))
+    for i, (m, d, rd, ns, style) in enumerate([(3, 80, 32, 7, "neox"), (4, 64, 16, 4, "gptj")]):
+        out.append(workload("rope_cache_partial", M=m, Hq=4, Hkv=2, D=d, R=rd, L=61, NS=ns, style=style,
+                            dtype=dtypes[(i + 1) % len(dtypes)]))
     return out
 
 

@@ -16,6 +16,9 @@ def _workload(op: str):
         return flashgen.workload("rope", M=7, Hq=8, Hkv=2, D=128, L=512, dtype="bf16")
     if op == "rope_cache":
         return flashgen.workload("rope_cache", M=7, Hq=8, Hkv=2, D=128, L=512, NS=4096, dtype="bf16")
+    if op.startswith("rope") and op.endswith("partial"):  # Phi-2's head: 32 of 80 elements rotate
+        return flashgen.workload(op, M=7, Hq=32, Hkv=32, D=80, R=32, L=2048, dtype="bf16",
+                                 **({"NS": 4096} if "cache" in op else {}))
     if op.startswith("dequant_"):  # a weight's rows and columns
         return flashgen.workload(op, N=4096, K=1024, dtype="bf16", **({"G": 128} if "G" in OPS[op].dims else {}))
     return flashgen.workload(op, M=33, N=4096, dtype="bf16")
