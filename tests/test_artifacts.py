@@ -73,6 +73,19 @@ def test_the_cache_key_follows_the_descriptor_not_its_name(tmp_path, capsys):
     assert ".target sm_89" in (tmp_path / "b" / "rmsnorm_kernel.ptx").read_text()
 
 
+def test_a_kernel_cached_by_another_triton_is_not_served(monkeypatch):
+    """The Triton that built a kernel is in its cache key and its JSON: another Triton builds its own."""
+    import triton
+    schedule = {"block_r": 2, "block_c": 256, "num_warps": 1}
+    first = flashgen.compile(WL, target="h200", schedule=schedule)
+    assert first.metadata["tools"]["triton"] == triton.__version__
+    monkeypatch.setattr(triton, "__version__", "3.6.0+other")
+    second = flashgen.compile(WL, target="h200", schedule=schedule)
+    assert second.metadata["cache_key"] != first.metadata["cache_key"]
+    assert second.metadata["tools"]["triton"] == "3.6.0+other"
+    assert _entry(first).is_dir() and _entry(second).is_dir()
+
+
 def test_an_unwritable_cache_is_one_line(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -198,9 +198,15 @@ def test_saved_kernel_reloads_and_runs(tmp_path):
     meta = json.loads((tmp_path / "rope_kernel.json").read_text())
     assert meta["backend"] == "tvm" and meta["sha256"]["rope_kernel.so"]
     assert (tmp_path / "rope_kernel.tvm.py").read_text() == k.source
-    launcher = tvm_backend.launcher_from_binary(wl, meta, (tmp_path / "rope_kernel.so").read_bytes())
+    binary = (tmp_path / "rope_kernel.so").read_bytes()
+    launcher = tvm_backend.launcher_from_binary(wl, meta, binary)
     for c in check(wl, lambda i, o, p: launcher({**i, **o}, p, wl.dim), seed=9):
         assert c.ok, c
+    with pytest.raises(FlashgenError, match="does not match the sha256"):
+        tvm_backend.launcher_from_binary(wl, meta, binary[:-1])
+    other = {**meta, "tools": {**meta["tools"], "tvm": "0.1.0"}}
+    with pytest.raises(FlashgenError, match="built by TVM 0.1.0, and this is TVM"):
+        tvm_backend.launcher_from_binary(wl, other, binary)
 
 
 def test_timing():

@@ -12,12 +12,15 @@ parallel kernel (checked with TVM_NUM_THREADS=2); measure in spawned workers.
 """
 from __future__ import annotations
 
+import hashlib
+
 from typing import Any, Mapping
 
 import torch
 import tvm
 from tvm.target import codegen
 
+from flashgen.errors import FlashgenError
 from flashgen.kernel_classes import generator
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
@@ -49,6 +52,15 @@ def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
 
 
 def launcher_from_binary(wl: Workload, metadata: Mapping[str, Any], binary: bytes) -> TVMLauncher:
-    """A launcher for a saved kernel: its metadata JSON and the bytes of its .so."""
+    """A launcher for a saved kernel: its metadata JSON and the bytes of its .so. A binary that is not
+    the one its JSON records, or one built by another TVM (whose calling convention it has), is refused."""
+    digest = metadata.get("sha256", {}).get(f"{metadata['entry']}.so")
+    if digest is not None and hashlib.sha256(binary).hexdigest() != digest:
+        raise FlashgenError(f"{metadata['entry']}.so does not match the sha256 its JSON records: "
+                            "it was changed or cut short since it was written")
+    built = metadata.get("tools", {}).get("tvm")
+    if built != tvm.__version__:
+        raise FlashgenError(f"this kernel was built by TVM {built}, and this is TVM {tvm.__version__}: "
+                            "compile it again with this installation")
     args = [Arg(**a) for a in metadata["signature"]]
     return TVMLauncher(wl, args, load_library(binary, metadata["entry"]), metadata["entry"])
