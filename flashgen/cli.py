@@ -166,7 +166,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             behind = _with_schedule(producer, target, db)
             where = f" behind {producer}" if producer is not None else ""
             res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr,
-                       fixed=fixed, behind=behind)
+                       fixed=fixed, behind=behind, retry_failed=args.retry_failed)
             results.append(res)
             if res.best is None:
                 print(f"{wl}: no schedule ran correctly{where} ({res.measured} measured)")
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each candidate right behind this producer workload ({op, dims, attrs}; its "
                         "first output is the tuned workload's first input, its schedule the database's best), "
                         "as a decode step runs it; dispatch prefers such records")
+    t.add_argument("--retry-failed", action="store_true",
+                   help="measure again the schedules recorded as timeout or crash (a loaded machine's verdicts)")
     t.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
     t.add_argument("--plot", help="write best-so-far against trials to this PNG")
     t.add_argument("--targets-dir", help="a folder of extra descriptor files")

@@ -16,7 +16,10 @@ from __future__ import annotations
 import importlib
 import math
 import multiprocessing
+import os
+import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -104,9 +107,18 @@ class _Producer:
         return {**inputs, name: self.fed.view(inputs[name].shape)}
 
 
+def _exit_with(parent: int) -> None:
+    """Ends the worker within a second of its tuning parent's death, even mid-measurement (a hung
+    candidate would otherwise hold the CPU, or the GPU, for good)."""
+    while os.getppid() == parent:
+        time.sleep(0.25)
+    os._exit(1)
+
+
 def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs: int,
-            behind: tuple[dict, Schedule] | None) -> None:
+            behind: tuple[dict, Schedule] | None, parent: int) -> None:
     """Worker loop: receive (workload JSON, schedule, seed), answer a result dict."""
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     import torch
 
     from flashgen.check import compare, judged, poisoned
@@ -185,7 +197,7 @@ class _Worker:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, *self.args), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, *self.args, os.getpid()), daemon=True)
         self.proc.start()
         child.close()
 
@@ -230,24 +242,39 @@ class Runner:
         spec = (behind[0].to_json(), behind[1]) if behind is not None else None
         self.workers = [_Worker(d, target, factory, runs, spec) for d in devices]
 
-    def measure(self, wl: Workload, schedules: list[Schedule]) -> list[MeasureResult]:
+    def measure(self, wl: Workload, schedules: list[Schedule],
+                on_result: Callable[[MeasureResult], None] | None = None) -> list[MeasureResult]:
+        """The results in the schedules' order; `on_result` is called on this thread with each result as
+        it arrives, so that a caller can record every measurement the moment it ends."""
         if self.behind is not None and (why := feed_error(self.behind[0], wl)):
             raise FlashgenError(why)
         results: list[MeasureResult | None] = [None] * len(schedules)
-        queue = list(enumerate(schedules))
+        todo = list(enumerate(schedules))
         lock = threading.Lock()
+        done: queue.Queue = queue.Queue()
 
         def drain(worker: _Worker) -> None:
             while True:
                 with lock:
-                    if not queue:
+                    if not todo:
                         return
-                    i, s = queue.pop(0)
-                results[i] = worker.measure(wl, s, self.seed, self.timeout_s, self.start_timeout_s)
+                    i, s = todo.pop(0)
+                try:
+                    done.put((i, worker.measure(wl, s, self.seed, self.timeout_s, self.start_timeout_s)))
+                except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
+                    done.put((i, e))
+                    return
 
-        threads = [threading.Thread(target=drain, args=(w,)) for w in self.workers]
+        threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in self.workers]
         for t in threads:
             t.start()
+        for _ in schedules:
+            i, r = done.get()
+            if isinstance(r, BaseException):
+                raise r
+            results[i] = r
+            if on_result is not None:
+                on_result(r)
         for t in threads:
             t.join()
         return [r for r in results if r is not None]

@@ -1,7 +1,10 @@
 """The tuning loop: propose schedules, build them in parallel, measure them, record every result.
 
 Schedules the database already holds for this workload and target are never measured again, so a
-stopped tune resumes where it was. The analytic default is measured first, so a tune can only end with
+stopped tune resumes where it was; with `retry_failed`, those recorded as timeout or crash (a loaded
+machine's verdicts) are measured again, first. Each measurement is recorded the moment it ends, so a
+killed tune loses none, and a tune claims each schedule in the database before measuring it, so two
+tunes of one workload at once measure different schedules. The analytic default is measured first, so a tune can only end with
 a best at least as fast as what `flashgen compile` gives untuned. A workload whose weight can be
 dequantized first then tries its dense form's fastest records on the dequantized weight: that GEMM
 is the dense op's, whose records the model cannot map onto the quantized op's.
@@ -33,6 +36,7 @@ from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload, dequant_forms, other_half, workload
 
+RETRIED = ("timeout", "crash")  # verdicts a loaded machine can give a good schedule
 DENSE_SEEDS = 3  # the dense form's fastest records tried on a weight dequantized first
 ALONE_SEEDS = 6  # a tune behind a producer first times the fastest schedules timed alone
 
@@ -88,6 +92,13 @@ def _record(wl: Workload, target: Target, device: str, r: MeasureResult,
                   device=device, extra=extra)
 
 
+def _recorded(db: Database, wl: Workload, target: Target, space: ScheduleSpace,
+              behind: tuple[Workload, Schedule] | None) -> dict[str, Record]:
+    """The workload's records timed as this tune times, by complete schedule (a record older than a knob
+    counts as its neutral value); of several records of one schedule, the latest."""
+    return {schedule_key(space.complete(r.schedule)): r for r in db.records(wl.key, target.id) if in_context(r, behind)}
+
+
 def in_context(r: Record, behind: tuple[Workload, Schedule] | None) -> bool:
     """Whether a record was timed as this tune times: alone, or behind the same producer workload."""
     if behind is None:
@@ -134,10 +145,12 @@ def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
 def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: str = "evolutionary",
          seed: int = 0, batch: int = 16, builder: Builder | None = None, runner: Runner | None = None,
          device_name: str | None = None, progress: TextIO | None = None,
-         fixed: Mapping[str, int] | None = None, behind: tuple[Workload, Schedule] | None = None) -> TuneResult:
+         fixed: Mapping[str, int] | None = None, behind: tuple[Workload, Schedule] | None = None,
+         retry_failed: bool = False) -> TuneResult:
     """Measure up to `trials` new schedules of `wl` on `target`, recording each in `db`; `fixed` pins
     knobs (name -> value) so that only schedules with those values are proposed; `behind` (a producer
-    workload and its schedule) times each right after that kernel."""
+    workload and its schedule) times each right after that kernel; `retry_failed` measures again the
+    schedules recorded as timeout or crash."""
     if runner is not None and (runner.behind is None) != (behind is None):  # records would misname their timing
         raise FlashgenError(f"the runner given times {'alone' if runner.behind is None else 'behind a producer'}, "
                             f"this tune {'alone' if behind is None else 'behind a producer'}")
@@ -151,9 +164,12 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
         raise FlashgenError(f"the producer {behind[0]} does not build: {why}")
     runner = runner or Runner(target, seed=seed, behind=behind)
     device = device_name or _device_name(target)
-    # keyed by the complete schedule: a record older than a knob counts as its neutral value
-    known = {schedule_key(space.complete(r.schedule)): r for r in db.records(wl.key, target.id)
-             if in_context(r, behind)}
+    known = _recorded(db, wl, target, space, behind)
+    retry = [r.schedule for r in known.values() if retry_failed and r.status in RETRIED and space.is_valid(r.schedule)]
+    retried = {schedule_key(space.complete(s)) for s in retry}
+    for k in retried:
+        del known[k]
+    context = ALONE if behind is None else f"{BEHIND} {behind[0].key}"
     # Only the evolutionary search is guided by the learned model; the others need no training.
     model = CostModel.for_database(db.path, wl.op.kclass) if strategy == "evolutionary" else None
     in_space = [r for r in known.values() if space.is_valid(r.schedule)]
@@ -161,33 +177,47 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
                           measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in in_space])
     default = space.pinned_default()
     seeds = alone_seeds(space, db) if behind is not None else []
-    pending = [c for c in ([default] if default is not None else []) + seeds + dense_seeds(space, db)
+    pending = [c for c in ([default] if default is not None else []) + retry + seeds + dense_seeds(space, db)
                if schedule_key(space.complete(c)) not in known]
     # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5)
     total = min(trials, sum(1 for _ in itertools.islice(space, trials + len(in_space))) - len(in_space))
     bar = Progress(wl, total, roofline_us(wl, target), progress)
     history: list[float | None] = []
+    taken: set[str] = set()  # proposed here but claimed by another tune
+
+    def record(r: MeasureResult) -> None:  # each measurement is stored the moment it ends
+        rec = _record(wl, target, device, r, behind)
+        db.add(rec)
+        known[schedule_key(space.complete(rec.schedule))] = rec
+        strat.observe([(r.schedule, r.latency_us if r.status == "ok" else None)])
+        history.append(r.latency_us if r.status == "ok" else None)
+        bar.update([r])
+
     try:
         while len(history) < total:
             want = min(batch, total - len(history))
             cands = pending + strat.propose(max(0, want - len(pending)))
             pending = []
-            keys = set(known)
-            cands = [s for s in cands if schedule_key(s) not in keys and not keys.add(schedule_key(s))][:want]
+            keys = set(known) | taken
+            cands = [s for s in cands if (k := schedule_key(space.complete(s))) not in keys and not keys.add(k)][:want]
             if not cands:
                 break
+            granted = db.claim(wl.key, target.id, context, [schedule_key(space.complete(s)) for s in cands])
+            others = {k: r for k, r in _recorded(db, wl, target, space, behind).items()
+                      if k not in known and k not in retried}
+            known.update(others)  # what another tune measured meanwhile is learned from, not measured again
+            strat.observe([(r.schedule, r.latency_us if r.status == "ok" else None) for r in others.values()
+                           if space.is_valid(r.schedule)])
+            taken |= {k for s in cands if (k := schedule_key(space.complete(s))) not in granted}
+            cands = [s for s in cands if (k := schedule_key(space.complete(s))) in granted and k not in known]
             errors = builder.build(wl, cands)
-            results = [MeasureResult(s, "compile_error", error=e) for s, e in zip(cands, errors) if e]
-            results += runner.measure(wl, [s for s, e in zip(cands, errors) if not e])
-            recs = [_record(wl, target, device, r, behind) for r in results]
-            db.add_many(recs)
-            for rec in recs:
-                known[schedule_key(space.complete(rec.schedule))] = rec
-            strat.observe([(r.schedule, r.latency_us if r.status == "ok" else None) for r in results])
-            history += [r.latency_us if r.status == "ok" else None for r in results]
-            bar.update(results)
+            for s, e in zip(cands, errors):
+                if e:
+                    record(MeasureResult(s, "compile_error", error=e))
+            runner.measure(wl, [s for s, e in zip(cands, errors) if not e], on_result=record)
     finally:
         bar.close()
+        db.release(wl.key, target.id, context)
         if own_builder:
             builder.close()
         if own_runner:

@@ -61,3 +61,26 @@ def negative_timing_factory(wl, schedule, target):
     """Each timing longer than the one before: the call behind its producer reads faster than the producer."""
     _timed_as(itertools.count(5.0))
     return FakeKernel(wl, "ok")
+
+
+_CALLS = itertools.count()
+
+
+def _note_pid() -> None:
+    """Writes this worker's pid where the test said (FLASHGEN_TEST_PIDFILE), for it to watch."""
+    path = os.environ.get("FLASHGEN_TEST_PIDFILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+
+def hang_after_two_factory(wl, schedule, target):
+    """Two good kernels, then one that hangs: a tune to kill mid-measurement."""
+    _note_pid()
+    return FakeKernel(wl, "ok" if next(_CALLS) < 2 else "hang")
+
+
+def slow_factory(wl, schedule, target):
+    """A good kernel that takes half a second to make: two tunes at once overlap for a while."""
+    time.sleep(0.5)
+    return FakeKernel(wl, "ok")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import sqlite3
 import tempfile
 import time
@@ -42,6 +43,33 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE INDEX IF NOT EXISTS records_workload_target ON records (workload_key, target_key);
 """
+
+# Schedules a running tune is measuring, so that a second tune of the workload measures others. Not
+# part of the records' schema: a database without the table is read as having no claims.
+_CLAIMS = """CREATE TABLE IF NOT EXISTS claims (
+    workload_key TEXT NOT NULL, target_key TEXT NOT NULL, context TEXT NOT NULL, schedule_key TEXT NOT NULL,
+    owner TEXT NOT NULL, claimed_at REAL NOT NULL,
+    PRIMARY KEY (workload_key, target_key, context, schedule_key))"""
+CLAIM_TTL_S = 3600.0  # a claim of another host's tune older than this is taken over
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _claim_alive(owner: str, claimed_at: float) -> bool:
+    """Whether a claim's tune may still be measuring: its process runs (this host), or it is recent."""
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return time.time() - claimed_at < CLAIM_TTL_S
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 _COLUMNS = ("workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us, "
             "flashgen_version, device, created_at, extra_json")
@@ -244,6 +272,30 @@ class Database:
             before = conn.total_changes
             conn.executemany(_INSERT, rows)
             return conn.total_changes - before
+
+    def claim(self, workload_key: str, target_key: str, context: str, schedule_keys: Iterable[str]) -> set[str]:
+        """Of these schedules, the ones this process may measure now: those no other live tune has
+        claimed (in this timing context), which are then claimed for this process in one transaction."""
+        me, granted = _owner(), set()
+        with self._write() as conn:
+            conn.execute(_CLAIMS)
+            for key in schedule_keys:
+                row = conn.execute("SELECT owner, claimed_at FROM claims WHERE workload_key = ? AND target_key = ? "
+                                   "AND context = ? AND schedule_key = ?",
+                                   (workload_key, target_key, context, key)).fetchone()
+                if row is not None and row[0] != me and _claim_alive(*row):
+                    continue
+                conn.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?, ?)",
+                             (workload_key, target_key, context, key, me, time.time()))
+                granted.add(key)
+        return granted
+
+    def release(self, workload_key: str, target_key: str, context: str) -> None:
+        """Drops this process's claims on the workload (its tune ended: what it measured is recorded)."""
+        with self._write() as conn:
+            conn.execute(_CLAIMS)
+            conn.execute("DELETE FROM claims WHERE workload_key = ? AND target_key = ? AND context = ? AND owner = ?",
+                         (workload_key, target_key, context, _owner()))
 
     def records(self, workload_key: str | None = None, target_key: str | None = None,
                 status: str | None = None) -> list[Record]:
