@@ -53,17 +53,14 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import flashgen
     from flashgen.compiler import check_supported, resolve_target
+    from flashgen.paths import out_folder
 
     [wl] = _workloads(argparse.Namespace(**{**vars(args), "workloads": None}))
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise FlashgenError(f"--out {out} exists and is not a folder")
+    out = out_folder(args.out)
     schedule = json.loads(args.schedule) if args.schedule else None
     kernel = flashgen.compile(wl, target, schedule=schedule, db=args.db, targets_dir=args.targets_dir)
     files = kernel.save(out)
@@ -147,8 +144,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
-    if args.plot:
-        require("matplotlib", "--plot")  # before tuning: a missing extra must not waste the tune
+    if args.plot:  # before tuning: a missing extra or a bad path must not waste the tune
+        require("matplotlib", "--plot")
+        _check_plot_path(args.plot)
     target = resolve_target(args.target, args.targets_dir)
     plan = _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
@@ -178,6 +176,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
         plot_history(results, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _check_plot_path(path: str) -> None:
+    """A PNG file path in a writable folder (matplotlib would add .png to a name without it, and a
+    folder given would end in DIR.png beside it)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise FlashgenError(f"--plot {path} is a folder; give a file path ending in .png")
+    if p.suffix.lower() != ".png":
+        raise FlashgenError(f"--plot {path}: the plot is a PNG; give a path ending in .png")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise FlashgenError(f"--plot {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise FlashgenError(f"--plot {path}: the folder {parent} is not writable")
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

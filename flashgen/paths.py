@@ -23,3 +23,30 @@ def writable(folder: Path) -> Path:
         raise FlashgenError(f"cannot write the cache folder {folder} ({e.strerror or e}); "
                             "set FLASHGEN_CACHE_DIR to a writable folder") from None
     return folder
+
+
+def out_folder(path: str, option: str = "--out") -> Path:
+    """An output folder path the OS can hold (each name and the whole path within its limits), and not
+    an existing file; checked before any work, so that a long compile does not end in an OSError."""
+    from flashgen.errors import FlashgenError
+
+    out = Path(path)
+    anchor = next((p for p in [out.absolute(), *out.absolute().parents] if _exists(p)), Path("/"))
+    name_max, path_max = os.pathconf(anchor, "PC_NAME_MAX"), os.pathconf(anchor, "PC_PATH_MAX")
+    longest = max(out.absolute().parts, key=lambda n: len(os.fsencode(n)))
+    if len(os.fsencode(longest)) > name_max - 16:  # room for the staging folder's name
+        raise FlashgenError(f"{option}: a folder name of {len(os.fsencode(longest))} bytes is over this file "
+                            f"system's limit of {name_max}")
+    if len(os.fsencode(str(out.absolute()))) > path_max - name_max:  # room for the files inside
+        raise FlashgenError(f"{option}: the path is {len(os.fsencode(str(out.absolute())))} bytes, too long for "
+                            f"files inside it (the limit is {path_max})")
+    if _exists(out) and not out.is_dir():
+        raise FlashgenError(f"{option} {out} exists and is not a folder")
+    return out
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except OSError:
+        return False

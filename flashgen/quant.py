@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from flashgen.lazy import lazy
+
+torch = lazy("torch")
 
 from flashgen.errors import FlashgenError
 

@@ -10,6 +10,7 @@ import os
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 
+from flashgen.processes import ignore_sigint, sigint_deferred
 from flashgen.schedules.space import Schedule
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -38,8 +39,10 @@ class Builder:
         if self.target.backend != "triton" or not schedules:
             return [None] * len(schedules)  # cpu kernels build in ~0.1 s: the runner builds them
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        futures = [self._pool.submit(_build_one, wl.to_json(), s, self.target.id) for s in schedules]
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=ignore_sigint)
+        with sigint_deferred():  # the pool starts its processes as work is submitted
+            futures = [self._pool.submit(_build_one, wl.to_json(), s, self.target.id) for s in schedules]
         return [f.result() for f in futures]
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from flashgen.errors import FlashgenError
+from flashgen.processes import ignore_sigint, sigint_deferred
 from flashgen.schedules.space import Schedule
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -118,6 +119,7 @@ def _exit_with(parent: int) -> None:
 def _worker(conn: Any, device_name: str, target_id: str, factory_path: str, runs: int,
             behind: tuple[dict, Schedule] | None, parent: int) -> None:
     """Worker loop: receive (workload JSON, schedule, seed), answer a result dict."""
+    ignore_sigint()
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     import torch
 
@@ -198,7 +200,8 @@ class _Worker:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(child, *self.args, os.getpid()), daemon=True)
-        self.proc.start()
+        with sigint_deferred():
+            self.proc.start()
         child.close()
 
     def stop(self) -> None:
@@ -265,6 +268,9 @@ class Runner:
                     done.put((i, e))
                     return
 
+        for w in self.workers[:len(schedules)]:  # started here, on the main thread (sigint_deferred)
+            if w.proc is None or not w.proc.is_alive():
+                w.start()
         threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in self.workers]
         for t in threads:
             t.start()

@@ -42,6 +42,11 @@ def _discard(folder: Path, why: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def discard(key: str, why: str) -> None:
+    """Drops an entry its reader found unusable, with the one-line warning."""
+    _discard(entry(key), why)
+
+
 def lookup(key: str) -> dict[str, Path] | None:
     """The entry's files by name, each checked against the manifest's sha256; None when the kernel was
     never built, or its entry was damaged (then discarded)."""

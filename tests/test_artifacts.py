@@ -19,7 +19,8 @@ def _entry(kernel) -> "artifacts.Path":
     return artifacts.entry(kernel.metadata["cache_key"])
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete", "extra", "manifest", "no-manifest"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete", "extra", "manifest", "no-manifest",
+                                    "info-resigned"])
 def test_a_damaged_cache_entry_is_rebuilt_with_one_warning(damage):
     first = flashgen.compile(WL, target="h200", schedule={"block_r": 1, "block_c": 256, "num_warps": 2})
     folder = _entry(first)
@@ -38,6 +39,11 @@ def test_a_damaged_cache_entry_is_rebuilt_with_one_warning(damage):
         (folder / "evil.so").write_bytes(b"\x7fELF")
     elif damage == "manifest":
         (folder / artifacts.MANIFEST).write_text("{garbage")
+    elif damage == "info-resigned":  # garbage flashgen.json with a manifest rewritten to match it
+        (folder / "flashgen.json").write_text("[1, 2")
+        manifest = json.loads((folder / artifacts.MANIFEST).read_text())
+        manifest["flashgen.json"] = artifacts._sha256(b"[1, 2")
+        (folder / artifacts.MANIFEST).write_text(json.dumps(manifest))
     else:
         (folder / artifacts.MANIFEST).unlink()
     with pytest.warns(UserWarning, match="building it again"):

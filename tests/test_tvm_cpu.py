@@ -46,6 +46,8 @@ def run_check(wl: Workload, schedule: dict | None = None, seed: int = 0, built_f
 CASES = numerics_cases(dtypes=("fp32", "bf16", "fp16"), quant_out=("int8",))
 CASES += [workload("rope", M=m, Hq=4, Hkv=2, D=64, L=50, style=s, dtype=dt)
           for m, dt in ((3, "fp32"), (17, "bf16")) for s in ("neox", "gptj")]
+CASES += [workload("rope_cache_partial", M=m, Hq=4, Hkv=2, D=80, R=32, L=50, NS=20, style=s, dtype=dt)
+          for m, dt, s in ((3, "fp32", "gptj"), (17, "bf16", "neox"))]
 CASES += [workload(op, M=17, N=5120, dtype=dt, **({"out_dtype": "int8"} if "quant" in op else {}))
           for op in ROW_OPS if not op.startswith("rope") for dt in ("fp32", "bf16")]
 # weights dequantized (the ops over a weight's N x K): int4 codes with zero points and a padded last

@@ -4,16 +4,39 @@ One short name per dtype; each backend maps it to its own spelling here, so no o
 """
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FLOAT = ("fp32", "fp16", "bf16")
 FP8 = ("fp8e4m3",)
 INT = ("int8", "int32", "int64")
 
-TORCH = {
-    "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-    "fp8e4m3": torch.float8_e4m3fn, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
-}
+
+
+class _TorchDtypes(Mapping):
+    """name -> torch dtype, importing torch at the first lookup (the names are known without it)."""
+
+    _ATTRS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8e4m3": "float8_e4m3fn",
+              "int8": "int8", "int32": "int32", "int64": "int64"}
+
+    def __getitem__(self, name: str) -> "torch.dtype":
+        import torch
+        return getattr(torch, self._ATTRS[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._ATTRS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ATTRS)
+
+    def __len__(self) -> int:
+        return len(self._ATTRS)
+
+
+TORCH = _TorchDtypes()
 # Triton pointer element types (signature strings) and `tl.` dtype names.
 TRITON = {
     "fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8e4m3": "fp8e4nv",

@@ -11,12 +11,13 @@ Triton and TVM.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Union
-
-import torch
+from typing import TYPE_CHECKING, Callable, Mapping, Union
 
 from flashgen.ir import expr as E
 from flashgen.kernel_classes import kernel_class
+
+if TYPE_CHECKING:
+    import torch
 
 # Dtype placeholders that a workload binds from its attrs: the activation dtype and a quantized output's.
 DTYPE, OUT_DTYPE = "$dtype", "$out_dtype"
@@ -89,8 +90,8 @@ class Attend:
 
 Stmt = Union[Let, Reduce, Store, Contract, Attend]
 Attrs = Mapping[str, str]
-Reference = Callable[[Mapping[str, torch.Tensor], Mapping[str, float], Mapping[str, int], Attrs], dict]
-InputMaker = Callable[[Mapping[str, int], Attrs, torch.Generator], dict]
+Reference = Callable[[Mapping[str, "torch.Tensor"], Mapping[str, float], Mapping[str, int], Attrs], dict]
+InputMaker = Callable[[Mapping[str, int], Attrs, "torch.Generator"], dict]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Pieces the op definitions share: index shorthands, random inputs, float64 helpers."""
 from __future__ import annotations
 
-import torch
+from flashgen.lazy import lazy
+
+torch = lazy("torch")
 
 from flashgen.ir import dtypes
 from flashgen.ir.expr import Dim, Index

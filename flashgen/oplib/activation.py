@@ -1,7 +1,9 @@
 """Activations and softmax: silu_mul (SwiGLU gate), softmax over the last axis."""
 from __future__ import annotations
 
-import torch
+from flashgen.lazy import lazy
+
+torch = lazy("torch")
 
 from flashgen.ir.expr import Load, Param, Ref, exp, sigmoid
 from flashgen.ir.op import DTYPE, Let, Op, Reduce, Store, TensorSpec

@@ -16,7 +16,9 @@ kernel serves any cache size and batch.
 """
 from __future__ import annotations
 
-import torch
+from flashgen.lazy import lazy
+
+torch = lazy("torch")
 
 from flashgen.ir.expr import Dim, Index, Load, Param, Ref, tanh
 from flashgen.ir.op import DTYPE, Attend, Op, TensorSpec

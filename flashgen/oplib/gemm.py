@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
+from flashgen.lazy import lazy
+
+torch = lazy("torch")
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E

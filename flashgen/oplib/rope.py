@@ -19,7 +19,9 @@ slot -1) writes nothing, and a position outside [0, L) reads no cos/sin row, so 
 """
 from __future__ import annotations
 
-import torch
+from flashgen.lazy import lazy
+
+torch = lazy("torch")
 
 from flashgen.ir.expr import Dim, Load, Ref, where
 from flashgen.ir.op import DTYPE, Let, Op, Store, TensorSpec

@@ -31,6 +31,18 @@ def cache_key(ks: KernelSource, schedule: Schedule, target: Target) -> str:
                                    "triton": triton.__version__, "flashgen": __version__})
 
 
+def _info(files: dict[str, Path]) -> dict | None:
+    """The entry's own record of its build, or None where it is missing or not what a build writes (an
+    entry whose manifest was rewritten to match: it is built again, never a KeyError)."""
+    try:
+        info = json.loads(files["flashgen.json"].read_text(encoding="utf-8"))
+    except (KeyError, OSError, ValueError):
+        return None
+    ok = (isinstance(info, dict) and isinstance(info.get("binary_symbol"), str) and isinstance(info.get("triton_hash"), str)
+          and isinstance(info.get("shared_bytes"), int))
+    return info if ok else None
+
+
 def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     parts = staged.plan(wl, schedule, target)
     if parts is not None:
@@ -38,13 +50,15 @@ def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     ks = for_target(generate(wl, schedule), target)
     key = cache_key(ks, schedule, target)
     files = artifacts.lookup(key)
-    if files is None:
+    info = _info(files) if files is not None else None
+    if info is None:
+        if files is not None:
+            artifacts.discard(key, "has an unreadable flashgen.json")
         ck = compile_aot(ks, wl, schedule, target)
         group = {Path(p).name: Path(p).read_bytes() for p in ck.metadata_group.values()}
         info = {"binary_symbol": ck.metadata.name, "shared_bytes": ck.metadata.shared, "triton_hash": ck.hash,
                 "global_scratch_bytes": getattr(ck.metadata, "global_scratch_size", 0)}
         files = artifacts.store(key, {**group, "flashgen.json": json.dumps(info).encode()})
-    info = json.loads(files["flashgen.json"].read_text())
     ck = load_compiled(ast_source(ks, wl), {n: str(p) for n, p in files.items() if n != "flashgen.json"},
                        info["triton_hash"])
     text_kind, bin_kind = ASM[target.triton_target[0]]

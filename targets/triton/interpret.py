@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from flashgen.check import OutputCheck, check
+from flashgen.processes import ignore_sigint, sigint_deferred
 from flashgen.workload import Schedule, Workload
 
 
@@ -42,7 +43,8 @@ class InterpreterPool:
         old = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
         try:
-            self.pool = ctx.Pool(processes)
+            with sigint_deferred():
+                self.pool = ctx.Pool(processes, initializer=ignore_sigint)
         finally:
             if old is None:
                 del os.environ["TRITON_INTERPRET"]
