@@ -1,5 +1,6 @@
-"""A Llama-family decoder (Llama 2/3, Mistral with sliding window, Qwen2 with qkv bias) over a paged
-KV cache, computing with flashgen's generated kernels.
+"""A Llama-family decoder (Llama 2/3 with scaled RoPE and optional biases, Mistral with sliding window,
+Qwen2 with qkv bias and per-layer windows) over a paged KV cache, computing with flashgen's generated
+kernels. What it computes is what runtime/model_config.py accepted: anything else was refused there.
 
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
 decode token), packed along one token axis. Norms, SiLU·mul and RoPE (with the new tokens' keys and
@@ -17,11 +18,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from flashgen.oplib.rope import cos_sin_cache
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
-from flashgen.runtime.weights import ModelConfig
+from flashgen.runtime.model_config import ModelConfig
+from flashgen.runtime.rope_scaling import rope_table
 
 
 @dataclass
@@ -66,8 +67,14 @@ class Decoder:
                 layer[name] = prepare(layer[name], quant)
             if config.qkv_bias:
                 layer["qkv_bias"] = torch.cat([w[att + n + "_proj.bias"] for n in "qkv"])
+            if config.o_bias:
+                layer["o_bias"] = w[att + "o_proj.bias"]
+            if config.mlp_bias:
+                layer["gate_up_bias"] = torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
+                layer["down_bias"] = w[p + "mlp.down_proj.bias"]
             self.layers.append(layer)
-        self.cos_sin = cos_sin_cache(config.max_position_embeddings, config.head_dim, config.rope_theta).to(self.device)
+        self.cos_sin: torch.Tensor | None = None  # sized by the first cache it serves (`context`)
+        self._rope_positions = 0
 
     # ---- building blocks ------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None,
@@ -85,7 +92,8 @@ class Decoder:
         return choose(dispatcher().db_path, n, k, m, target.id)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
-                  batch: Batch, keys: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+                  batch: Batch,
+                  keys: tuple[Callable[[torch.Tensor], torch.Tensor], dict[int | None, torch.Tensor]] | None = None
                   ) -> torch.Tensor:
         """Each sequence's new queries against its whole cached context (the new keys already written),
         causal, sliding window if any: the generated paged-decode or chunked-prefill kernel on a GPU.
@@ -101,10 +109,23 @@ class Decoder:
         """Whether attention runs the generated kernels, which read device block tables."""
         return self.device.type == "cuda" and self.generated_attention
 
+    def context(self, cache: PagedKVCache) -> int:
+        """The longest context a sequence can reach: the model's, or what the cache holds if less (a
+        config may claim 10^9 positions; nothing is sized from that)."""
+        m = cache.manager
+        return min(self.c.max_position_embeddings, (len(m.free) + sum(map(len, m.tables.values()))) * m.block_size)
+
+    def rope(self, cache: PagedKVCache) -> torch.Tensor:
+        """The cos|sin table for every position `cache` can reach, built once (a CUDA graph holds it)."""
+        need = self.context(cache)
+        if self.cos_sin is None or self._rope_positions < need:
+            self.cos_sin, self._rope_positions = rope_table(self.c, need).to(self.device), need
+        return self.cos_sin
+
     def table_width(self, cache: PagedKVCache) -> int:
         """Block-table width: a whole context, so every step of a run is one workload (no new dispatch)
         and a CUDA graph's tables fit any sequence."""
-        return cache.manager.blocks_for(self.c.max_position_embeddings)
+        return cache.manager.blocks_for(self.context(cache))
 
     def with_tables(self, batch: Batch, cache: PagedKVCache) -> Batch:
         """`batch` with its block tables and context lengths on the device."""
@@ -116,8 +137,8 @@ class Decoder:
         c, m = self.c, cache.manager
         table, ctx = batch.tables, batch.ctx_lens
         kc, vc = cache.k[layer], cache.v[layer]
-        mod = {"mod": "window"} if c.sliding_window else {}
-        window = float(c.sliding_window or 1024)
+        mod = {"mod": "window"} if c.layer_window(layer) else {}
+        window = float(c.layer_window(layer) or 1024)
         if all(n == 1 for n in batch.lens):
             # L, the context the schedule is tuned for: the longest a sequence can reach, which the table
             # width or the whole cache bounds (a batch-1 cache of 160 blocks holds 2560 tokens, not 8192).
@@ -129,11 +150,12 @@ class Decoder:
         prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)
         return torch.ops.flashgen.chunked_prefill_attention(q, k, v, cu, kc, vc, table, prefix, None, window, **mod)
 
-    def decode_keys(self, batch: Batch, cache: PagedKVCache) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    def decode_keys(self, batch: Batch, cache: PagedKVCache
+                    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[int | None, torch.Tensor]]:
         """For a torch decode step, the same for every layer: how to take every sequence's first W cache
         blocks out of a layer's [blocks, block_size, Hkv, D] tensor as one [B, W * block_size, Hkv, D]
         tensor, and which of those slots each query sees, [B, 1, 1, W * block_size] (its context,
-        within the sliding window if any). Blocks reserved together lie in runs evenly spaced (a
+        within the sliding window if any), by each window the layers use. Blocks reserved together lie in runs evenly spaced (a
         request reserves its prompt and new tokens at once): those are taken as a view, no copy; other
         tables are gathered through an index."""
         m, c = cache.manager, self.c
@@ -154,13 +176,17 @@ class Decoder:
                 return x[index].reshape(len(rows), width * bs, *x.shape[2:])
         kpos = torch.arange(width * bs, device=self.device)[None, :]
         ctx = torch.tensor(batch.ctx, device=self.device)[:, None]
-        seen = kpos < ctx
-        if c.sliding_window:
-            seen &= kpos >= ctx - c.sliding_window
-        return select, seen[:, None, None, :]
+        seen = {}
+        for window in {c.layer_window(i) for i in range(c.num_layers)}:
+            mask = kpos < ctx
+            if window:
+                mask &= kpos >= ctx - window
+            seen[window] = mask[:, None, None, :]
+        return select, seen
 
     def _torch_decode_attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int,
-                                keys: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                                keys: tuple[Callable[[torch.Tensor], torch.Tensor], dict[int | None, torch.Tensor]]
+                                ) -> torch.Tensor:
         """One query per sequence, all sequences in one call: the query heads sharing a KV head are that
         head's rows (grouped-query attention without repeating keys)."""
         self.fallbacks.add("attention (torch over the paged cache)")
@@ -169,7 +195,8 @@ class Decoder:
         b, group = q.shape[0], c.num_heads // c.num_kv_heads
         o = F.scaled_dot_product_attention(q.reshape(b, c.num_kv_heads, group, c.head_dim),
                                            select(cache.k[layer]).transpose(1, 2),
-                                           select(cache.v[layer]).transpose(1, 2), attn_mask=seen)
+                                           select(cache.v[layer]).transpose(1, 2),
+                                           attn_mask=seen[c.layer_window(layer)])
         return o.reshape(b, c.num_heads, c.head_dim)
 
     def _torch_attention(self, q, cache, layer, batch) -> torch.Tensor:
@@ -184,8 +211,8 @@ class Decoder:
             qpos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
             kpos = torch.arange(ctx, device=self.device)[None, :]
             mask = kpos <= qpos
-            if c.sliding_window:
-                mask &= kpos > qpos - c.sliding_window
+            if c.layer_window(layer):
+                mask &= kpos > qpos - c.layer_window(layer)
             o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k.transpose(0, 1),
                                                v.transpose(0, 1), attn_mask=mask, enable_gqa=True)
             out[start:start + n] = o.transpose(0, 1)
@@ -202,6 +229,7 @@ class Decoder:
         x = self.embed[batch.tokens]  # the residual stream: each linear into it adds it in its epilogue
         decode = not self.uses_tables and all(n == 1 for n in batch.lens)
         keys = self.decode_keys(batch, cache) if decode else None
+        cos_sin = self.rope(cache)
         for i, L in enumerate(self.layers):
             qkv = self.linear(x, L["qkv"], L.get("qkv_bias"), norm=L["in_norm"])
             nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -209,11 +237,12 @@ class Decoder:
             k = qkv[:, nq:nq + nk].reshape(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)
             v = v.contiguous()
-            q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, self.cos_sin, v,
+            q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, cos_sin, v,
                                                  batch.slots, *cache.slot_views(i))
             a = self.attention(q, k, v, cache, i, batch, keys).reshape(-1, nq)
-            x = self.linear(a, L["o"], residual=x)
-            x = self.linear(self.linear(x, L["gate_up"], norm=L["post_norm"]), L["down"], gated=True, residual=x)
+            x = self.linear(a, L["o"], L.get("o_bias"), residual=x)
+            up = self.linear(x, L["gate_up"], L.get("gate_up_bias"), norm=L["post_norm"])
+            x = self.linear(up, L["down"], L.get("down_bias"), gated=True, residual=x)
         h = torch.ops.flashgen.rmsnorm(x, self.final_norm, c.rms_norm_eps)
         if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1

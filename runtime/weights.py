@@ -1,82 +1,119 @@
-"""Loading a Hugging Face Llama-family checkpoint folder: config.json and safetensors weights, sharded
-or not. Only what the decoder needs is read; problems are clear errors naming the file."""
+"""Loading a Hugging Face Llama-family checkpoint folder: safetensors weights, sharded or not.
+
+Every tensor the config implies is checked before any is read (present, the expected shape, a float
+dtype), and every tensor in the files must be one the decoder computes with: a checkpoint with more
+layers than its config, a bias the config does not name or an lm_head of another vocabulary is refused
+with the file, the tensor and the expected and found shapes. Shard names stay inside the folder.
+"""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from flashgen.errors import FlashgenError
+from flashgen.runtime.model_config import ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; the decoder derives them
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    sliding_window: int | None
-    qkv_bias: bool
-    tie_word_embeddings: bool
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads for `c`, by checkpoint name."""
+    h, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    out = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                    p + "mlp.down_proj.weight": (h, ff)})
+        if c.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+        if c.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (h,)
+        if c.mlp_bias:
+            out.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,), p + "mlp.down_proj.bias": (h,)})
+    return out
 
-    @staticmethod
-    def from_folder(folder: str | Path) -> ModelConfig:
-        path = Path(folder) / "config.json"
+
+def _shards(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        if (folder / "model.safetensors").exists():
+            return [folder / "model.safetensors"]
+        raise FlashgenError(f"{folder} has no model.safetensors nor model.safetensors.index.json")
+    try:
+        names = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+    except (OSError, KeyError, TypeError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FlashgenError(f"{index} is unreadable: {e}") from None
+    root, shards = folder.resolve(), []
+    for name in sorted(set(names)):
+        path = (folder / str(name)).resolve()
+        if not isinstance(name, str) or path.parent != root:
+            raise FlashgenError(f"{index} names a shard outside the folder: {name!r}")
+        if not path.exists():
+            raise FlashgenError(f"{folder}: shard {name} named by the index is missing")
+        shards.append(path)
+    return shards
+
+
+def _headers(shards: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """name -> (file, safetensors dtype, shape), read from the files' headers (nothing is allocated)."""
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    for path in shards:
         try:
-            c = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FlashgenError(f"{folder} is not a model folder: it has no config.json") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise FlashgenError(f"{path} is unreadable: {e}") from None
-        kind = c.get("model_type")
-        if kind not in SUPPORTED:
-            raise FlashgenError(f"{folder}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
-        heads = c["num_attention_heads"]
-        rope = c.get("rope_parameters") or {}
-        return ModelConfig(
-            model_type=kind, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
-            sliding_window=c.get("sliding_window") if kind == "mistral" else None,
-            qkv_bias=kind == "qwen2" or bool(c.get("attention_bias", False)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    s = f.get_slice(name)
+                    out[name] = (path, s.get_dtype(), tuple(s.get_shape()))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise FlashgenError(f"{path} is truncated or not a safetensors file ({e})") from None
+    return out
 
 
-def load_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by name: model.safetensors, or the shards its index names."""
+def check_weights(folder: str | Path, c: ModelConfig) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """The checkpoint's tensors, each checked against what `c` implies (module docstring)."""
+    found = _headers(_shards(Path(folder)))
+    want = expected_shapes(c)
+    for name, shape in want.items():
+        if name not in found:
+            raise FlashgenError(f"{folder}: tensor {name} (shape {list(shape)}) is missing")
+        path, dtype, got = found[name]
+        if got != shape:
+            raise FlashgenError(f"{path.name}: tensor {name} has shape {list(got)}, the config implies {list(shape)}")
+        if dtype not in FLOAT_DTYPES:
+            raise FlashgenError(f"{path.name}: tensor {name} is {dtype}, not a float tensor (F32, F16, BF16)")
+    extra = sorted(n for n in found if n not in want and not n.endswith(IGNORED_SUFFIXES)
+                   and not (c.tie_word_embeddings and n == "lm_head.weight"))
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise FlashgenError(f"{found[extra[0]][0].name}: tensor {', '.join(extra[:3])}{more} is not in the model "
+                            f"its config describes ({c.num_layers} layers, biases: qkv={c.qkv_bias}, o={c.o_bias}, "
+                            f"mlp={c.mlp_bias}): the decoder would ignore it")
+    if c.tie_word_embeddings and "lm_head.weight" in found and found["lm_head.weight"][2] != want["model.embed_tokens.weight"]:
+        raise FlashgenError(f"{found['lm_head.weight'][0].name}: tensor lm_head.weight has shape "
+                            f"{list(found['lm_head.weight'][2])}, the config implies {list(want['model.embed_tokens.weight'])}")
+    return found
+
+
+def load_weights(folder: str | Path, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by name (model.safetensors, or the shards its index names), checked
+    against its config (the folder's, unless given) before anything is read."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, KeyError, json.JSONDecodeError) as e:
-            raise FlashgenError(f"{index} is unreadable: {e}") from None
-    elif (folder / "model.safetensors").exists():
-        shards = ["model.safetensors"]
-    else:
-        raise FlashgenError(f"{folder} has no model.safetensors nor model.safetensors.index.json")
+    shards = sorted({p for p, _, _ in check_weights(folder, config or ModelConfig.from_folder(folder)).values()})
     out: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        path = folder / shard
-        if not path.exists():
-            raise FlashgenError(f"{folder}: shard {shard} named by the index is missing")
+    for path in shards:
         try:
             out.update(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as e:

@@ -115,6 +115,7 @@ def test_loading_errors(tmp_path, checkpoint):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(FlashgenError, match="'gpt2' is not supported"):
         ModelConfig.from_folder(tmp_path)
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())  # weights are read with their config
     data = (folder / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(FlashgenError, match="truncated"):

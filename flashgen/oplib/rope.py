@@ -76,9 +76,14 @@ def _build_cache(a, partial: bool = False) -> tuple:
 
 def cos_sin_cache(max_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
     """The [max_pos, D] fp32 table the kernel reads: cos then sin of pos * base^(-2i/D)."""
-    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(torch.float32)
+    return cos_sin_table(max_pos, base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def cos_sin_table(max_pos: int, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The table for any frequencies (a scaled RoPE's), cos and sin times `scale` (YaRN's attention
+    factor, which scales q and k alike)."""
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+    return (torch.cat([ang.cos(), ang.sin()], dim=-1) * scale).to(torch.float32)
 
 
 def _rotate(x: torch.Tensor, cs: torch.Tensor, style: str) -> torch.Tensor:

@@ -1,0 +1,198 @@
+"""A Hugging Face Llama-family config.json read into what the decoder computes, or refused.
+
+Every key that changes what the model computes is either computed (RoPE scaling in both config forms,
+biases, an explicit head_dim, tied embeddings, sliding windows per layer, EOS ids) or refused in one
+line naming it: a folder never loads to compute something other than what its config says. Sizes and
+ranges are checked before anything is allocated from them.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashgen.errors import FlashgenError
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+MAX_SIZE = 1 << 20  # any hidden, intermediate or head size, head count or vocabulary beyond this is not a model
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    sliding_window: int | None
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    o_bias: bool = False            # Llama's attention_bias also biases o_proj
+    mlp_bias: bool = False
+    rope_type: str = "default"
+    rope_params: tuple[tuple[str, Any], ...] = ()  # the scaling parameters of rope_type, as the config gives them
+    window_layers: tuple[bool, ...] = ()  # per layer, whether sliding_window applies; () = every layer
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention, None for full attention."""
+        if self.sliding_window is None or (self.window_layers and not self.window_layers[layer]):
+            return None
+        return self.sliding_window
+
+    @staticmethod
+    def from_folder(folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        try:
+            c = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FlashgenError(f"{folder} is not a model folder: it has no config.json") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FlashgenError(f"{path} is unreadable: {e}") from None
+        if not isinstance(c, dict):
+            raise FlashgenError(f"{path} is not a JSON object")
+        return parse(c, path, _generation_eos(Path(folder)))
+
+
+def _fail(path: Path, key: str, why: str) -> FlashgenError:
+    return FlashgenError(f"{path}: {key} {why}")
+
+
+def _int(c: dict, key: str, path: Path, default: int | None = None, lo: int = 1, hi: int = MAX_SIZE) -> int:
+    value = c.get(key, default)
+    if value is None:
+        raise _fail(path, key, "is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _fail(path, key, f"must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _float(c: dict, key: str, path: Path, default: float) -> float:
+    value = c.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _fail(path, key, f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _refuse_uncomputed(c: dict, kind: str, path: Path) -> None:
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise _fail(path, "hidden_act", f"is {act!r}: the decoder computes silu only")
+    if c.get("quantization_config") is not None:
+        method = c["quantization_config"].get("quant_method") if isinstance(c["quantization_config"], dict) else None
+        raise _fail(path, "quantization_config", f"is present ({method!r}): pre-quantized checkpoints are not "
+                                                 "loaded; give a float checkpoint and choose --quant")
+    prf = c.get("partial_rotary_factor", 1.0)
+    if prf != 1.0:
+        raise _fail(path, "partial_rotary_factor", f"is {prf!r}: this model family rotates the whole head")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key) and kind != "llama":
+            raise _fail(path, key, f"is set, which {kind} models do not compute")
+
+
+def _rope(c: dict, path: Path) -> tuple[float, str, tuple[tuple[str, Any], ...]]:
+    """(theta, type, scaling parameters) from `rope_parameters` (transformers 5) or `rope_scaling` with a
+    top-level `rope_theta` (Llama 3.1+ folders)."""
+    key = "rope_parameters" if c.get("rope_parameters") is not None else "rope_scaling"
+    params = c.get(key) or {}
+    if not isinstance(params, dict):
+        raise _fail(path, key, f"must be an object, got {params!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise _fail(path, f"{key}.rope_type", f"is {kind!r}, which the decoder does not compute "
+                                              f"(computed: {', '.join(ROPE_TYPES)})")
+    theta = _float({"rope_theta": params.get("rope_theta", c.get("rope_theta", 10000.0))}, "rope_theta", path, 1.0)
+    rest = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    if kind in ("llama3", "yarn"):
+        rest.setdefault("original_max_position_embeddings",
+                        c.get("original_max_position_embeddings", c.get("max_position_embeddings")))
+    needed = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "default": ()}[kind]
+    for name in (*needed, *(n for n in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                                        "original_max_position_embeddings", "attention_factor") if n in rest)):
+        value = rest.get(name)
+        if value is None and name not in needed:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise _fail(path, f"{key}.{name}", f"must be a positive number, got {value!r}")
+    if kind == "llama3" and rest["high_freq_factor"] <= rest["low_freq_factor"]:
+        raise _fail(path, f"{key}.high_freq_factor", "must exceed low_freq_factor")
+    return theta, kind, tuple(sorted(rest.items()))
+
+
+def _windows(c: dict, kind: str, layers: int, path: Path) -> tuple[int | None, tuple[bool, ...]]:
+    """The sliding window and which layers use it: every Mistral layer; Qwen2's `layer_types` (or, without
+    them, the layers from `max_window_layers` on) when `use_sliding_window` is set."""
+    if kind == "llama" or (kind == "qwen2" and not c.get("use_sliding_window", False)):
+        return None, ()
+    if c.get("sliding_window") is None:
+        return None, ()
+    window = _int(c, "sliding_window", path)
+    types = c.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or \
+                any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise _fail(path, "layer_types", f"must list {layers} of sliding_attention / full_attention")
+        return window, tuple(t == "sliding_attention" for t in types)
+    if kind == "qwen2":
+        first = _int(c, "max_window_layers", path, default=layers, lo=0)
+        return window, tuple(i >= first for i in range(layers))
+    return window, ()
+
+
+def _eos(value: Any, where: str) -> tuple[int, ...]:
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise FlashgenError(f"{where}: eos_token_id must be a non-negative integer or a list of them, got {value!r}")
+    return tuple(ids)
+
+
+def _generation_eos(folder: Path) -> tuple[int, ...]:
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return ()
+    try:
+        g = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FlashgenError(f"{path} is unreadable: {e}") from None
+    return _eos(g.get("eos_token_id") if isinstance(g, dict) else None, str(path))
+
+
+def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelConfig:
+    """The config's model, every size and range checked, or the one-line reason it is refused."""
+    kind = c.get("model_type")
+    if kind not in SUPPORTED:
+        raise _fail(path, "model_type", f"{kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    _refuse_uncomputed(c, kind, path)
+    hidden, heads = _int(c, "hidden_size", path), _int(c, "num_attention_heads", path)
+    kv_heads = _int(c, "num_key_value_heads", path, default=heads)
+    if heads % kv_heads:
+        raise _fail(path, "num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
+    if c.get("head_dim") is None and hidden % heads:
+        raise _fail(path, "num_attention_heads", f"({heads}) must divide hidden_size ({hidden}) when there is no head_dim")
+    head_dim = _int(c, "head_dim", path) if c.get("head_dim") is not None else hidden // heads
+    if head_dim % 2:
+        raise _fail(path, "head_dim", f"must be even for rotary embeddings, got {head_dim}")
+    layers = _int(c, "num_hidden_layers", path, hi=4096)
+    theta, rope_type, rope_params = _rope(c, path)
+    window, window_layers = _windows(c, kind, layers, path)
+    attention_bias = bool(c.get("attention_bias", False)) and kind == "llama"
+    return ModelConfig(
+        model_type=kind, vocab_size=_int(c, "vocab_size", path, hi=1 << 24), hidden_size=hidden,
+        intermediate_size=_int(c, "intermediate_size", path), num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=_float(c, "rms_norm_eps", path, 1e-6),
+        rope_theta=theta, max_position_embeddings=_int(c, "max_position_embeddings", path, default=4096, hi=(1 << 31) - 1),
+        sliding_window=window, qkv_bias=kind == "qwen2" or attention_bias,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), o_bias=attention_bias,
+        mlp_bias=bool(c.get("mlp_bias", False)) and kind == "llama", rope_type=rope_type, rope_params=rope_params,
+        window_layers=window_layers,
+        eos_token_ids=tuple(dict.fromkeys(_eos(c.get("eos_token_id"), str(path)) + generation_eos)))

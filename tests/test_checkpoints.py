@@ -1,0 +1,233 @@
+"""The checkpoints people have: each config key the decoder computes gives transformers' float32 logits
+on a tiny random folder written by transformers (RoPE scaling in both config forms, biases, an explicit
+head_dim, tied embeddings, Qwen2's per-layer sliding windows, EOS ids), and every other key, bad
+range or tensor is refused in one line naming it, before anything is allocated from it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashgen.errors import FlashgenError  # noqa: E402
+from flashgen.runtime.engine import Engine  # noqa: E402
+from flashgen.runtime.model import Batch, Decoder  # noqa: E402
+from flashgen.runtime.model_config import ModelConfig  # noqa: E402
+from flashgen.runtime.weights import load_weights  # noqa: E402
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+PROMPT = [(7 * i + 3) % 96 for i in range(70)]  # past every scaled RoPE's original context below
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16,
+                    "mscale": 1.0, "mscale_all_dim": 0.5},
+}
+
+
+def _write(tmp_path: Path, hf: torch.nn.Module, randomize_biases: bool = True) -> Path:
+    if randomize_biases:  # random init leaves biases at zero: make them count
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                torch.nn.init.normal_(p, std=0.5)
+    hf.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _llama(tmp_path: Path, seed: int = 0, **kw) -> tuple[torch.nn.Module, Path]:
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, **kw})).eval()
+    return hf, _write(tmp_path, hf)
+
+
+def _error(hf: torch.nn.Module, folder: Path, prompt: list[int] = PROMPT) -> float:
+    """Max |logit difference| over the prompt's tokens, relative to the largest logit."""
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    eng = Engine(model, num_blocks=16)
+    eng.cache.manager.reserve(0, len(prompt))
+    table = eng.cache.manager.tables[0]
+    batch = Batch(torch.tensor(prompt), torch.arange(len(prompt)),
+                  torch.tensor([table[p // 16] * 16 + p % 16 for p in range(len(prompt))]), [0], [len(prompt)],
+                  [len(prompt)])
+    ours = model.forward(batch, eng.cache, last_only=False)
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def _legacy_form(folder: Path) -> None:
+    """config.json as Llama 3.1-3.3 folders hold it: `rope_scaling` and a top-level `rope_theta`."""
+    c = json.loads((folder / "config.json").read_text())
+    params = c.pop("rope_parameters")
+    c["rope_theta"] = params.pop("rope_theta")
+    c["rope_scaling"] = params
+    (folder / "config.json").write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize("form", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_scaled_rope_matches_transformers(tmp_path, rope, form):
+    hf, folder = _llama(tmp_path, rope_parameters={**ROPES[rope], "rope_theta": 10000.0})
+    if form == "rope_scaling":
+        _legacy_form(folder)
+    c = ModelConfig.from_folder(folder)
+    assert c.rope_type == ROPES[rope]["rope_type"]
+    assert _error(hf, folder) < 1e-4
+
+
+def test_scaled_rope_differs_from_plain_rope(tmp_path):
+    """The check above can fail: a llama3 folder computed with plain RoPE is far off."""
+    hf, folder = _llama(tmp_path, rope_parameters={**ROPES["llama3"], "rope_theta": 10000.0})
+    c = json.loads((folder / "config.json").read_text())
+    c["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(c))
+    assert _error(hf, folder) > 1e-3  # (ten times the tolerance the checks above pass with)
+
+
+@pytest.mark.parametrize("kw", [dict(attention_bias=True), dict(mlp_bias=True), dict(head_dim=32),
+                                dict(tie_word_embeddings=True), dict(attention_bias=True, mlp_bias=True, head_dim=8)],
+                         ids=["attention_bias", "mlp_bias", "head_dim", "tied", "all"])
+def test_llama_config_keys_match_transformers(tmp_path, kw):
+    hf, folder = _llama(tmp_path, **kw)
+    c = ModelConfig.from_folder(folder)
+    assert (c.o_bias, c.mlp_bias) == (kw.get("attention_bias", False), kw.get("mlp_bias", False))
+    assert _error(hf, folder) < 1e-4
+
+
+@pytest.mark.parametrize("max_window_layers", [0, 1, 2])
+def test_qwen2_sliding_window_layers_match_transformers(tmp_path, max_window_layers):
+    torch.manual_seed(1)
+    cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=max_window_layers)
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    folder = _write(tmp_path, hf)
+    c = ModelConfig.from_folder(folder)
+    assert [c.layer_window(i) for i in range(2)] == [None if i < max_window_layers else 8 for i in range(2)]
+    assert _error(hf, folder, PROMPT[:30]) < 1e-4
+
+
+def test_eos_ids_come_from_config_and_generation_config(tmp_path):
+    _, folder = _llama(tmp_path, eos_token_id=[5, 9])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 11]}))
+    assert ModelConfig.from_folder(folder).eos_token_ids == (5, 9, 11)
+
+
+def _edit(folder: Path, **changes) -> None:
+    c = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    (folder / "config.json").write_text(json.dumps(c))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return _llama(tmp_path_factory.mktemp("tiny"))[1]
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(hidden_act="gelu"), "hidden_act is 'gelu'"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_parameters.rope_type is 'longrope'"),
+    (dict(rope_parameters=None, rope_scaling={"type": "su"}), "rope_scaling.rope_type is 'su'"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), "rope_parameters.factor must be"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}), "rope_theta must be a positive number"),
+    (dict(quantization_config={"quant_method": "gptq"}), "quantization_config is present ('gptq')"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor is 0.5"),
+    (dict(model_type="qwen2", mlp_bias=True), "mlp_bias is set, which qwen2 models do not compute"),
+    (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
+    (dict(hidden_size=-64), "hidden_size must be an integer"),
+    (dict(num_attention_heads=3, head_dim=None), "num_key_value_heads (2) must divide num_attention_heads (3)"),
+    (dict(num_attention_heads=6, num_key_value_heads=3, head_dim=None), "num_attention_heads (6) must divide hidden_size (64)"),
+    (dict(rms_norm_eps=0), "rms_norm_eps must be a positive number"),
+    (dict(vocab_size="96"), "vocab_size must be an integer"),
+    (dict(num_hidden_layers=None), "num_hidden_layers is missing"),
+    (dict(model_type="mistral", sliding_window=-4), "sliding_window must be an integer"),
+    (dict(eos_token_id="</s>"), "eos_token_id must be a non-negative integer"),
+])
+def test_config_refusals_name_the_key(tiny, tmp_path, changes, message):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    _edit(folder, **changes)
+    with pytest.raises(FlashgenError, match="config.json: " + message.replace("(", r"\(").replace(")", r"\)")
+                       .replace(".", r"\.")) as e:
+        ModelConfig.from_folder(folder)
+    assert "\n" not in str(e.value)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _save(folder: Path, tensors: dict[str, torch.Tensor], name: str = "model.safetensors") -> None:
+    from safetensors.torch import save_file
+    save_file(tensors, str(folder / name))
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("missing", r"tensor model\.layers\.1\.mlp\.up_proj\.weight \(shape \[96, 64\]\) is missing"),
+    ("lm_head", r"model\.safetensors: tensor lm_head\.weight has shape \[100, 64\], the config implies \[96, 64\]"),
+    ("int8", r"model\.safetensors: tensor model\.norm\.weight is I8, not a float tensor"),
+    ("extra_layer", r"tensor model\.layers\.2\.input_layernorm\.weight.* is not in the model its config describes"),
+    ("bias", r"tensor model\.layers\.0\.self_attn\.q_proj\.bias is not in the model"),
+])
+def test_weights_are_checked_against_the_config(tiny, tmp_path, damage, message):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    t = _tensors(folder)
+    if damage == "missing":
+        del t["model.layers.1.mlp.up_proj.weight"]
+    elif damage == "lm_head":
+        t["lm_head.weight"] = torch.zeros(100, 64)
+    elif damage == "int8":
+        t["model.norm.weight"] = torch.ones(64, dtype=torch.int8)
+    elif damage == "extra_layer":
+        t.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in t.items() if "layers.1." in k})
+    else:
+        t["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    _save(folder, t)
+    with pytest.raises(FlashgenError, match=message):
+        load_weights(folder)
+
+
+def test_a_shard_outside_the_folder_is_refused(tiny, tmp_path):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    outside = tmp_path / "elsewhere.safetensors"
+    (folder / "model.safetensors").rename(outside)
+    index = {"weight_map": {name: str(outside) for name in _tensors_at(outside)}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FlashgenError, match="names a shard outside the folder"):
+        load_weights(folder)
+
+
+def _tensors_at(path: Path) -> list[str]:
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def test_nothing_is_sized_from_a_huge_max_position(tiny, tmp_path):
+    """A config claiming 10^9 positions: the RoPE table and block tables are sized by the cache."""
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    _edit(folder, max_position_embeddings=10 ** 9)
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    eng = Engine(model, num_blocks=8, block_size=16)
+    out = eng.generate([[1, 2, 3]])[0]
+    assert len(out.output) == 32 and model.cos_sin.shape == (8 * 16, 16)
+    assert model.table_width(eng.cache) == 8
