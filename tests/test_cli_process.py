@@ -32,8 +32,11 @@ def test_ctrl_c_during_a_tune_is_one_line_and_exit_130(tmp_path, after_s):
     SIGINT, as a terminal sends it."""
     argv = [sys.executable, "-m", "flashgen.cli", "tune", "rmsnorm", "--dim", "M=64", "--dim", "N=2048", "--dtype",
             "fp32", "--target", "cpu", "--trials", "40", "--db", str(tmp_path / "t.db")]
+    # (a terminal's shell starts a command with SIGINT at its default; a test runner's worker may ignore
+    # it, which the command would inherit)
     p = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(after_s)
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=60)
