@@ -13,10 +13,18 @@ chose, still on the device) and only then reads the pending step's tokens, so th
 the host does its bookkeeping. A step is chained only while no request waits to join and none reaches
 max_new_tokens; a request that meets a stop token in a pending step has one more token computed, and
 discarded (its cache blocks are still its own when that step runs: the stream orders every later use).
+
+`add` raises FlashgenError, in one line naming the field and its value, for a malformed request: a
+sampling parameter of the wrong type or outside its range, an empty prompt, a token id that is no
+integer or lies outside the model's vocabulary. That is the caller's bug, and no engine could serve it.
+A well-formed request that this engine cannot serve (longer than the model's context or than the whole
+KV cache) is accepted and finished at once with its reason, so that it alone is refused.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import torch
 
@@ -34,6 +42,38 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def check_request(prompt: list[int], p: SamplingParams, vocab_size: int) -> None:
+    """Raise FlashgenError naming the first malformed field of a request (module docstring)."""
+    if not isinstance(p, SamplingParams):
+        raise FlashgenError(f"params must be a SamplingParams, got {p!r}")
+    if not (_is_real(p.temperature) and math.isfinite(p.temperature) and p.temperature >= 0):
+        raise FlashgenError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+    if not (_is_real(p.top_p) and 0 < p.top_p <= 1):
+        raise FlashgenError(f"top_p must be in (0, 1], got {p.top_p!r}")
+    if not (_is_int(p.top_k) and p.top_k >= 0):
+        raise FlashgenError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+    if not (_is_int(p.max_new_tokens) and p.max_new_tokens >= 1):
+        raise FlashgenError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
+    if not (_is_int(p.seed) and 0 <= p.seed < 2 ** 63):
+        raise FlashgenError(f"seed must be an integer in [0, 2**63), got {p.seed!r}")
+    if not (isinstance(p.stop_tokens, (tuple, list)) and all(map(_is_int, p.stop_tokens))):
+        raise FlashgenError(f"stop_tokens must be a tuple of integers, got {p.stop_tokens!r}")
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise FlashgenError(f"prompt must be a non-empty list of token ids, got {prompt!r:.80}")
+    for i, t in enumerate(prompt):
+        if not (_is_int(t) and 0 <= t < vocab_size):
+            raise FlashgenError(f"prompt token {t!r:.40} at position {i} is not an id in the vocabulary "
+                                f"[0, {vocab_size})")
 
 
 @dataclass
@@ -98,12 +138,13 @@ class Engine:
         self._next_id = 0
 
     def add(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> int:
+        """Queue a request; its id. A malformed one raises FlashgenError; one this engine cannot serve is
+        finished at once with its reason (module docstring)."""
+        check_request(prompt, params, self.model.c.vocab_size)
         rid, self._next_id = self._next_id, self._next_id + 1
-        req = Request(rid, list(prompt), params, generator=torch.Generator().manual_seed(params.seed))
+        req = Request(rid, [int(t) for t in prompt], params, generator=torch.Generator().manual_seed(params.seed))
         c, m = self.model.c, self.cache.manager
-        if not prompt:
-            req.error = "empty prompt"
-        elif len(prompt) + params.max_new_tokens > c.max_position_embeddings:
+        if len(prompt) + params.max_new_tokens > c.max_position_embeddings:
             req.error = (f"prompt of {len(prompt)} tokens + {params.max_new_tokens} new exceeds the model's context "
                          f"of {c.max_position_embeddings}")
         elif m.blocks_for(len(prompt) + params.max_new_tokens) > len(m.free) + sum(map(len, m.tables.values())):
@@ -203,6 +244,10 @@ class Engine:
                 self.finished[req.id] = req
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
+        """Run `prompts` to the end; their requests. Every prompt is checked before any is queued, so a
+        malformed one raises with none of them left in the engine."""
+        for p in prompts:
+            check_request(p, params, self.model.c.vocab_size)
         ids = [self.add(p, params) for p in prompts]
         while self.waiting or self.running or self.pending:
             self.step()

@@ -1,0 +1,78 @@
+"""The engine never loses a request: malformed requests are refused at `add` in one line; a request that
+fails in a step fails alone (sampling) or with its step (forward), its blocks freed; admission is first
+come, first served, so a long request is not starved; requests can be aborted; finished ones are handed
+over, not kept. On the CPU, tiny random Llama."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashgen.errors import FlashgenError
+from flashgen.runtime.bench import CONFIGS, random_weights
+from flashgen.runtime.engine import Engine, SamplingParams
+from flashgen.runtime.model import Decoder
+
+PROMPTS = [[1, 5, 9, 20, 33], [7, 8, 100, 3, 4, 5, 6, 77, 2, 1, 0, 9, 8, 7, 6, 5, 4, 3, 11, 12], [42]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    c = CONFIGS["tiny"]  # vocab 256, context 1024
+    return Decoder(c, random_weights(c, torch.float32, torch.device("cpu"), seed=1))
+
+
+def solo(model: Decoder, prompt: list[int], n: int) -> list[int]:
+    """The greedy output of `prompt` run alone."""
+    return Engine(model, num_blocks=64).generate([prompt], SamplingParams(max_new_tokens=n))[0].output
+
+
+def all_free(eng: Engine) -> bool:
+    m = eng.cache.manager
+    return sorted(m.free) == list(range(len(eng.cache.k[0]))) and not m.tables
+
+
+def run_out(eng: Engine) -> None:
+    while eng.waiting or eng.running or eng.pending:
+        eng.step()
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([1], dict(temperature=math.nan), "temperature must be a finite number >= 0, got nan"),
+    ([1], dict(temperature=math.inf), "temperature must be a finite number >= 0, got inf"),
+    ([1], dict(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+    ([1], dict(temperature="0.7"), "temperature must be a finite number >= 0, got '0.7'"),
+    ([1], dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    ([1], dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    ([1], dict(top_p=math.nan), "top_p must be in (0, 1], got nan"),
+    ([1], dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
+    ([1], dict(top_k=2.5), "top_k must be an integer >= 0, got 2.5"),
+    ([1], dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+    ([1], dict(max_new_tokens=True), "max_new_tokens must be an integer >= 1, got True"),
+    ([1], dict(seed=-1), "seed must be an integer in [0, 2**63), got -1"),
+    ([1], dict(seed=2 ** 63), f"seed must be an integer in [0, 2**63), got {2 ** 63}"),
+    ([1], dict(stop_tokens=(2, "x")), "stop_tokens must be a tuple of integers, got (2, 'x')"),
+    ([1], dict(stop_tokens=2), "stop_tokens must be a tuple of integers, got 2"),
+    ([], {}, "prompt must be a non-empty list of token ids, got []"),
+    ("abc", {}, "prompt must be a non-empty list of token ids, got 'abc'"),
+    ([1, 256], {}, "prompt token 256 at position 1 is not an id in the vocabulary [0, 256)"),
+    ([-1], {}, "prompt token -1 at position 0 is not an id in the vocabulary [0, 256)"),
+    ([1, 2.0], {}, "prompt token 2.0 at position 1 is not an id in the vocabulary [0, 256)"),
+])
+def test_add_refuses_malformed_requests_in_one_line(model, prompt, params, message):
+    eng = Engine(model, num_blocks=8)
+    with pytest.raises(FlashgenError) as e:
+        eng.add(prompt, SamplingParams(**params))
+    assert str(e.value) == message
+    with pytest.raises(FlashgenError, match="top_p"):  # generate checks every prompt before queueing any
+        eng.generate([[1, 2], [3]], SamplingParams(top_p=0.0))
+    assert not eng.waiting and not eng.finished and all_free(eng)
+
+
+def test_requests_this_engine_cannot_serve_finish_with_their_reason(model):
+    eng = Engine(model, num_blocks=4, block_size=16)  # 64 tokens
+    too_big, fine = eng.generate([[3] * 60, [3] * 5], SamplingParams(max_new_tokens=8))
+    assert "more KV cache blocks" in too_big.error and not too_big.output
+    assert fine.error == "" and len(fine.output) == 8
+    assert "exceeds the model's context" in eng.generate([[3] * 1020], SamplingParams(max_new_tokens=8))[0].error
