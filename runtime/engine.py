@@ -14,15 +14,23 @@ the host does its bookkeeping. A step is chained only while no request waits to 
 max_new_tokens; a request that meets a stop token in a pending step has one more token computed, and
 discarded (its cache blocks are still its own when that step runs: the stream orders every later use).
 
-`add` raises FlashgenError, in one line naming the field and its value, for a malformed request: a
-sampling parameter of the wrong type or outside its range, an empty prompt, a token id that is no
-integer or lies outside the model's vocabulary. That is the caller's bug, and no engine could serve it.
-A well-formed request that this engine cannot serve (longer than the model's context or than the whole
-KV cache) is accepted and finished at once with its reason, so that it alone is refused.
+The engine never loses a request; each one ends in `finished`, with `error` set if it failed:
+- `add` raises FlashgenError, in one line naming the field and its value, for a malformed request: a
+  sampling parameter of the wrong type or outside its range, an empty prompt, a token id that is no
+  integer or lies outside the model's vocabulary. That is the caller's bug, and no engine could serve
+  it. A well-formed request that this engine cannot serve (longer than the model's context or than the
+  whole KV cache) is accepted and finished at once with its reason, so that it alone is refused.
+- In a step, an error that belongs to one request (its sampling) fails that request alone. One that
+  belongs to none (the forward or a replay raised) fails every request of the step with its reason
+  and frees their blocks; `step` then returns normally, so the engine keeps serving the waiting
+  requests and a serving loop needs no handler. Token ids are checked at `add` because an
+  out-of-vocabulary id on a GPU is a device-side assert, which no engine survives.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -76,6 +84,12 @@ def check_request(prompt: list[int], p: SamplingParams, vocab_size: int) -> None
                                 f"[0, {vocab_size})")
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line, for a request's `error`."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 @dataclass
 class Request:
     id: int
@@ -96,7 +110,7 @@ class Request:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine.step`)."""
+    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine._record`)."""
     logits = logits.float() / p.temperature
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -152,6 +166,12 @@ class Engine:
         (self.finished.__setitem__(rid, req) if req.error else self.waiting.append(req))
         return rid
 
+    def _finish(self, req: Request, error: str = "") -> None:
+        """Release `req`'s blocks and hand it over in `finished`, keeping the first error it met."""
+        req.error = req.error or error
+        self.cache.manager.release(req.id)
+        self.finished[req.id] = req
+
     def _admit(self) -> list[Request]:
         m, new = self.cache.manager, []
         for req in list(self.waiting):
@@ -166,23 +186,46 @@ class Engine:
         """One forward: prefill the admitted requests, decode one token of the others. With a step
         pending, the step after it is replayed when it can be, and the pending one is read."""
         if self.pending is not None:
-            pending, self.pending = self.pending, self._chain(self.pending)
-            if pending.ready is not None:
-                pending.ready.synchronize()
-            self._record(pending.reqs, pending.tokens.tolist(), None)
+            with self._failing_running():
+                self._read_pending()
             return
         new = self._admit()
-        batch_reqs = new + self.running
-        if not batch_reqs:
-            if self.waiting:
-                raise FlashgenError("the KV cache cannot hold any waiting request")
-            return
+        self.running = new + self.running
+        if self.running:
+            with self._failing_running():
+                self._forward(len(new))
+        elif self.waiting:
+            raise FlashgenError("the KV cache cannot hold any waiting request")
+
+    @contextmanager
+    def _failing_running(self) -> Iterator[None]:
+        """An exception no single request owns (a forward, a replay, a copy) fails every running request
+        with its reason and frees their blocks, and is not raised: the engine serves on (module
+        docstring). An interrupt (KeyboardInterrupt, SystemExit) still propagates, the engine consistent."""
+        try:
+            yield
+        except BaseException as e:
+            for req in self.running:
+                self._finish(req, f"step failed: {one_line(e)}")
+            self.running, self.pending = [], None
+            if not isinstance(e, Exception):
+                raise
+
+    def _read_pending(self) -> None:
+        """Replay the step after the pending one when it can be, then read and record the pending one."""
+        pending, self.pending = self.pending, self._chain(self.pending)
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        self._record(pending.reqs, pending.tokens.tolist(), None)
+
+    def _forward(self, fresh: int) -> None:
+        """Prefill the first `fresh` running requests (just admitted) and decode one token of the others."""
+        batch_reqs = self.running
         tokens, positions, slots, lens, ctx = [], [], [], [], []
         bs = self.cache.manager.block_size
-        for req in batch_reqs:
-            fresh = req in new
-            toks = req.tokens if fresh else req.tokens[-1:]
-            start = 0 if fresh else len(req.tokens) - 1
+        for i, req in enumerate(batch_reqs):
+            toks = req.tokens if i < fresh else req.tokens[-1:]
+            start = 0 if i < fresh else len(req.tokens) - 1
             table = self.cache.manager.tables[req.id]
             pos = list(range(start, start + len(toks)))
             tokens += toks
@@ -194,7 +237,6 @@ class Engine:
         if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
             logits = self.graphs.run(seqs, tokens, positions, slots)
             if self.chain and all(r.params.temperature <= 0 for r in batch_reqs):
-                self.running = batch_reqs
                 self.pending = self._pending(batch_reqs)
                 return
             chosen = self.graphs.chosen(len(seqs)).tolist()
@@ -230,22 +272,28 @@ class Engine:
         return self._pending(p.reqs)
 
     def _record(self, reqs: list[Request], chosen: list[int], logits: torch.Tensor | None) -> None:
-        """Append each request's token (greedy, or sampled from its row of `logits`), retire the finished."""
+        """Append each request's token (greedy, or sampled from its row of `logits`: a sampling error
+        fails that request alone), retire the finished. A request already done gets no token: one
+        stopped in the step before this chained one (retired then) or aborted inside it (retired now)."""
+        running = {r.id for r in self.running}
         for i, (req, top) in enumerate(zip(reqs, chosen)):
-            if req.done:  # stopped in the step before this chained one
+            if req.done:
                 continue
-            req.output.append(top if req.params.temperature <= 0 else sample(logits[i], req.params, req.generator))
-        self.running = []
+            if req.params.temperature <= 0:
+                req.output.append(top)
+                continue
+            try:
+                req.output.append(sample(logits[i], req.params, req.generator))
+            except Exception as e:
+                req.error = f"sampling failed: {one_line(e)}"
+        self.running = [r for r in reqs if not r.done]
         for req in reqs:
-            if not req.done:
-                self.running.append(req)
-            elif req.id not in self.finished:
-                self.cache.manager.release(req.id)
-                self.finished[req.id] = req
+            if req.done and req.id in running:
+                self._finish(req)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
-        """Run `prompts` to the end; their requests. Every prompt is checked before any is queued, so a
-        malformed one raises with none of them left in the engine."""
+        """Run `prompts` to the end; their requests. Every prompt is checked
+        before any is queued, so a malformed one raises with none of them left in the engine."""
         for p in prompts:
             check_request(p, params, self.model.c.vocab_size)
         ids = [self.add(p, params) for p in prompts]

@@ -5,6 +5,7 @@ over, not kept. On the CPU, tiny random Llama."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,3 +77,46 @@ def test_requests_this_engine_cannot_serve_finish_with_their_reason(model):
     assert "more KV cache blocks" in too_big.error and not too_big.output
     assert fine.error == "" and len(fine.output) == 8
     assert "exceeds the model's context" in eng.generate([[3] * 1020], SamplingParams(max_new_tokens=8))[0].error
+
+
+def test_a_request_failing_to_sample_fails_alone(model):
+    """One request whose sampling raises in its prefill step (NaN temperature) and one in a later decode
+    step (top_p 0: nothing to draw from), both past `add`'s checks: each fails with its reason, the
+    greedy ones batched with them give their solo outputs, and every block is back."""
+    want = [solo(model, p, 10) for p in PROMPTS]
+    eng = Engine(model, num_blocks=16)
+    ids = [eng.add(p, SamplingParams(max_new_tokens=10)) for p in PROMPTS]
+    nan = eng.add(PROMPTS[0], SamplingParams(max_new_tokens=10, temperature=0.8))
+    late = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=10, temperature=0.8, seed=3))
+    eng.waiting[-2].params = replace(eng.waiting[-2].params, temperature=math.nan)
+    eng.step()
+    eng.step()
+    eng.step()
+    req = next(r for r in eng.running if r.id == late)
+    assert len(req.output) == 3
+    req.params = replace(req.params, top_p=0.0)
+    run_out(eng)
+    assert eng.finished[nan].error.startswith("sampling failed: RuntimeError") and not eng.finished[nan].output
+    assert eng.finished[late].error.startswith("sampling failed: RuntimeError") and len(eng.finished[late].output) == 3
+    assert [eng.finished[i].output for i in ids] == want and all(eng.finished[i].error == "" for i in ids)
+    assert all_free(eng)
+
+
+def test_a_failing_forward_fails_its_step_and_the_engine_serves_on(model):
+    """A prompt id past `add`'s check (an index error in the embedding) fails the step's requests, the
+    running one included, with the reason, and frees their blocks; a request waiting for blocks then
+    runs to its solo output."""
+    eng = Engine(model, num_blocks=8, block_size=16)
+    running = eng.add(PROMPTS[0], SamplingParams(max_new_tokens=10))  # 1 block
+    eng.step()
+    eng.step()
+    bad = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=10))      # 2 blocks
+    eng.waiting[-1].prompt[3] = 10 ** 6
+    waits = eng.add(list(range(100)), SamplingParams(max_new_tokens=10))  # 7 blocks: only 5 are free
+    eng.step()
+    for rid in (running, bad):
+        assert eng.finished[rid].error.startswith("step failed: IndexError"), eng.finished[rid].error
+    assert [r.id for r in eng.waiting] == [waits] and not eng.running and not eng.cache.manager.tables
+    run_out(eng)
+    assert eng.finished[waits].error == "" and eng.finished[waits].output == solo(model, list(range(100)), 10)
+    assert all_free(eng)
