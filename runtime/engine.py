@@ -14,6 +14,10 @@ the host does its bookkeeping. A step is chained only while no request waits to 
 max_new_tokens; a request that meets a stop token in a pending step has one more token computed, and
 discarded (its cache blocks are still its own when that step runs: the stream orders every later use).
 
+Requests are admitted first come, first served: a waiting request that does not fit yet holds back those
+that came after it, so a long one is admitted once the running requests before it have finished, not
+starved by a stream of short ones that each fit.
+
 The engine never loses a request; each one ends in `finished`, with `error` set if it failed:
 - `add` raises FlashgenError, in one line naming the field and its value, for a malformed request: a
   sampling parameter of the wrong type or outside its range, an empty prompt, a token id that is no
@@ -173,13 +177,16 @@ class Engine:
         self.finished[req.id] = req
 
     def _admit(self) -> list[Request]:
+        """Admit waiting requests in arrival order while the cache can hold them: one that does not fit
+        holds back those behind it, so a long request is not starved by a stream of short ones."""
         m, new = self.cache.manager, []
-        for req in list(self.waiting):
+        while self.waiting:
+            req = self.waiting[0]
             need = len(req.prompt) + req.params.max_new_tokens
-            if m.can_hold(req.id, need):
-                m.reserve(req.id, need)
-                self.waiting.remove(req)
-                new.append(req)
+            if not m.can_hold(req.id, need):
+                break
+            m.reserve(req.id, need)
+            new.append(self.waiting.pop(0))
         return new
 
     def step(self) -> None:
