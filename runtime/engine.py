@@ -18,7 +18,8 @@ Requests are admitted first come, first served: a waiting request that does not 
 that came after it, so a long one is admitted once the running requests before it have finished, not
 starved by a stream of short ones that each fit.
 
-The engine never loses a request; each one ends in `finished`, with `error` set if it failed:
+The engine never loses a request; each one ends in `finished` (taken out by `pop_finished`, or by
+`generate` for its own), with `error` set if it failed:
 - `add` raises FlashgenError, in one line naming the field and its value, for a malformed request: a
   sampling parameter of the wrong type or outside its range, an empty prompt, a token id that is no
   integer or lies outside the model's vocabulary. That is the caller's bug, and no engine could serve
@@ -29,6 +30,7 @@ The engine never loses a request; each one ends in `finished`, with `error` set 
   and frees their blocks; `step` then returns normally, so the engine keeps serving the waiting
   requests and a serving loop needs no handler. Token ids are checked at `add` because an
   out-of-vocabulary id on a GPU is a device-side assert, which no engine survives.
+- `abort` finishes a waiting or running request with error "aborted".
 """
 from __future__ import annotations
 
@@ -150,7 +152,7 @@ class Engine:
         self.graphs = DecodeGraphs(model, self.cache) if graphs else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.finished: dict[int, Request] = {}
+        self.finished: dict[int, Request] = {}  # until `pop_finished` (or `generate`) takes them
         self.pending: _Pending | None = None
         self.chain = chain
         self._next_id = 0
@@ -169,6 +171,30 @@ class Engine:
             req.error = "prompt + max_new_tokens needs more KV cache blocks than the cache has"
         (self.finished.__setitem__(rid, req) if req.error else self.waiting.append(req))
         return rid
+
+    def abort(self, request_id: int) -> bool:
+        """Finish a waiting or running request with error "aborted", freeing its blocks; False when the
+        engine holds no such unfinished request. One inside the pending step is only marked: it is
+        retired when that step is read, at the next `step` (its replay may still use its blocks)."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                self._finish(req, "aborted")
+                return True
+        for req in self.running:
+            if req.id == request_id:
+                req.error = "aborted"
+                if self.pending is None:  # (with a step pending, every running request is in it)
+                    self.running.remove(req)
+                    self._finish(req)
+                return True
+        return False
+
+    def pop_finished(self) -> list[Request]:
+        """The requests finished since the last call, in the order they finished; the engine keeps none,
+        so a long-running one does not accumulate every result."""
+        done, self.finished = list(self.finished.values()), {}
+        return done
 
     def _finish(self, req: Request, error: str = "") -> None:
         """Release `req`'s blocks and hand it over in `finished`, keeping the first error it met."""
@@ -299,11 +325,11 @@ class Engine:
                 self._finish(req)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
-        """Run `prompts` to the end; their requests. Every prompt is checked
+        """Run `prompts` to the end; their requests, taken out of `finished`. Every prompt is checked
         before any is queued, so a malformed one raises with none of them left in the engine."""
         for p in prompts:
             check_request(p, params, self.model.c.vocab_size)
         ids = [self.add(p, params) for p in prompts]
         while self.waiting or self.running or self.pending:
             self.step()
-        return [self.finished[i] for i in ids]
+        return [self.finished.pop(i) for i in ids]

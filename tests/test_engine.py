@@ -14,6 +14,7 @@ from flashgen.errors import FlashgenError
 from flashgen.runtime.bench import CONFIGS, random_weights
 from flashgen.runtime.engine import Engine, SamplingParams
 from flashgen.runtime.model import Decoder
+from tests.eager_graphs import EagerGraphs
 
 PROMPTS = [[1, 5, 9, 20, 33], [7, 8, 100, 3, 4, 5, 6, 77, 2, 1, 0, 9, 8, 7, 6, 5, 4, 3, 11, 12], [42]]
 
@@ -142,3 +143,53 @@ def test_a_big_request_is_not_starved_by_a_stream_of_small_ones(model):
     of a 40-step stream, 293 of a 300-step one); in arrival order it waits for the short requests ahead of
     it to finish, at most their 6 new tokens, however long the stream."""
     assert big_request_wait(model, 40) <= 6
+
+
+def test_abort_waiting_and_running_requests(model):
+    eng = Engine(model, num_blocks=8, block_size=16)
+    keep = eng.add(PROMPTS[0], SamplingParams(max_new_tokens=10))
+    running = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=10))   # 2 blocks
+    waiting = eng.add(list(range(100)), SamplingParams(max_new_tokens=10))  # 7 blocks: waits
+    eng.step()
+    eng.step()
+    free = len(eng.cache.manager.free)
+    assert eng.abort(waiting) and [r.id for r in eng.waiting] == []
+    assert eng.abort(running) and len(eng.cache.manager.free) == free + 2
+    assert eng.finished[waiting].error == "aborted" and eng.finished[running].error == "aborted"
+    assert len(eng.finished[running].output) == 2 and [r.id for r in eng.running] == [keep]
+    assert not eng.abort(running) and not eng.abort(12345)  # finished, unknown
+    run_out(eng)
+    assert eng.finished[keep].output == solo(model, PROMPTS[0], 10) and all_free(eng)
+
+
+def test_abort_inside_a_pending_chained_step(model):
+    """A request of a step still in flight keeps its blocks until the step is read (its replay may still
+    write them); the next `step` retires it, with no token of that step, and the others go on unchanged."""
+    eng = Engine(model, num_blocks=16)
+    eng.graphs = EagerGraphs(model, eng.cache)
+    ids = [eng.add(p, SamplingParams(max_new_tokens=12)) for p in PROMPTS]
+    for _ in range(4):
+        eng.step()
+    assert eng.pending is not None and eng.graphs.chained >= 1
+    victim = ids[1]
+    blocks, n_out = list(eng.cache.manager.tables[victim]), len(next(r for r in eng.running if r.id == victim).output)
+    assert eng.abort(victim)
+    assert eng.cache.manager.tables[victim] == blocks and victim not in eng.finished  # marked only
+    eng.step()
+    req = eng.finished[victim]
+    assert req.error == "aborted" and len(req.output) == n_out and victim not in eng.cache.manager.tables
+    run_out(eng)
+    assert [eng.finished[i].output for i in (ids[0], ids[2])] == [solo(model, PROMPTS[0], 12), solo(model, PROMPTS[2], 12)]
+    assert all_free(eng)
+
+
+def test_finished_requests_are_handed_over_not_kept(model):
+    eng = Engine(model, num_blocks=16)
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=3))
+    assert [len(r.output) for r in outs] == [3, 3, 3] and not eng.finished   # generate takes its own
+    short = eng.add(PROMPTS[0], SamplingParams(max_new_tokens=2))
+    long = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=4))
+    refused = eng.add([3] * 1020, SamplingParams(max_new_tokens=8))
+    run_out(eng)
+    assert [r.id for r in eng.pop_finished()] == [refused, short, long]      # in the order they finished
+    assert eng.pop_finished() == [] and not eng.finished
