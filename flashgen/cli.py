@@ -243,6 +243,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         shown = text
     sys.stdout.write("\n")
+    if engine.finished[rid].error:  # a step that failed (the engine does not raise it)
+        raise FlashgenError(engine.finished[rid].error)
     return 0
 
 

@@ -102,6 +102,8 @@ def decode(model: Decoder, batch: int, prompt_len: int, new_tokens: int, cuda_gr
         engine.step()
     sync()
     decode_s = time.perf_counter() - t1
+    if failed := next((engine.finished[i].error for i in ids if engine.finished[i].error), None):
+        raise FlashgenError(f"a request of the batch failed: {failed}")
     steps = sum(len(engine.finished[i].output) for i in ids) // batch - 1  # decode steps after the first token
     return {"batch": batch, "ttft_s": ttft, "decode_tokens_per_s": batch * steps / decode_s if steps else 0.0,
             "steps": steps, "cuda_graphs": engine.graphs is not None, "graphs": engine.graphs}

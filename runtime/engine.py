@@ -13,10 +13,32 @@ chose, still on the device) and only then reads the pending step's tokens, so th
 the host does its bookkeeping. A step is chained only while no request waits to join and none reaches
 max_new_tokens; a request that meets a stop token in a pending step has one more token computed, and
 discarded (its cache blocks are still its own when that step runs: the stream orders every later use).
+
+Requests are admitted first come, first served: a waiting request that does not fit yet holds back those
+that came after it, so a long one is admitted once the running requests before it have finished, not
+starved by a stream of short ones that each fit.
+
+The engine never loses a request; each one ends in `finished` (taken out by `pop_finished`, or by
+`generate` for its own), with `error` set if it failed:
+- `add` raises FlashgenError, in one line naming the field and its value, for a malformed request: a
+  sampling parameter of the wrong type or outside its range, an empty prompt, a token id that is no
+  integer or lies outside the model's vocabulary. That is the caller's bug, and no engine could serve
+  it. A well-formed request that this engine cannot serve (longer than the model's context or than the
+  whole KV cache) is accepted and finished at once with its reason, so that it alone is refused.
+- In a step, an error that belongs to one request (its sampling) fails that request alone. One that
+  belongs to none (the forward or a replay raised) fails every request of the step with its reason
+  and frees their blocks; `step` then returns normally, so the engine keeps serving the waiting
+  requests and a serving loop needs no handler. Token ids are checked at `add` because an
+  out-of-vocabulary id on a GPU is a device-side assert, which no engine survives.
+- `abort` finishes a waiting or running request with error "aborted".
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import torch
 
@@ -34,6 +56,44 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def check_request(prompt: list[int], p: SamplingParams, vocab_size: int) -> None:
+    """Raise FlashgenError naming the first malformed field of a request (module docstring)."""
+    if not isinstance(p, SamplingParams):
+        raise FlashgenError(f"params must be a SamplingParams, got {p!r}")
+    if not (_is_real(p.temperature) and math.isfinite(p.temperature) and p.temperature >= 0):
+        raise FlashgenError(f"temperature must be a finite number >= 0, got {p.temperature!r}")
+    if not (_is_real(p.top_p) and 0 < p.top_p <= 1):
+        raise FlashgenError(f"top_p must be in (0, 1], got {p.top_p!r}")
+    if not (_is_int(p.top_k) and p.top_k >= 0):
+        raise FlashgenError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+    if not (_is_int(p.max_new_tokens) and p.max_new_tokens >= 1):
+        raise FlashgenError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
+    if not (_is_int(p.seed) and 0 <= p.seed < 2 ** 63):
+        raise FlashgenError(f"seed must be an integer in [0, 2**63), got {p.seed!r}")
+    if not (isinstance(p.stop_tokens, (tuple, list)) and all(map(_is_int, p.stop_tokens))):
+        raise FlashgenError(f"stop_tokens must be a tuple of integers, got {p.stop_tokens!r}")
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise FlashgenError(f"prompt must be a non-empty list of token ids, got {prompt!r:.80}")
+    for i, t in enumerate(prompt):
+        if not (_is_int(t) and 0 <= t < vocab_size):
+            raise FlashgenError(f"prompt token {t!r:.40} at position {i} is not an id in the vocabulary "
+                                f"[0, {vocab_size})")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line, for a request's `error`."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 @dataclass
@@ -56,7 +116,7 @@ class Request:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine.step`)."""
+    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine._record`)."""
     logits = logits.float() / p.temperature
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -92,18 +152,19 @@ class Engine:
         self.graphs = DecodeGraphs(model, self.cache) if graphs else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.finished: dict[int, Request] = {}
+        self.finished: dict[int, Request] = {}  # until `pop_finished` (or `generate`) takes them
         self.pending: _Pending | None = None
         self.chain = chain
         self._next_id = 0
 
     def add(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> int:
+        """Queue a request; its id. A malformed one raises FlashgenError; one this engine cannot serve is
+        finished at once with its reason (module docstring)."""
+        check_request(prompt, params, self.model.c.vocab_size)
         rid, self._next_id = self._next_id, self._next_id + 1
-        req = Request(rid, list(prompt), params, generator=torch.Generator().manual_seed(params.seed))
+        req = Request(rid, [int(t) for t in prompt], params, generator=torch.Generator().manual_seed(params.seed))
         c, m = self.model.c, self.cache.manager
-        if not prompt:
-            req.error = "empty prompt"
-        elif len(prompt) + params.max_new_tokens > c.max_position_embeddings:
+        if len(prompt) + params.max_new_tokens > c.max_position_embeddings:
             req.error = (f"prompt of {len(prompt)} tokens + {params.max_new_tokens} new exceeds the model's context "
                          f"of {c.max_position_embeddings}")
         elif m.blocks_for(len(prompt) + params.max_new_tokens) > len(m.free) + sum(map(len, m.tables.values())):
@@ -111,37 +172,93 @@ class Engine:
         (self.finished.__setitem__(rid, req) if req.error else self.waiting.append(req))
         return rid
 
-    def _admit(self) -> list[Request]:
-        m, new = self.cache.manager, []
-        for req in list(self.waiting):
-            need = len(req.prompt) + req.params.max_new_tokens
-            if m.can_hold(req.id, need):
-                m.reserve(req.id, need)
+    def abort(self, request_id: int) -> bool:
+        """Finish a waiting or running request with error "aborted", freeing its blocks; False when the
+        engine holds no such unfinished request. One inside the pending step is only marked: it is
+        retired when that step is read, at the next `step` (its replay may still use its blocks)."""
+        for req in self.waiting:
+            if req.id == request_id:
                 self.waiting.remove(req)
-                new.append(req)
+                self._finish(req, "aborted")
+                return True
+        for req in self.running:
+            if req.id == request_id:
+                req.error = "aborted"
+                if self.pending is None:  # (with a step pending, every running request is in it)
+                    self.running.remove(req)
+                    self._finish(req)
+                return True
+        return False
+
+    def pop_finished(self) -> list[Request]:
+        """The requests finished since the last call, in the order they finished; the engine keeps none,
+        so a long-running one does not accumulate every result."""
+        done, self.finished = list(self.finished.values()), {}
+        return done
+
+    def _finish(self, req: Request, error: str = "") -> None:
+        """Release `req`'s blocks and hand it over in `finished`, keeping the first error it met."""
+        req.error = req.error or error
+        self.cache.manager.release(req.id)
+        self.finished[req.id] = req
+
+    def _admit(self) -> list[Request]:
+        """Admit waiting requests in arrival order while the cache can hold them: one that does not fit
+        holds back those behind it, so a long request is not starved by a stream of short ones."""
+        m, new = self.cache.manager, []
+        while self.waiting:
+            req = self.waiting[0]
+            need = len(req.prompt) + req.params.max_new_tokens
+            if not m.can_hold(req.id, need):
+                break
+            m.reserve(req.id, need)
+            new.append(self.waiting.pop(0))
         return new
 
     def step(self) -> None:
         """One forward: prefill the admitted requests, decode one token of the others. With a step
         pending, the step after it is replayed when it can be, and the pending one is read."""
         if self.pending is not None:
-            pending, self.pending = self.pending, self._chain(self.pending)
-            if pending.ready is not None:
-                pending.ready.synchronize()
-            self._record(pending.reqs, pending.tokens.tolist(), None)
+            with self._failing_running():
+                self._read_pending()
             return
         new = self._admit()
-        batch_reqs = new + self.running
-        if not batch_reqs:
-            if self.waiting:
-                raise FlashgenError("the KV cache cannot hold any waiting request")
-            return
+        self.running = new + self.running
+        if self.running:
+            with self._failing_running():
+                self._forward(len(new))
+        elif self.waiting:
+            raise FlashgenError("the KV cache cannot hold any waiting request")
+
+    @contextmanager
+    def _failing_running(self) -> Iterator[None]:
+        """An exception no single request owns (a forward, a replay, a copy) fails every running request
+        with its reason and frees their blocks, and is not raised: the engine serves on (module
+        docstring). An interrupt (KeyboardInterrupt, SystemExit) still propagates, the engine consistent."""
+        try:
+            yield
+        except BaseException as e:
+            for req in self.running:
+                self._finish(req, f"step failed: {one_line(e)}")
+            self.running, self.pending = [], None
+            if not isinstance(e, Exception):
+                raise
+
+    def _read_pending(self) -> None:
+        """Replay the step after the pending one when it can be, then read and record the pending one."""
+        pending, self.pending = self.pending, self._chain(self.pending)
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        self._record(pending.reqs, pending.tokens.tolist(), None)
+
+    def _forward(self, fresh: int) -> None:
+        """Prefill the first `fresh` running requests (just admitted) and decode one token of the others."""
+        batch_reqs = self.running
         tokens, positions, slots, lens, ctx = [], [], [], [], []
         bs = self.cache.manager.block_size
-        for req in batch_reqs:
-            fresh = req in new
-            toks = req.tokens if fresh else req.tokens[-1:]
-            start = 0 if fresh else len(req.tokens) - 1
+        for i, req in enumerate(batch_reqs):
+            toks = req.tokens if i < fresh else req.tokens[-1:]
+            start = 0 if i < fresh else len(req.tokens) - 1
             table = self.cache.manager.tables[req.id]
             pos = list(range(start, start + len(toks)))
             tokens += toks
@@ -153,7 +270,6 @@ class Engine:
         if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
             logits = self.graphs.run(seqs, tokens, positions, slots)
             if self.chain and all(r.params.temperature <= 0 for r in batch_reqs):
-                self.running = batch_reqs
                 self.pending = self._pending(batch_reqs)
                 return
             chosen = self.graphs.chosen(len(seqs)).tolist()
@@ -189,21 +305,31 @@ class Engine:
         return self._pending(p.reqs)
 
     def _record(self, reqs: list[Request], chosen: list[int], logits: torch.Tensor | None) -> None:
-        """Append each request's token (greedy, or sampled from its row of `logits`), retire the finished."""
+        """Append each request's token (greedy, or sampled from its row of `logits`: a sampling error
+        fails that request alone), retire the finished. A request already done gets no token: one
+        stopped in the step before this chained one (retired then) or aborted inside it (retired now)."""
+        running = {r.id for r in self.running}
         for i, (req, top) in enumerate(zip(reqs, chosen)):
-            if req.done:  # stopped in the step before this chained one
+            if req.done:
                 continue
-            req.output.append(top if req.params.temperature <= 0 else sample(logits[i], req.params, req.generator))
-        self.running = []
+            if req.params.temperature <= 0:
+                req.output.append(top)
+                continue
+            try:
+                req.output.append(sample(logits[i], req.params, req.generator))
+            except Exception as e:
+                req.error = f"sampling failed: {one_line(e)}"
+        self.running = [r for r in reqs if not r.done]
         for req in reqs:
-            if not req.done:
-                self.running.append(req)
-            elif req.id not in self.finished:
-                self.cache.manager.release(req.id)
-                self.finished[req.id] = req
+            if req.done and req.id in running:
+                self._finish(req)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
+        """Run `prompts` to the end; their requests, taken out of `finished`. Every prompt is checked
+        before any is queued, so a malformed one raises with none of them left in the engine."""
+        for p in prompts:
+            check_request(p, params, self.model.c.vocab_size)
         ids = [self.add(p, params) for p in prompts]
         while self.waiting or self.running or self.pending:
             self.step()
-        return [self.finished[i] for i in ids]
+        return [self.finished.pop(i) for i in ids]

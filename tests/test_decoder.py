@@ -14,6 +14,7 @@ from flashgen.errors import FlashgenError  # noqa: E402
 from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
 from flashgen.runtime.model import Batch, Decoder  # noqa: E402
 from flashgen.runtime.weights import ModelConfig, load_weights  # noqa: E402
+from tests.eager_graphs import EagerGraphs  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -139,6 +140,8 @@ def test_cli_generate_streams_text(checkpoint, tmp_path, capsys):
     assert words == [f"w{i}" for i in hf_greedy(hf, [1, 5, 9, 20, 33], 8)]
     assert main(["generate", "--model", str(folder), "--prompt", " ".join(["w3"] * 300)]) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
+    assert main(["generate", "--model", str(folder), "--prompt", "w1", "--top-p", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith("top_p must be in (0, 1], got 0.0")
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w1"]) == 2
     assert "no config.json" in capsys.readouterr().err
 
@@ -200,38 +203,6 @@ def test_bench_model_cli_runs_tiny(capsys):
                  "--no-cuda-graphs"]) == 0
     assert main(["bench-model", "--config", "gpt5", "--batch", "1"]) == 2
     assert main(["bench-model", "--config", "tiny", "--batch", "0"]) == 2
-
-
-class EagerGraphs:
-    """What the engine asks of its CUDA graphs (runtime/graphs.py), run eagerly on the CPU: each step's
-    greedy tokens are kept as the next chained step's inputs, as a replay leaves them on the device."""
-
-    def __init__(self, model: Decoder, cache):
-        from flashgen.runtime.graphs import greedy
-        self.model, self.cache, self.greedy = model, cache, greedy
-        self.last: tuple[list[int], torch.Tensor] | None = None
-        self.chained = 0
-        self.rows: dict[int, int] = {}  # decode rows computed per sequence
-
-    def fits(self, n: int) -> bool:
-        return True
-
-    def run(self, seqs, tokens, positions, slots):
-        if tokens is None:
-            assert self.last is not None and self.last[0] == seqs, "a chained step must bring the same sequences"
-            tokens, self.chained = self.last[1], self.chained + 1
-        else:
-            tokens = torch.tensor(tokens)
-        for s in seqs:
-            self.rows[s] = self.rows.get(s, 0) + 1
-        batch = Batch(tokens, torch.tensor(positions), torch.tensor(slots), seqs, [1] * len(seqs),
-                      [p + 1 for p in positions])
-        logits = self.model.forward(batch, self.cache)
-        self.last = (list(seqs), self.greedy(logits))
-        return logits
-
-    def chosen(self, n: int) -> torch.Tensor:
-        return self.last[1][:n]
 
 
 def test_chained_steps_keep_every_token():
