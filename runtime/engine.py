@@ -4,7 +4,7 @@ prefills of newly admitted requests and one decode token of every running one.
 A request is admitted when the cache can hold its prompt plus its remaining new tokens; one that could
 never fit is refused with a clear error, and the others go on unharmed. Sampling is greedy
 (temperature 0) or by temperature, top-k and top-p, with a per-request seed; a request ends at a stop
-token or after max_new_tokens. On a GPU, steps in which every sequence brings one token replay CUDA
+token (by default the model's EOS ids) or after max_new_tokens. On a GPU, steps in which every sequence brings one token replay CUDA
 graphs (runtime/graphs.py); steps with prefills run eagerly.
 
 When every request of a replayed step is greedy, the engine does not wait for its tokens: the step stays
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Integral, Real
 
 import torch
@@ -55,7 +55,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    stop_tokens: tuple[int, ...] = ()
+    stop_tokens: tuple[int, ...] | None = None  # None: the model's EOS ids (config.json, generation_config.json)
 
 
 def _is_int(x: object) -> bool:
@@ -80,7 +80,7 @@ def check_request(prompt: list[int], p: SamplingParams, vocab_size: int) -> None
         raise FlashgenError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
     if not (_is_int(p.seed) and 0 <= p.seed < 2 ** 63):
         raise FlashgenError(f"seed must be an integer in [0, 2**63), got {p.seed!r}")
-    if not (isinstance(p.stop_tokens, (tuple, list)) and all(map(_is_int, p.stop_tokens))):
+    if p.stop_tokens is not None and not (isinstance(p.stop_tokens, (tuple, list)) and all(map(_is_int, p.stop_tokens))):
         raise FlashgenError(f"stop_tokens must be a tuple of integers, got {p.stop_tokens!r}")
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise FlashgenError(f"prompt must be a non-empty list of token ids, got {prompt!r:.80}")
@@ -161,6 +161,8 @@ class Engine:
         """Queue a request; its id. A malformed one raises FlashgenError; one this engine cannot serve is
         finished at once with its reason (module docstring)."""
         check_request(prompt, params, self.model.c.vocab_size)
+        if params.stop_tokens is None:
+            params = replace(params, stop_tokens=self.model.c.eos_token_ids)
         rid, self._next_id = self._next_id, self._next_id + 1
         req = Request(rid, [int(t) for t in prompt], params, generator=torch.Generator().manual_seed(params.seed))
         c, m = self.model.c, self.cache.manager

@@ -19,7 +19,8 @@ from flashgen.runtime.model_config import ModelConfig  # noqa: E402
 from flashgen.runtime.weights import load_weights  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+              eos_token_id=None)  # (no EOS: greedy runs are compared at full length; EOS has its own test)
 PROMPT = [(7 * i + 3) % 96 for i in range(70)]  # past every scaled RoPE's original context below
 ROPES = {
     "linear": {"rope_type": "linear", "factor": 4.0},
@@ -118,6 +119,21 @@ def test_eos_ids_come_from_config_and_generation_config(tmp_path):
     _, folder = _llama(tmp_path, eos_token_id=[5, 9])
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 11]}))
     assert ModelConfig.from_folder(folder).eos_token_ids == (5, 9, 11)
+
+
+def test_generation_stops_at_eos_by_default(tmp_path):
+    from flashgen.runtime.engine import SamplingParams
+    _, folder = _llama(tmp_path)
+    c = ModelConfig.from_folder(folder)
+    model = Decoder(c, load_weights(folder))
+    free = Engine(model, num_blocks=8).generate([[3, 1, 4]], SamplingParams(max_new_tokens=20))[0].output
+    eos = free[6]
+    _edit(folder, eos_token_id=eos)
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    stopped = Engine(model, num_blocks=8).generate([[3, 1, 4]], SamplingParams(max_new_tokens=20))[0].output
+    assert stopped == free[:free.index(eos) + 1]
+    kept = Engine(model, num_blocks=8).generate([[3, 1, 4]], SamplingParams(max_new_tokens=20, stop_tokens=()))[0]
+    assert kept.output == free  # an explicit stop set replaces the EOS ids
 
 
 def _edit(folder: Path, **changes) -> None:

@@ -17,7 +17,8 @@ from flashgen.runtime.weights import ModelConfig, load_weights  # noqa: E402
 from tests.eager_graphs import EagerGraphs  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+              eos_token_id=None)  # (no EOS: greedy runs are compared at full length; EOS has its own test)
 MODELS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=8)),
