@@ -282,10 +282,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
     """Decode throughput on random weights of a known architecture, against the bandwidth limit."""
-    from flashgen.runtime.bench import run
+    from flashgen.runtime.bench import defaults, run
     from flashgen.table import print_table
     from flashgen.targets import device_target
 
+    for name, value in defaults().items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -298,9 +301,10 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     graphs = "on" if rows and rows[0]["cuda_graphs"] else "off"
     print(f"{args.config} quant={args.quant} prompt={args.prompt_len} new={args.new_tokens} on {target.id} "
           f"({target.copy_gbs:g} GB/s), CUDA graphs {graphs}")
-    print_table(("batch", "TTFT s", "decode tok/s", "limit tok/s", "of limit"),
-                [(str(r["batch"]), f"{r['ttft_s']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
-                  f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{r['of_limit']:.1%}") for r in rows])
+    print_table(("batch", "TTFT s", "decode tok/s", "limit tok/s", "of limit"),  # (one new token: no decode step)
+                [(str(r["batch"]), f"{r['ttft_s']:.3f}", f"{r['decode_tokens_per_s']:.1f}" if r["steps"] else "-",
+                  f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{r['of_limit']:.1%}" if r["steps"] else "-")
+                 for r in rows])
     if rows and rows[0]["fallbacks"]:
         print("torch fallbacks: " + "; ".join(rows[0]["fallbacks"]))
     from flashgen.runtime.dispatch import describe_sources
@@ -392,12 +396,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache size in blocks of 16 tokens")
     g.set_defaults(func=cmd_generate)
 
-    bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)")
-    bm.add_argument("--config", default="llama3-8b", help="llama3-8b, or tiny")
-    bm.add_argument("--batch", default="1,16,64")
+    bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)",
+                        description="Decode tokens/s on random weights of an architecture, against the bandwidth "
+                                    "limit. Defaults follow the device: on a GPU llama3-8b, batches 1,16,64, a "
+                                    "2000-token prompt and 300 new tokens; on a machine without one smollm2-135m, "
+                                    "batches 1,8, a 64-token prompt and 32 new tokens (the 8B model's float32 "
+                                    "weights alone are 32 GB). A run that would not fit in free memory is refused "
+                                    "first, with its estimate.")
+    bm.add_argument("--config", help="llama3-8b, smollm2-135m or tiny (default: llama3-8b on a GPU, else smollm2-135m)")
+    bm.add_argument("--batch", help="batch sizes, comma-separated (default: 1,16,64 on a GPU, else 1,8)")
     bm.add_argument("--quant", default="bf16", choices=("bf16", "w8a16", "w4a16", "w8a8", "mixed"))
-    bm.add_argument("--prompt-len", type=int, default=2000)
-    bm.add_argument("--new-tokens", type=int, default=300)
+    bm.add_argument("--prompt-len", type=_checked(int, at_least(1), "an integer of at least 1"),
+                    help="prompt tokens (default: 2000 on a GPU, else 64)")
+    bm.add_argument("--new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"),
+                    help="tokens generated per sequence (default: 300 on a GPU, else 32)")
     bm.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (graphs apply on a GPU only)")
     bm.set_defaults(func=cmd_bench_model)
 

@@ -1,5 +1,6 @@
-"""`flashgen generate` on the CPU: sampling ranges and prompt files are one line and exit 2 before a
-model loads."""
+"""`flashgen generate` and `flashgen bench-model` on the CPU: sampling ranges and prompt files are one
+line and exit 2 before a model loads; bench-model's defaults follow the device, and a run that would not
+fit in memory is refused with its estimate before anything is allocated."""
 from __future__ import annotations
 
 import io
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from flashgen.cli import main
+from flashgen.runtime import bench
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,3 +80,49 @@ def test_prompt_file_and_stdin_give_the_prompt(folder, tmp_path, capsys, monkeyp
     assert capsys.readouterr().err == "flashgen: error: argument --prompt-file: not allowed with argument --prompt\n"
     assert main(["generate", "--model", str(folder)]) == 2
     assert "one of the arguments --prompt --prompt-file is required" in capsys.readouterr().err
+
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's defaults and memory")
+
+
+@no_gpu
+def test_bench_model_defaults_to_the_small_config_without_a_gpu(monkeypatch, capsys):
+    """On the CPU the defaults are those of the committed CPU figures, not the 8B model's."""
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda *a, **k: seen.append(a) or [])
+    assert main(["bench-model"]) == 0
+    assert seen[0][:4] == ("smollm2-135m", [1, 8], 64, 32)
+    assert main(["bench-model", "--config", "tiny", "--batch", "3", "--prompt-len", "7", "--new-tokens", "2"]) == 0
+    assert seen[1][:4] == ("tiny", [3], 7, 2)
+    assert "smollm2-135m" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--prompt-len", "--new-tokens"])
+def test_bench_model_lengths_must_be_positive(capsys, flag):
+    assert main(["bench-model", "--config", "tiny", flag, "0"]) == 2
+    assert capsys.readouterr().err == f"flashgen: error: argument {flag}: must be an integer of at least 1, got '0'\n"
+
+
+@no_gpu
+def test_bench_model_refuses_what_does_not_fit_before_allocating(monkeypatch, capsys):
+    """The estimate (weights while they load, KV cache of batch x context, prefill) against free memory."""
+    def refuse(*a, **k):
+        raise AssertionError("weights were allocated")
+    monkeypatch.setattr(bench, "random_weights", refuse)
+    monkeypatch.setattr(bench, "available_bytes", lambda dev: 2 * 10**9)
+    assert main(["bench-model", "--config", "llama3-8b", "--batch", "1,4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashgen: error: llama3-8b at batch 4 x 96 tokens needs about 64.") and err.count("\n") == 1
+    assert "(weights 64.2 GB while they load in float32," in err and "and 2.0 GB is free" in err
+    c = bench.CONFIGS["smollm2-135m"]
+    kv = bench.kv_cache_bytes(c, 4, 512, 8192)  # k and v of 30 layers, 512 x 512 blocks (+4) of 16 x 3 x 64 floats
+    assert kv == 2 * 30 * (512 * 512 + 4) * 16 * 3 * 64 * 4
+    assert main(["bench-model", "--config", "smollm2-135m", "--batch", "512", "--prompt-len", "8000",
+                 "--new-tokens", "192"]) == 2
+    assert f"KV cache {kv / 1e9:.1f} GB" in capsys.readouterr().err
+
+
+def test_bench_model_one_new_token_reports_no_decode_rate(capsys):
+    assert main(["bench-model", "--config", "tiny", "--batch", "2", "--prompt-len", "5", "--new-tokens", "1"]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split()
+    assert row[0] == "2" and float(row[1]) >= 0 and row[2] == "-" and row[4] == "-"
