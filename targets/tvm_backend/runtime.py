@@ -19,6 +19,7 @@ from typing import Any
 
 
 def _load(name: str, mode: str) -> None:
+    """TVM's library `name` (libtvm_<name>.so), loaded as tvm/base.py loads it."""
     if "tvm.base" in sys.modules:  # the tvm package loaded its libraries itself
         return
     try:
