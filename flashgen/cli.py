@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from flashgen.errors import FlashgenError
 from flashgen.extras import require
@@ -210,9 +211,42 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], must: str) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` where `ok` holds for it, else a one-line "must be ..." error before
+    any work (NaN fails every comparison, so a range refuses it)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text!r}")
+        return value
+    return parse
+
+
+def _read_prompt(path: str) -> str:
+    """--prompt-file's text ('-': standard input), UTF-8, less the one newline that ends a text file."""
+    from pathlib import Path
+
+    name = "standard input" if path == "-" else path
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise FlashgenError(f"--prompt-file: cannot read {name}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FlashgenError(f"--prompt-file: {name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                            f"{e.start})") from None
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a Hugging Face model folder, printing text as tokens arrive."""
     from pathlib import Path
+
+    prompt_text = args.prompt if args.prompt_file is None else _read_prompt(args.prompt_file)
 
     import torch
 
@@ -229,7 +263,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = Decoder(config, load_weights(folder), device, torch.bfloat16 if device == "cuda" else torch.float32)
     engine = Engine(model, num_blocks=args.cache_blocks)
-    prompt = tok.encode(args.prompt).ids
+    prompt = tok.encode(prompt_text).ids
     rid = engine.add(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed))
     if rid in engine.finished:
@@ -250,10 +284,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
     """Decode throughput on random weights of a known architecture, against the bandwidth limit."""
-    from flashgen.runtime.bench import run
+    from flashgen.runtime.bench import defaults, run
     from flashgen.table import print_table
     from flashgen.targets import device_target
 
+    for name, value in defaults().items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -266,9 +303,10 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     graphs = "on" if rows and rows[0]["cuda_graphs"] else "off"
     print(f"{args.config} quant={args.quant} prompt={args.prompt_len} new={args.new_tokens} on {target.id} "
           f"({target.copy_gbs:g} GB/s), CUDA graphs {graphs}")
-    print_table(("batch", "TTFT s", "decode tok/s", "limit tok/s", "of limit"),
-                [(str(r["batch"]), f"{r['ttft_s']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
-                  f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{r['of_limit']:.1%}") for r in rows])
+    print_table(("batch", "TTFT s", "decode tok/s", "limit tok/s", "of limit"),  # (one new token: no decode step)
+                [(str(r["batch"]), f"{r['ttft_s']:.3f}", f"{r['decode_tokens_per_s']:.1f}" if r["steps"] else "-",
+                  f"{r['bandwidth_limit_tokens_per_s']:.1f}", f"{r['of_limit']:.1%}" if r["steps"] else "-")
+                 for r in rows])
     if rows and rows[0]["fallbacks"]:
         print("torch fallbacks: " + "; ".join(rows[0]["fallbacks"]))
     from flashgen.runtime.dispatch import describe_sources
@@ -342,21 +380,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a Hugging Face Llama/Mistral/Qwen2 folder")
     g.add_argument("--model", required=True, help="folder with config.json, safetensors and tokenizer.json")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cache-blocks", type=int, default=1024, help="KV cache size in blocks of 16 tokens")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", metavar="PATH",
+                        help="read the prompt from this UTF-8 file ('-': standard input), for prompts longer than "
+                             "an argument can carry; a final newline is not part of it")
+    at_least = lambda low: lambda v: v >= low  # noqa: E731
+    g.add_argument("--max-new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"), default=64)
+    g.add_argument("--temperature", type=_checked(float, lambda v: 0 <= v < math.inf, "a finite number of at least 0"),
+                   default=0.0, help="0 (the default): greedy")
+    g.add_argument("--top-k", type=_checked(int, at_least(0), "an integer of at least 0"), default=0,
+                   help="sample from the k likeliest tokens (0, the default: all)")
+    g.add_argument("--top-p", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=1.0,
+                   help="sample from the likeliest tokens of this total probability (1, the default: all)")
+    g.add_argument("--seed", type=_checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1"), default=0)
+    g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
+                   help="KV cache size in blocks of 16 tokens")
     g.set_defaults(func=cmd_generate)
 
-    bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)")
-    bm.add_argument("--config", default="llama3-8b", help="llama3-8b, or tiny")
-    bm.add_argument("--batch", default="1,16,64")
+    bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)",
+                        description="Decode tokens/s on random weights of an architecture, against the bandwidth "
+                                    "limit. Defaults follow the device: on a GPU llama3-8b, batches 1,16,64, a "
+                                    "2000-token prompt and 300 new tokens; on a machine without one smollm2-135m, "
+                                    "batches 1,8, a 64-token prompt and 32 new tokens (the 8B model's float32 "
+                                    "weights alone are 32 GB). A run that would not fit in free memory is refused "
+                                    "first, with its estimate.")
+    bm.add_argument("--config", help="llama3-8b, smollm2-135m or tiny (default: llama3-8b on a GPU, else smollm2-135m)")
+    bm.add_argument("--batch", help="batch sizes, comma-separated (default: 1,16,64 on a GPU, else 1,8)")
     bm.add_argument("--quant", default="bf16", choices=("bf16", "w8a16", "w4a16", "w8a8", "mixed"))
-    bm.add_argument("--prompt-len", type=int, default=2000)
-    bm.add_argument("--new-tokens", type=int, default=300)
+    bm.add_argument("--prompt-len", type=_checked(int, at_least(1), "an integer of at least 1"),
+                    help="prompt tokens (default: 2000 on a GPU, else 64)")
+    bm.add_argument("--new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"),
+                    help="tokens generated per sequence (default: 300 on a GPU, else 32)")
     bm.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (graphs apply on a GPU only)")
     bm.set_defaults(func=cmd_bench_model)
 

@@ -1,11 +1,13 @@
 """`flashgen bench-model`: decode throughput of the decoder on random weights of a known architecture
 (nothing to download), against the bandwidth limit: the weight and KV-cache bytes one decode step must
 read, over the device's copy bandwidth. On a GPU, decode steps replay CUDA graphs unless `cuda_graphs` is
-off, so that both can be reported."""
+off, so that both can be reported. What a run would hold (weights as they load, KV cache, the prefill's
+widest activation) is checked against the device's free memory before anything is allocated."""
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -21,6 +23,18 @@ CONFIGS = {
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, None, False, True),
     "tiny": ModelConfig("llama", 256, 128, 352, 2, 4, 2, 32, 1e-5, 10000.0, 1024, None, False, False),
 }
+
+
+# What `flashgen bench-model` runs when not told: the settings of the committed GPU and CPU figures
+# (benchmarks/results/). On the CPU the 8B model's float32 weights alone are 32 GB.
+DEFAULTS = {"cuda": {"config": "llama3-8b", "batch": "1,16,64", "prompt_len": 2000, "new_tokens": 300},
+            "cpu": {"config": "smollm2-135m", "batch": "1,8", "prompt_len": 64, "new_tokens": 32}}
+GB = 1e9
+
+
+def defaults() -> dict[str, str | int]:
+    """This machine's defaults: its GPU's, else the CPU's."""
+    return DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"]
 
 
 def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -58,14 +72,64 @@ def step_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int, context
     return weight_bytes(c, quant, dtype_bytes) + kv
 
 
+def kv_cache_bytes(c: ModelConfig, dtype_bytes: int, batch: int, tokens: int) -> int:
+    """The paged cache `decode` allocates for `batch` sequences of `tokens` tokens (16-token blocks)."""
+    blocks = batch * -(-tokens // 16) + 4
+    return 2 * c.num_layers * blocks * 16 * c.num_kv_heads * c.head_dim * dtype_bytes
+
+
+def available_bytes(dev: torch.device) -> int | None:
+    """Memory free for a run: the GPU's; on the CPU, Linux's MemAvailable within the cgroup's limit (a
+    container's); None where the system does not say."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    free = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                 if line.startswith("MemAvailable:")), None)
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit, used = (cgroup / "memory.max").read_text().strip(), int((cgroup / "memory.current").read_text())
+        if limit != "max" and free is not None:
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def check_memory(config: str, c: ModelConfig, dtype: torch.dtype, dev: torch.device, batch: int,
+                 prompt_len: int, new_tokens: int) -> None:
+    """Refuses, with the estimate, a run that would not fit: random weights in `dtype` held twice while
+    the decoder loads them (its fused and quantized copies beside the originals), the KV cache of the
+    largest batch, and its prefill's gate/up projection and SiLU·mul output (all prompts prefill in one
+    step)."""
+    nbytes = torch.finfo(dtype).bits // 8
+    weights = 2 * (weight_bytes(c, "bf16", nbytes) + c.vocab_size * c.hidden_size * nbytes)
+    kv = kv_cache_bytes(c, nbytes, batch, prompt_len + new_tokens)
+    activations = 3 * batch * prompt_len * c.intermediate_size * nbytes
+    free = available_bytes(dev)
+    if free is not None and weights + kv + activations > free:
+        dt = str(dtype).removeprefix("torch.")
+        raise FlashgenError(
+            f"{config} at batch {batch} x {prompt_len + new_tokens} tokens needs about "
+            f"{(weights + kv + activations) / GB:.1f} GB on the {dev.type} (weights {weights / GB:.1f} GB while "
+            f"they load in {dt}, KV cache {kv / GB:.1f} GB, prefill {activations / GB:.1f} GB) and "
+            f"{free / GB:.1f} GB is free: take a smaller --config, --batch or --prompt-len")
+
+
 def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
         device: str | None = None, cuda_graphs: bool = True) -> list[dict]:
     if config not in CONFIGS:
         raise FlashgenError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
+    if prompt_len < 1 or new_tokens < 1:
+        raise FlashgenError(f"prompt_len and new_tokens must be at least 1, got {prompt_len} and {new_tokens}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     c = replace(CONFIGS[config], max_position_embeddings=max(CONFIGS[config].max_position_embeddings,
                                                             prompt_len + new_tokens + 16))
+    check_memory(config, c, dtype, dev, max(batches), prompt_len, new_tokens)
     model = Decoder(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
     rows = []
     for b in batches:

@@ -5,9 +5,11 @@ in groups of 128 along K where K allows, else per channel), w8a8 (int8 weights a
 quantized int8 activations), and mixed: each call picks w4a16 or w8a8 for its row count M from the
 tuning database's measurements of both on this layer's shape (small M is bandwidth-bound and favours
 4-bit weights, large M compute-bound and favours int8 tensor cores), falling back to a crossover of
-M = 64 where nothing is measured. On a GPU each mode runs its generated GEMM; on the CPU the weight is
-dequantized and torch multiplies (reported as a fallback), a float32 weight reordered once for oneDNN
-(`cpu_weight`).
+M = 64 where nothing is measured. On a GPU each mode runs its generated GEMM; on the CPU torch
+multiplies (reported as a fallback): w8a8 as gemm_w8a8 computes (activations quantized per token by the
+generated dynamic_quant kernel, int8 products summed in int32, scaled per token and per channel), so
+that a CPU run previews the GPU's numerics, and the weight-only modes on the dequantized weight, a
+float32 weight reordered once for oneDNN (`cpu_weight`); mixed picks per call on both.
 
 A linear may take the RMSNorm that feeds it (`norm`), a gated input (`gated`: x = [g | u], the
 linear's input being silu(g) * u) and the residual it adds (`residual`, the GEMM's epilogue). In the
@@ -51,26 +53,26 @@ class QuantLinear:
 
 def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
     """The layer's weights for `mode`, quantized where the weight lies (a GPU quantizes an 8B model in
-    seconds). A GPU keeps only the quantized weights; the CPU, which multiplies in torch, keeps the
-    dequantized copy instead."""
+    seconds). A GPU keeps only the quantized weights; the CPU, whose weight-only modes torch multiplies
+    dequantized, keeps that copy too (mixed: of the int4 weight; w8a8 multiplies its int8 codes)."""
     if mode not in MODES:
         raise FlashgenError(f"unknown quantization mode {mode!r}; valid: {', '.join(MODES)}")
     shape = (w.shape[0], w.shape[1])
     if mode == "bf16":
         return QuantLinear(shape, cpu_weight(w))
     q = QuantLinear(shape, None)
-    torch_path = None  # the quantized weight that the CPU path multiplies, dequantized
+    torch_path = None  # the quantized weight that the CPU's weight-only path multiplies, dequantized
     if mode in ("w8a16", "w8a8", "mixed"):
         q8 = quantize_rtn(w, bits=8)
         q.w8, q.w8_scale = q8.codes, q8.scales[:, 0].contiguous()
-        torch_path = q8
+        torch_path = q8 if mode == "w8a16" else None
     if mode in ("w4a16", "mixed"):
         k = w.shape[1]
         q.group = 128 if k % 128 == 0 else k
         q4 = quantize_rtn(w, bits=4, group=q.group)
         q.w4, q.w4_scales = pack_int4(q4.codes), q4.scales.to(w.dtype)
-        torch_path = q4 if mode == "w4a16" else torch_path
-    if w.device.type != "cuda":
+        torch_path = q4
+    if w.device.type != "cuda" and torch_path is not None:
         q.weight = cpu_weight(torch_path.dequantize().to(w.dtype))
     return q
 
@@ -116,7 +118,7 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
     silu(g) * u of x = [g | u] when `gated`, else x."""
     n, k = q.shape
     gpu = x.device.type == "cuda"
-    if mode == "mixed" and gpu:
+    if mode == "mixed":
         mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
     fused = gpu and mode in FUSED_MODES and x.shape[0] <= FUSED_MAX_ROWS
     ops = torch.ops.flashgen
@@ -125,9 +127,10 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
     if gated and not fused:
         x, gated = ops.silu_mul(x), False
     if not gpu:
+        y = _cpu_w8a8(x, q, bias) if mode == "w8a8" else torch_linear(x, q.weight, bias)
         if mode != "bf16":
-            fallbacks.add(f"{mode} linear (torch on the dequantized weight on cpu)")
-        y = torch_linear(x, q.weight, bias)
+            how = "int8 product of per-token int8 activations" if mode == "w8a8" else "the dequantized weight"
+            fallbacks.add(f"{mode} linear (torch on {how} on cpu)")
         return y if residual is None else y + residual
     epi = {"with_bias": "yes", "bias": bias} if bias is not None else {}
     if residual is not None:
@@ -147,3 +150,12 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
     else:
         xq, xs = ops.dynamic_quant(x, out_dtype="int8")
     return ops.gemm_w8a8(xq, xs, q.w8, q.w8_scale, dtype=dtypes.of_torch(x.dtype), **epi)
+
+
+def _cpu_w8a8(x: torch.Tensor, q: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
+    """gemm_w8a8's y = (x_int8 @ w_int8.T) * x_scale[m] * w_scale[n] + bias in torch on the CPU, x
+    quantized per token by the generated dynamic_quant kernel, the sums exact in int32 as on a GPU
+    (torch._int_mm: oneDNN's int8 GEMM)."""
+    xq, xs = torch.ops.flashgen.dynamic_quant(x, out_dtype="int8")
+    y = torch._int_mm(xq, q.w8.t()) * xs[:, None] * q.w8_scale
+    return (y if bias is None else y + bias).to(x.dtype)

@@ -150,6 +150,31 @@ def test_linear_takes_its_norm_gate_and_residual_on_cpu():
         assert out.shape == (m, 77) and rel(out, x7.double() @ w7.double().T + b7.double()) < 1e-5
 
 
+def test_cpu_w8a8_quantizes_activations_and_mixed_picks_per_call():
+    """On the CPU, w8a8 computes as gemm_w8a8 does (x quantized per token, int32 sums scaled per token
+    and per channel), not as w8a16; mixed runs, call by call, the mode its chooser picks for M."""
+    from flashgen.oplib._common import quantize_ref
+    from flashgen.runtime.linear import apply, prepare
+    g = torch.Generator().manual_seed(6)
+    w, x, b = torch.randn(40, 96, generator=g), torch.randn(5, 96, generator=g) * 3, torch.randn(40, generator=g)
+    q, fallbacks = prepare(w, "w8a8"), set()
+    assert q.weight is None  # no dequantized copy: torch multiplies the int8 codes
+    out = apply(x, q, "w8a8", b, fallbacks)
+    xq, xs = quantize_ref(x.double(), "int8")
+    assert rel(out, (xq @ q.w8.double().T) * xs[:, None] * q.w8_scale.double() + b.double()) < 1e-6
+    assert 1e-4 < rel(out, apply(x, prepare(w, "w8a16"), "w8a16", b, set())) < 2e-2  # the activations' rounding
+    assert fallbacks == {"w8a8 linear (torch on int8 product of per-token int8 activations on cpu)"}
+
+    picks, mixed = [], set()
+    qm = prepare(w, "mixed")
+    chooser = lambda n, k, m: picks.append((n, k, m)) or ("w8a8" if m > 2 else "w4a16")  # noqa: E731
+    assert torch.equal(apply(x, qm, "mixed", b, mixed, chooser), out)
+    w4a16 = apply(x[:1], prepare(w, "w4a16"), "w4a16", b, set())
+    assert torch.equal(apply(x[:1], qm, "mixed", b, mixed, chooser), w4a16)
+    assert picks == [(40, 96, 5), (40, 96, 1)]
+    assert mixed == fallbacks | {"w4a16 linear (torch on the dequantized weight on cpu)"}
+
+
 def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
     """Decode records of one batch size tuned at several context capacities: a call takes the nearest
     capacity's schedule, whichever record the database lists first."""

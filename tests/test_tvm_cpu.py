@@ -2,7 +2,11 @@
 against the float64 reference on fresh random inputs; artifacts, dynamic M, params, layouts, timing."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -209,6 +213,68 @@ def test_saved_kernel_reloads_and_runs(tmp_path):
     other = {**meta, "tools": {**meta["tools"], "tvm": "0.1.0"}}
     with pytest.raises(FlashgenError, match="built by TVM 0.1.0, and this is TVM"):
         tvm_backend.launcher_from_binary(wl, other, binary)
+
+
+def _counting_compiles(monkeypatch) -> list:
+    """Calls of TVM's compile from now on (the backend imports llvm.py's functions at each build)."""
+    llvm, calls = sys.modules["flashgen.targets.tvm_backend.llvm"], []
+    real = llvm.compile_module
+    monkeypatch.setattr(llvm, "compile_module", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
+    return calls
+
+
+def test_a_second_build_comes_from_the_cache_and_a_damaged_one_is_rebuilt(monkeypatch, tmp_path):
+    """The .so, LLVM IR and assembly of a build are cached under its script, LLVM target and tool
+    versions: the same kernel again compiles nothing and computes the same; a cached .so cut short, or a
+    record rewritten under a matching manifest, is built again with one warning."""
+    from flashgen.targets import artifacts
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
+    calls = _counting_compiles(monkeypatch)
+    wl = workload("rmsnorm", M=6, N=96, dtype="bf16")
+    sched = ScheduleSpace(wl, CPU).default()
+    x, w = torch.randn(6, 96).bfloat16(), torch.randn(96).bfloat16()
+    first = tvm_backend.build(wl, sched, CPU)
+    y = first.run({"x": x, "w": w})["y"]
+    again = tvm_backend.build(wl, sched, CPU)
+    assert calls == ["rmsnorm_kernel"]
+    assert ((again.binary, again.asm, again.source, again.metadata)
+            == (first.binary, first.asm, first.source, first.metadata))
+    assert torch.equal(again.run({"x": x, "w": w})["y"], y)
+    folder = artifacts.entry(first.metadata["cache_key"])
+    so = folder / "rmsnorm_kernel.so"
+    so.write_bytes(so.read_bytes()[:-64])
+    with pytest.warns(UserWarning, match=r"rmsnorm_kernel.so\) that does not match its recorded sha256"):
+        rebuilt = tvm_backend.build(wl, sched, CPU)
+    assert calls == ["rmsnorm_kernel"] * 2 and torch.equal(rebuilt.run({"x": x, "w": w})["y"], y)
+    (folder / "flashgen.json").write_text("{}")
+    manifest = json.loads((folder / artifacts.MANIFEST).read_text())
+    manifest["flashgen.json"] = hashlib.sha256(b"{}").hexdigest()
+    (folder / artifacts.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="unreadable flashgen.json"):
+        tvm_backend.build(wl, sched, CPU)
+    assert len(calls) == 3
+
+
+_WARM_CHILD = """
+import sys, torch
+import flashgen.targets.tvm_backend as backend
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.targets import get_target
+from flashgen.workload import workload
+wl, cpu = workload("silu_mul", M=3, N=160, dtype="fp32"), get_target("cpu")
+k = backend.build(wl, ScheduleSpace(wl, cpu).default(), cpu)
+g, u = torch.randn(3, 320).chunk(2, -1)
+print(torch.allclose(k.run({"x": torch.cat([g, u], -1)})["y"], torch.nn.functional.silu(g) * u), "tvm" in sys.modules)
+"""
+
+
+def test_a_cached_kernel_loads_and_runs_without_importing_tvm(tmp_path):
+    """What makes a warm start quick: a process whose kernels are all cached never imports the tvm
+    package (seconds of Python modules), only TVM's libraries through tvm_ffi."""
+    env = {**os.environ, "FLASHGEN_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _WARM_CHILD], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["True", "True"], ["True", "False"]], runs[-1].stderr
 
 
 def test_timing():

@@ -74,6 +74,8 @@ class TVMLauncher:
         import tvm
 
         args, _ = self._gather(tensors, params, dims)
-        timer = self.lib.time_evaluator(self.entry, tvm.cpu(), number=number, repeat=repeat,
-                                        min_repeat_ms=min_repeat_ms, cache_flush_bytes=flush_bytes)
+        # the library may have been loaded before tvm was imported (runtime.py): a plain tvm_ffi Module,
+        # which lacks tvm's method but is what the method takes
+        timer = tvm.runtime.Module.time_evaluator(self.lib, self.entry, tvm.cpu(), number=number, repeat=repeat,
+                                                  min_repeat_ms=min_repeat_ms, cache_flush_bytes=flush_bytes)
         return [float(x) for x in timer(*args).results]

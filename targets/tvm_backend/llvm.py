@@ -3,28 +3,24 @@
 The LLVM target is the build machine's CPU (`-mcpu` from LLVM's host detection, so AVX2/AVX-512 are
 used where present); $FLASHGEN_LLVM_MCPU overrides it (e.g. "x86-64-v3" for a binary that must run on
 other x86 machines). The shared library comes from `export_library`, which links with the system C
-compiler (gcc or cc).
+compiler (gcc or cc). Importing this module imports tvm (seconds): only a build does.
 """
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import tvm
-from tvm.target import codegen
 
 from flashgen.errors import FlashgenError
 from flashgen.targets.tvm_backend.lower import KernelSource
+from flashgen.targets.tvm_backend.runtime import llvm_spec
 
 
-def llvm_target() -> tvm.target.Target:
-    mcpu = os.environ.get("FLASHGEN_LLVM_MCPU") or codegen.llvm_get_system_cpu()
-    spec: dict[str, Any] = {"kind": "llvm"}
-    if mcpu and mcpu != "generic":
-        spec["mcpu"] = mcpu
-    return tvm.target.Target(spec)
+def llvm_target(spec: dict[str, str] | None = None) -> tvm.target.Target:
+    """TVM's target for `spec` (`llvm_spec()`, the build machine's by default)."""
+    return tvm.target.Target(spec or llvm_spec())
 
 
 def parse(ks: KernelSource) -> tvm.tirx.PrimFunc:
@@ -50,25 +46,12 @@ def artifacts(ex: Any) -> dict[str, str]:
     return asm
 
 
-def export(ex: Any, name: str) -> tuple[bytes, Any]:
-    """Link the module into a shared library; returns its bytes and the library loaded back.
-
-    The launcher runs the loaded library, so what is saved is exactly what ran in the checks.
-    """
+def export(ex: Any, name: str) -> bytes:
+    """Link the module into a shared library; returns its bytes."""
     with tempfile.TemporaryDirectory(prefix="flashgen-tvm-") as tmp:
         path = Path(tmp) / f"{name}.so"
         try:
             ex.export_library(str(path))
         except Exception as e:
             raise FlashgenError(f"linking {name}.so failed (is a C compiler installed?): {e}") from None
-        data = path.read_bytes()
-        lib = tvm.runtime.load_module(str(path))  # stays mapped after the file is gone
-    return data, lib
-
-
-def load_library(data: bytes, name: str) -> Any:
-    """Load a shared library from its bytes (a saved Kernel's .so)."""
-    with tempfile.TemporaryDirectory(prefix="flashgen-tvm-") as tmp:
-        path = Path(tmp) / f"{name}.so"
-        path.write_bytes(data)
-        return tvm.runtime.load_module(str(path))
+        return path.read_bytes()
