@@ -244,6 +244,7 @@ def _read_prompt(path: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a Hugging Face model folder, printing text as tokens arrive."""
+    import math
     from pathlib import Path
 
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt(args.prompt_file)
@@ -251,17 +252,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from flashgen.runtime.engine import Engine, SamplingParams
+    from flashgen.runtime.memory import cache_bytes, check_fits
     from flashgen.runtime.model import Decoder
-    from flashgen.runtime.weights import ModelConfig, load_weights
+    from flashgen.runtime.tokenizer import load_tokenizer
+    from flashgen.runtime.weights import ModelConfig, check_weights, load_weights
 
-    from tokenizers import Tokenizer
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
-    if not (folder / "tokenizer.json").exists():
-        raise FlashgenError(f"{folder} has no tokenizer.json")
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(folder, config.vocab_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = Decoder(config, load_weights(folder), device, torch.bfloat16 if device == "cuda" else torch.float32)
+    nbytes = 2 if device == "cuda" else 4
+    weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
+    check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights +
+               cache_bytes(config, nbytes, args.cache_blocks, 16), torch.device(device), "pass fewer --cache-blocks")
+    model = Decoder(config, load_weights(folder, config), device, torch.bfloat16 if device == "cuda" else torch.float32)
     engine = Engine(model, num_blocks=args.cache_blocks)
     prompt = tok.encode(prompt_text).ids
     rid = engine.add(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.runtime.engine import Engine, SamplingParams
 from flashgen.runtime.graphs import bucket_for
+from flashgen.runtime.memory import available_bytes, cache_bytes
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.torch_ops import dispatcher
 from flashgen.runtime.weights import ModelConfig
@@ -74,29 +74,7 @@ def step_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int, context
 
 def kv_cache_bytes(c: ModelConfig, dtype_bytes: int, batch: int, tokens: int) -> int:
     """The paged cache `decode` allocates for `batch` sequences of `tokens` tokens (16-token blocks)."""
-    blocks = batch * -(-tokens // 16) + 4
-    return 2 * c.num_layers * blocks * 16 * c.num_kv_heads * c.head_dim * dtype_bytes
-
-
-def available_bytes(dev: torch.device) -> int | None:
-    """Memory free for a run: the GPU's; on the CPU, Linux's MemAvailable within the cgroup's limit (a
-    container's); None where the system does not say."""
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:
-        return None
-    free = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines()
-                 if line.startswith("MemAvailable:")), None)
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit, used = (cgroup / "memory.max").read_text().strip(), int((cgroup / "memory.current").read_text())
-        if limit != "max" and free is not None:
-            free = min(free, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return free
+    return cache_bytes(c, dtype_bytes, batch * -(-tokens // 16) + 4, 16)
 
 
 def check_memory(config: str, c: ModelConfig, dtype: torch.dtype, dev: torch.device, batch: int,

@@ -126,3 +126,38 @@ def test_bench_model_one_new_token_reports_no_decode_rate(capsys):
     assert main(["bench-model", "--config", "tiny", "--batch", "2", "--prompt-len", "5", "--new-tokens", "1"]) == 0
     row = capsys.readouterr().out.splitlines()[2].split()
     assert row[0] == "2" and float(row[1]) >= 0 and row[2] == "-" and row[4] == "-"
+
+
+def _copy(folder, tmp_path):
+    import shutil
+    shutil.copytree(folder, tmp_path / "m")
+    return tmp_path / "m"
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("garbage", "tokenizer.json is not a tokenizer file the tokenizers library reads"),
+    ("past_vocab", "token 'w200' has id 200, past the model's vocab_size of 128"),
+    ("missing", "has no tokenizer.json"),
+])
+def test_a_tokenizer_the_model_cannot_serve_is_one_line(folder, tmp_path, capsys, damage, message):
+    from tokenizers import Tokenizer, models
+    m = _copy(folder, tmp_path)
+    if damage == "garbage":
+        (m / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}')
+    elif damage == "past_vocab":
+        Tokenizer(models.WordLevel({"w0": 0, "w200": 200}, unk_token="w0")).save(str(m / "tokenizer.json"))
+    else:
+        (m / "tokenizer.json").unlink()
+    assert main(["generate", "--model", str(m), "--prompt", "w1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_cache_blocks_are_bounded_by_free_memory(folder, capsys, monkeypatch):
+    from flashgen.runtime import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda dev: 10**8)
+    assert main(["generate", "--model", str(folder), "--prompt", "w1", "--cache-blocks", "100000"]) == 2
+    err = capsys.readouterr().err
+    # 2 layers x 100000 blocks x 16 tokens x 2 KV heads x 16 dims x 2 (k, v) x 4 bytes = 0.8 GB, plus the weights
+    assert re.search(r"KV cache of 100000 blocks needs about 0\.8 GB, and cpu has 0\.1 GB free; pass fewer "
+                     r"--cache-blocks", err), err
