@@ -195,6 +195,7 @@ class _Worker:
         self.args = (device, target.id, factory, runs, behind)
         self.proc: Any = None
         self.conn: Any = None
+        self.closed = False  # set by Runner.close: a worker that died is not started again
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -214,6 +215,8 @@ class _Worker:
     def measure(self, wl: Workload, schedule: Schedule, seed: int, timeout_s: float,
                 start_timeout_s: float) -> MeasureResult:
         fresh = self.proc is None or not self.proc.is_alive()
+        if fresh and self.closed:  # its runner closed while this candidate was in flight
+            return MeasureResult(schedule, "crash", error="the runner was closed")
         if fresh:
             self.start()
         try:
@@ -269,24 +272,29 @@ class Runner:
                     return
 
         for w in self.workers[:len(schedules)]:  # started here, on the main thread (sigint_deferred)
-            if w.proc is None or not w.proc.is_alive():
+            if not w.closed and (w.proc is None or not w.proc.is_alive()):
                 w.start()
         threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in self.workers]
         for t in threads:
             t.start()
-        for _ in schedules:
-            i, r = done.get()
-            if isinstance(r, BaseException):
-                raise r
-            results[i] = r
-            if on_result is not None:
-                on_result(r)
+        try:
+            for _ in schedules:
+                i, r = done.get()
+                if isinstance(r, BaseException):
+                    raise r
+                results[i] = r
+                if on_result is not None:
+                    on_result(r)
+        finally:  # interrupted (Ctrl-C, a failed record): no worker takes another candidate, nor starts
+            with lock:
+                todo.clear()
         for t in threads:
             t.join()
         return [r for r in results if r is not None]
 
     def close(self) -> None:
         for w in self.workers:
+            w.closed = True
             if w.proc is not None and w.proc.is_alive():
                 try:
                     w.conn.send(None)

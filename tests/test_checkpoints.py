@@ -14,9 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from flashgen.errors import FlashgenError  # noqa: E402
 from flashgen.runtime.engine import Engine  # noqa: E402
-from flashgen.runtime.model import Batch, Decoder  # noqa: E402
+from flashgen.runtime.model import Decoder  # noqa: E402
 from flashgen.runtime.model_config import ModelConfig  # noqa: E402
 from flashgen.runtime.weights import load_weights  # noqa: E402
+from tests.prefill import prefill_logits  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -50,14 +51,7 @@ def _llama(tmp_path: Path, seed: int = 0, **kw) -> tuple[torch.nn.Module, Path]:
 
 def _error(hf: torch.nn.Module, folder: Path, prompt: list[int] = PROMPT) -> float:
     """Max |logit difference| over the prompt's tokens, relative to the largest logit."""
-    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
-    eng = Engine(model, num_blocks=16)
-    eng.cache.manager.reserve(0, len(prompt))
-    table = eng.cache.manager.tables[0]
-    batch = Batch(torch.tensor(prompt), torch.arange(len(prompt)),
-                  torch.tensor([table[p // 16] * 16 + p % 16 for p in range(len(prompt))]), [0], [len(prompt)],
-                  [len(prompt)])
-    ours = model.forward(batch, eng.cache, last_only=False)
+    ours = prefill_logits(Decoder(ModelConfig.from_folder(folder), load_weights(folder)), prompt, num_blocks=16)
     hf.config._attn_implementation = "eager"
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]

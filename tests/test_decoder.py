@@ -14,6 +14,7 @@ from flashgen.errors import FlashgenError  # noqa: E402
 from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
 from flashgen.runtime.model import Batch, Decoder  # noqa: E402
 from flashgen.runtime.weights import ModelConfig, load_weights  # noqa: E402
+from tests.prefill import prefill_logits  # noqa: E402
 from tests.eager_graphs import EagerGraphs  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -45,14 +46,8 @@ def test_logits_match_transformers(checkpoint):
     kind, hf, folder = checkpoint
     model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
     assert model.c.model_type == kind and model.c.qkv_bias == (kind == "qwen2")
-    eng = Engine(model, num_blocks=32)
     prompt = PROMPTS[1]
-    eng.cache.manager.reserve(0, len(prompt))
-    table = eng.cache.manager.tables[0]
-    batch = Batch(torch.tensor(prompt), torch.arange(len(prompt)),
-                  torch.tensor([table[p // 16] * 16 + p % 16 for p in range(len(prompt))]), [0], [len(prompt)],
-                  [len(prompt)])
-    ours = model.forward(batch, eng.cache, last_only=False)
+    ours = prefill_logits(model, prompt)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
