@@ -22,10 +22,10 @@ import torch
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, eval_int
-from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel, Launcher
-from flashgen.workload import Workload, dequant_forms
+from flashgen.kernel_classes import kernel_class
+from flashgen.workload import Schedule, Workload, dequant_forms
 
 STAGE_OUTPUT = "weight"  # the dequant op's one output
 
@@ -38,8 +38,10 @@ def plan(wl: Workload, schedule: Schedule, target: Target) -> tuple[tuple[Worklo
     forms = dequant_forms(wl, schedule.get("dequant_chunks", 1))
     assert forms is not None, f"{wl.op_name} has no dequant form"
     stage, dense = forms
-    return (stage, ScheduleSpace(stage, target).default()), (dense, {k: v for k, v in schedule.items()
-                                                                      if k not in ("dequant_first", "dequant_chunks")})
+    # the stage's analytic default, from its class's rules through the registry (a backend imports no space)
+    stage_schedule = kernel_class(stage.op.kclass).space_rules().default(stage, target)
+    dense_schedule = {k: v for k, v in schedule.items() if k not in ("dequant_first", "dequant_chunks")}
+    return (stage, stage_schedule), (dense, dense_schedule)
 
 
 def column_axes(wl: Workload) -> dict[str, int]:

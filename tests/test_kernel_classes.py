@@ -147,3 +147,36 @@ def test_device_target_of_the_cpu():
     assert device_target(torch.device("cpu")).id == device_target("cpu").id == CPU.id
     if not torch.cuda.is_available():
         assert device_target().id == CPU.id
+
+
+def _runtime_imports(tree) -> list[str]:
+    """The flashgen modules a file imports when it runs (imports under `if TYPE_CHECKING:` are types only)."""
+    import ast
+    out = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        else:
+            out += _runtime_imports(node)
+    return out
+
+
+def test_imports_run_one_way():
+    """ir -> workload -> descriptor -> spaces -> backends -> compiler -> tuner / runtime: no module imports
+    one of a layer above it (a backend reaches a class's rules through the registry)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    above = {"flashgen/ir": ("workload", "targets", "schedules", "compiler", "runtime", "db"),
+             "flashgen/oplib": ("targets", "schedules", "compiler", "runtime", "db"),
+             "targets": ("schedules", "compiler", "runtime"), "schedules": ("runtime",)}
+    for folder, names in above.items():
+        for path in (root / folder).rglob("*.py"):
+            for module in _runtime_imports(ast.parse(path.read_text())):
+                parts = module.split(".")
+                assert not (parts[0] == "flashgen" and len(parts) > 1 and parts[1] in names), \
+                    f"{path.relative_to(root)} imports {module}, a layer above it"
