@@ -1,7 +1,8 @@
 """Correctness checks: a kernel's outputs against the op's float64 reference on fresh random inputs.
 
-Outputs are poisoned first (NaN, or -128 for int8, a value quantization never produces), so an element
-the kernel does not write fails the check. Float outputs are judged by the relative error norm
+Outputs are poisoned first (NaN, -128 for int8, a value quantization never produces, or -2**31 for
+int32 indices), so an element the kernel does not write fails the check; int32 outputs must match
+exactly. Float outputs are judged by the relative error norm
 ||out - ref|| / ||ref|| with a tolerance that fits the dtype's rounding; quantized int8 outputs may
 differ from the reference by one step (fp32 vs float64 rounding at ties), in at most 1% of elements.
 """
@@ -18,6 +19,7 @@ from flashgen.workload import Workload
 
 REL_TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.2e-2, "fp8e4m3": 2e-2}
 INT8_MAX_STEP, INT8_MAX_FRACTION = 1, 0.01
+POISON_INT = {"int8": -128, "int32": -(1 << 31)}  # values neither quantization nor an index produces
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ def poisoned(wl: Workload, dims: Mapping[str, int], device: torch.device | str) 
     for t in wl.outputs:
         dt = wl.tensor_dtype(t.name)
         shape = tuple(eval_int(e, dims) for e in t.shape)
-        fill = -128 if dt == "int8" else float("nan")
+        fill = POISON_INT.get(dt, float("nan"))
         out[t.name] = torch.full(shape, fill, dtype=dtypes.TORCH[dt], device=device)
     return out
 
@@ -54,6 +56,10 @@ def compare(wl: Workload, outs: Mapping[str, torch.Tensor], ref: Mapping[str, to
             worst = diff.max().item() if diff.numel() else 0.0
             ok = worst <= INT8_MAX_STEP and frac <= INT8_MAX_FRACTION
             checks.append(OutputCheck(name, frac, INT8_MAX_FRACTION, ok, f"max step {worst:g}"))
+            continue
+        if dt == "int32":  # indices: exact
+            wrong = (got.to(torch.float64) != want).sum().item()
+            checks.append(OutputCheck(name, float(wrong), 0.0, wrong == 0, f"{wrong} of {got.numel()} differ"))
             continue
         g = got.to(torch.float64)
         if not torch.isfinite(g).all():

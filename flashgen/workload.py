@@ -163,11 +163,14 @@ def workload(op: str, **kw: Any) -> Workload:
         else:
             valid = ", ".join(list(o.dims) + list(o.attrs))
             raise FlashgenError(f"{op}: unknown dim or attribute '{name}'; valid: {valid}")
+    for name, choices in o.attrs.items():
+        attrs.setdefault(name, choices[0])
+    for d, a in o.attr_dims.items():
+        if dims.setdefault(d, int(attrs[a])) != int(attrs[a]):
+            raise FlashgenError(f"{op}: dim {d}={dims[d]} contradicts {a}={attrs[a]} (which sets it)")
     missing = [d for d in o.dims if d not in dims]
     if missing:
         raise FlashgenError(f"{op}: missing dim {', '.join(missing)} (needs {', '.join(o.dims)})")
-    for name, choices in o.attrs.items():
-        attrs.setdefault(name, choices[0])
     problem = o.check_dims(dims, attrs)
     if problem:
         raise FlashgenError(f"{op}: {problem}")

@@ -33,6 +33,11 @@ def numerics_cases(Ms=(1, 3, 17), Ns=(1, 127, 5120, 11008), dtypes=("fp32", "fp1
     for i, (m, d, rd, ns, style) in enumerate([(3, 80, 32, 7, "neox"), (4, 64, 16, 4, "gptj")]):
         out.append(workload("rope_cache_partial", M=m, Hq=4, Hkv=2, D=d, R=rd, L=61, NS=ns, style=style,
                             dtype=dtypes[(i + 1) % len(dtypes)]))
+    # MoE routing: E=8 (Mixtral), 60 (Qwen1.5-MoE), 128 (Qwen3-MoE); bf16 logits tie often (lowest index wins)
+    for i, (m, e) in enumerate((m, e) for m in Ms for e in (8, 60, 128)):
+        for topk in ("2", "8"):
+            out.append(workload("moe_route", M=m, E=e, topk=topk, renorm=("yes", "no")[(i + int(topk)) % 2],
+                                dtype=dtypes[i % len(dtypes)]))
     return out
 
 

@@ -21,6 +21,8 @@ def _workload(op: str):
                                  **({"NS": 4096} if "cache" in op else {}))
     if op.startswith("dequant_"):  # a weight's rows and columns
         return flashgen.workload(op, N=4096, K=1024, dtype="bf16", **({"G": 128} if "G" in OPS[op].dims else {}))
+    if op == "moe_route":  # Qwen3-MoE's router: 128 experts, 8 a token
+        return flashgen.workload(op, M=33, E=128, topk="8", dtype="bf16")
     return flashgen.workload(op, M=33, N=4096, dtype="bf16")
 
 

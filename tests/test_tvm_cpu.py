@@ -15,7 +15,8 @@ from flashgen.check import check
 from flashgen.errors import FlashgenError
 from flashgen.oplib import OPS
 
-ROW_OPS = [name for name, o in OPS.items() if o.kclass in ("rowwise", "pointwise") and "M" in o.dims]
+# the row ops over an [M, N] domain (moe_route's [M, E] comes in through numerics_cases and NARROW)
+ROW_OPS = [name for name, o in OPS.items() if o.kclass in ("rowwise", "pointwise") and {"M", "N"} <= set(o.dims)]
 from flashgen.schedules.row_space import CPU_MAX_BLOCK_C
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
@@ -76,15 +77,17 @@ def test_default_schedule(wl):
         assert c.ok, c
 
 
-ROWWISE = [op for op, o in OPS.items() if o.kclass == "rowwise"]
+ROWWISE = [op for op in ROW_OPS if OPS[op].kclass == "rowwise"]
 # Narrow tiles: 5120 = 320 x 16 (many passes over full tiles), 127 = 7 x 16 + 15 (a ragged end),
 # 17 rows in tasks of 4 (a ragged last task); and the widest tile the cpu space allows.
-NARROW = [(op, n, dt) for op in ROWWISE for n, dt in ((5120, "bf16"), (127, "fp32"))]
+NARROW = [workload(op, M=17, N=n, dtype=dt, **({"out_dtype": "int8"} if "quant" in op else {}))
+          for op in ROWWISE for n, dt in ((5120, "bf16"), (127, "fp32"))]
+NARROW += [workload("moe_route", M=17, E=e, topk="8", renorm=rn, dtype=dt)
+           for e, rn, dt in ((128, "yes", "bf16"), (60, "no", "fp32"))]
 
 
-@pytest.mark.parametrize("op,n,dt", NARROW)
-def test_narrow_tiles_multi_pass(op, n, dt):
-    wl = workload(op, M=17, N=n, dtype=dt, **({"out_dtype": "int8"} if "quant" in op else {}))
+@pytest.mark.parametrize("wl", NARROW, ids=case_id)
+def test_narrow_tiles_multi_pass(wl):
     schedule = {"block_r": 4, "block_c": 16, "num_warps": 1}
     assert ScheduleSpace(wl, CPU).is_valid(schedule) and schedule != ScheduleSpace(wl, CPU).default()
     src = kernel(wl, schedule).source

@@ -12,7 +12,7 @@ from typing import Union
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "abs", "sigmoid", "tanh", "erf", "rint", "cos", "sin")
 BINARY = ("add", "sub", "mul", "div", "max", "min", "floordiv", "mod", "lt", "le", "gt", "ge", "eq",
           "shr", "and")  # shr/and: bit fields of packed integer tensors (int4 weights)
-REDUCE = ("sum", "max")
+REDUCE = ("sum", "max", "min")
 
 Operand = Union["Expr", int, float]
 

@@ -60,6 +60,9 @@ class Store:
     value: E.Expr
     mask: E.Expr | None = None
 
+    def __post_init__(self) -> None:  # a constant index (an output's column j) as Load takes one
+        object.__setattr__(self, "indices", tuple(E.lift(i) for i in self.indices))
+
 
 @dataclass(frozen=True)
 class Contract:
@@ -120,6 +123,9 @@ class Op:
     # A contraction with a weight prologue: (the pointwise op that writes its weight dequantized, the
     # contraction op that runs on that weight), for schedules that dequantize first (`dequant_first`).
     dequant: tuple[str, str] = ()
+    # Dims an attr's value sets (dim -> attr): a count the body unrolls (top-k's k) is an attr, since
+    # `build` sees only attrs, yet tensor shapes need it as a dim; the workload binds it from the attr.
+    attr_dims: Mapping[str, str] = field(default_factory=dict)
 
     def plain_form(self, attrs: Attrs) -> tuple[str, dict[str, str]]:
         """The op name and attrs whose records serve a workload of these attrs that has none."""

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from flashgen.errors import FlashgenError
 from flashgen.ir.op import Op
-from flashgen.oplib import activation, attention, gemm, norm, quant, rope
+from flashgen.oplib import activation, attention, gemm, moe, norm, quant, rope
 
-OPS: dict[str, Op] = {op.name: op for mod in (norm, quant, activation, rope, gemm, attention) for op in mod.OPS}
+OPS: dict[str, Op] = {op.name: op for mod in (norm, quant, activation, moe, rope, gemm, attention) for op in mod.OPS}
 
 
 def get_op(name: str) -> Op:

@@ -16,7 +16,7 @@ from typing import Mapping
 from flashgen.ir import expr as E
 from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, refs
 from flashgen.kernel_classes import generator, kernel_class
-from flashgen.targets.triton.emit import (IDENTITY, Emitter, KernelSource, Scope, grid_dependency, kernel_args,
+from flashgen.targets.triton.emit import (COMBINE, IDENTITY, REDUCE_FN, Emitter, KernelSource, Scope, grid_dependency, kernel_args,
                                           module_header)
 from flashgen.workload import Schedule, Workload, domain
 
@@ -58,7 +58,7 @@ class _RowGen:
         self.column_setup(scope, start)
         for st in self.body:
             if isinstance(st, Reduce):
-                fn = "tl.sum" if st.kind == "sum" else "tl.max"
+                fn = REDUCE_FN[st.kind]
                 self.em.named[st.name] = self.em.temp(scope, f"{fn}({self.reduce_tile(st, scope)}, axis=1)[:, None]",
                                                       st.name)
             elif isinstance(st, Store):
@@ -94,10 +94,8 @@ class _RowGen:
                 pending.remove(st)
             if red is not None:
                 v = self.reduce_tile(red, inner)
-                op = f"{acc} + {v}" if red.kind == "sum" else f"tl.maximum({acc}, {v})"
-                inner.line(f"{acc} = {op}")
-                fn = "tl.sum" if red.kind == "sum" else "tl.max"
-                self.em.named[red.name] = self.em.temp(scope, f"{fn}({acc}, axis=1)[:, None]", red.name)
+                inner.line(f"{acc} = {COMBINE[red.kind].format(acc, v)}")
+                self.em.named[red.name] = self.em.temp(scope, f"{REDUCE_FN[red.kind]}({acc}, axis=1)[:, None]", red.name)
                 done.add(red.name)
                 row_level_ready()
         assert not pending, f"stores never became ready: {pending}"

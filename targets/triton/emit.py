@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import json
 import keyword
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -24,7 +25,9 @@ UNARY = {"exp": "tl.exp({})", "log": "tl.log({})", "sqrt": "tl.sqrt({})", "rsqrt
          "abs": "tl.abs({})", "sigmoid": "tl.sigmoid({})", "erf": "tl.erf({})", "cos": "tl.cos({})",
          "sin": "tl.sin({})", "neg": "(-{})", "tanh": "(2.0 * tl.sigmoid(2.0 * {}) - 1.0)",
          "rint": f"(({{}} + {RINT_MAGIC}) - {RINT_MAGIC})"}
-IDENTITY = {"sum": "0.0", "max": 'float("-inf")'}
+IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+REDUCE_FN = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}
+COMBINE = {"sum": "{} + {}", "max": "tl.maximum({}, {})", "min": "tl.minimum({}, {})"}  # folds a tile into an accumulator
 BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})",
           "floordiv": "({} // {})", "mod": "({} % {})", "max": "tl.maximum({}, {})",
           "min": "tl.minimum({}, {})", "lt": "({} < {})", "le": "({} <= {})", "gt": "({} > {})",
@@ -133,7 +136,7 @@ class Emitter:
         if key in scope.cache:
             return scope.cache[key]
         if isinstance(e, E.Const):
-            return repr(e.value) if e.is_int else repr(float(e.value))
+            return repr(e.value) if e.is_int or math.isfinite(e.value) else f'float("{e.value}")'
         if isinstance(e, (E.Dim, E.Param)):
             return e.name
         if isinstance(e, E.Index):

@@ -51,8 +51,8 @@ BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({
           "min": "T.min({}, {})", "lt": "({} < {})", "le": "({} <= {})", "gt": "({} > {})",
           "ge": "({} >= {})", "eq": "({} == {})", "shr": "({} >> {})", "and": "({} & {})"}
 COMPARE = ("lt", "le", "gt", "ge", "eq")
-IDENTITY = {"sum": 'T.float32(0.0)', "max": 'T.float32("-inf")'}
-FOLD = {"sum": "{} + {}", "max": "T.max({}, {})"}
+IDENTITY = {"sum": 'T.float32(0.0)', "max": 'T.float32("-inf")', "min": 'T.float32("inf")'}
+FOLD = {"sum": "{} + {}", "max": "T.max({}, {})", "min": "T.min({}, {})"}
 
 
 @dataclass(frozen=True)
