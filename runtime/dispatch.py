@@ -75,7 +75,7 @@ def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mappin
                 dims.setdefault(e.b.name, n // int(e.a.value))
             elif isinstance(e, E.Binary) and e.op == "add" and isinstance(e.a, E.Dim) and isinstance(e.b, E.Const):
                 dims.setdefault(e.a.name, n - int(e.b.value))
-    missing = [d for d in op.dims if d not in dims]
+    missing = [d for d in op.dims if d not in dims and d not in op.attr_dims]  # (an attr binds those)
     if missing:
         raise FlashgenError(f"{op_name}: dims {', '.join(missing)} cannot be read off the tensors; pass them")
     return dims

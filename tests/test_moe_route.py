@@ -69,3 +69,14 @@ def test_k_is_set_by_topk():
     assert wl.dim["K"] == 4 and wl.shape("topk_ids") == wl.shape("topk_weights") == (3, 4)
     assert wl == workload("moe_route", M=3, E=60, topk="4", K=4)
     assert wl.from_json(wl.to_json()) == wl
+
+
+def test_moe_route_as_a_torch_op():
+    """torch.ops.flashgen.moe_route binds K from its topk attr (no tensor carries it)."""
+    from flashgen.runtime import register_all
+    register_all()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    ids, weights = torch.ops.flashgen.moe_route(x, topk="2")
+    top = torch.topk(torch.softmax(x.double(), -1), 2)
+    assert ids.tolist() == top.indices.tolist()
+    torch.testing.assert_close(weights.double(), top.values / top.values.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
