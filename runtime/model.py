@@ -148,7 +148,8 @@ class Decoder:
             start += n
         if b.shared is not None:
             gate_up, down = b.shared
-            out += torch.sigmoid(torch_linear(h, b.shared_gate)) * self.linear(self.linear(h, gate_up), down, gated=True)
+            shared = self.linear(self.linear(h, gate_up), down, gated=True)
+            out += torch.sigmoid(torch_linear(h, b.shared_gate)) * shared
         return out
 
     def _choose(self, n: int, k: int, m: int) -> str:

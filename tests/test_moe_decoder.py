@@ -141,3 +141,20 @@ def test_qwen2_moe_config_refusals(tmp_path):
             ModelConfig.from_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**base, "decoder_sparse_step": 2}))
     assert ModelConfig.from_folder(tmp_path).moe_layers == (False, True)  # every second layer sparse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_moe_decoder_on_gpu_tracks_the_cpu(checkpoint):
+    """On a GPU each expert's gathered tokens run the generated bf16 GEMMs, with no CUDA graphs (the
+    routing reads counts on the host): the logits track the float32 CPU decoder's, and a ragged batch
+    decodes."""
+    _, _, folder = checkpoint
+    c, w = ModelConfig.from_folder(folder), load_weights(folder)
+    ref = prefill_logits(Decoder(c, w), PROMPTS[1])
+    model = Decoder(c, w, "cuda", torch.bfloat16)
+    got = prefill_logits(model, PROMPTS[1]).float().cpu()
+    assert float((got - ref).norm() / ref.norm()) < 0.03
+    eng = Engine(model, num_blocks=64)
+    assert eng.graphs is None
+    assert all(len(r.output) == 8 and not r.error for r in eng.generate(PROMPTS, SamplingParams(max_new_tokens=8)))
