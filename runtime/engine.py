@@ -141,12 +141,13 @@ class _Pending:
 class Engine:
     def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True,
                  chain: bool = True):
-        """`cuda_graphs` applies when the model runs its generated attention on a GPU; it keeps one cache
-        block for the graphs' padding rows. `chain` lets greedy graph steps run ahead of the host
-        (module docstring); without it every step waits for its tokens."""
+        """`cuda_graphs` applies when the model runs its generated attention on a GPU and its steps are
+        capturable (`Decoder.capturable`); it keeps one cache block for the graphs' padding rows. `chain`
+        lets greedy graph steps run ahead of the host (module docstring); without it every step waits for
+        its tokens."""
         c = model.c
         self.model = model
-        graphs = cuda_graphs and model.uses_tables
+        graphs = cuda_graphs and model.uses_tables and model.capturable
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype,
                                   model.device, pad_block=graphs)
         self.graphs = DecodeGraphs(model, self.cache) if graphs else None

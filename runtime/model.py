@@ -1,6 +1,7 @@
 """A Llama-family decoder (Llama 2/3 with scaled RoPE and optional biases, Mistral with sliding window,
-Qwen2 with qkv bias and per-layer windows) over a paged KV cache, computing with flashgen's generated
-kernels. What it computes is what runtime/model_config.py accepted: anything else was refused there.
+Qwen2 with qkv bias and per-layer windows, Mixtral and Qwen2-MoE with routed experts) over a paged KV
+cache, computing with flashgen's generated kernels. What it computes is what runtime/model_config.py
+accepted: anything else was refused there.
 
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
 decode token), packed along one token axis. Norms, SiLU·mul and RoPE (with the new tokens' keys and
@@ -9,6 +10,13 @@ in bf16 decode steps of one row on a GPU the norms and SiLU·mul run inside the 
 Each residual add is the epilogue of the linear before it. Linears and attention run as generated
 GEMM and attention kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one
 used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
+
+An MoE layer's MLP is routed in torch (no grouped-GEMM kernel is generated yet): the router, unquantized
+so that weight rounding does not change which experts a token gets (its softmax in float32), picks
+each token's top-k experts; each expert's tokens are gathered and run through its gate|up and down
+linears (in `quant`, as the dense layers'), scaled by their router weights and summed; Qwen2-MoE adds
+its shared expert behind a sigmoid gate. The routing reads each expert's token count on the host, so such a model's
+decode steps are not captured in CUDA graphs (`capturable`).
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prep
 from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.model_config import ModelConfig
 from flashgen.runtime.rope_scaling import rope_table
+from flashgen.runtime.weights import moe_names
 
 
 @dataclass
@@ -43,6 +52,15 @@ class Batch:
     ctx_lens: torch.Tensor | None = None  # [B] int32
 
 
+@dataclass
+class MoeBlock:
+    """One MoE layer's weights."""
+    router: torch.Tensor                            # [experts, hidden], in the decoder's dtype, unquantized
+    experts: list[tuple[QuantLinear, QuantLinear]]  # each expert's gate|up and down
+    shared: tuple[QuantLinear, QuantLinear] | None = None  # Qwen2-MoE's shared expert's gate|up and down
+    shared_gate: torch.Tensor | None = None         # [1, hidden]
+
+
 class Decoder:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, quant: str = "bf16"):
@@ -60,11 +78,15 @@ class Decoder:
             p = f"model.layers.{i}."
             att = p + "self_attn."
             layer = {"in_norm": w[p + "input_layernorm.weight"], "post_norm": w[p + "post_attention_layernorm.weight"],
-                     "qkv": torch.cat([w[att + n + "_proj.weight"] for n in "qkv"]), "o": w[att + "o_proj.weight"],
-                     "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                     "down": w[p + "mlp.down_proj.weight"]}
+                     "qkv": torch.cat([w[att + n + "_proj.weight"] for n in "qkv"]), "o": w[att + "o_proj.weight"]}
+            if config.layer_moe(i):
+                layer["moe"] = self._moe_block(w, i)
+            else:
+                layer.update(gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                             down=w[p + "mlp.down_proj.weight"])
             for name in ("qkv", "o", "gate_up", "down"):
-                layer[name] = prepare(layer[name], quant)
+                if name in layer:
+                    layer[name] = prepare(layer[name], quant)
             if config.qkv_bias:
                 layer["qkv_bias"] = torch.cat([w[att + n + "_proj.bias"] for n in "qkv"])
             if config.o_bias:
@@ -76,6 +98,22 @@ class Decoder:
         self.cos_sin: torch.Tensor | None = None  # sized by the first cache it serves (`context`)
         self._rope_positions = 0
 
+    def _moe_block(self, w: dict[str, torch.Tensor], layer: int) -> MoeBlock:
+        names = moe_names(self.c, layer)
+
+        def expert(gate: str, up: str, down: str) -> tuple[QuantLinear, QuantLinear]:
+            return prepare(torch.cat([w[gate], w[up]]), self.quant), prepare(w[down], self.quant)
+
+        return MoeBlock(cpu_weight(w[names.router]), [expert(*e) for e in names.experts],
+                        expert(*names.shared) if names.shared else None,
+                        cpu_weight(w[names.shared_gate]) if names.shared_gate else None)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not with MoE layers, whose torch
+        routing reads each expert's token count on the host."""
+        return not any(self.c.moe_layers)
+
     # ---- building blocks ------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None,
                norm: torch.Tensor | None = None, gated: bool = False,
@@ -86,6 +124,33 @@ class Decoder:
             self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
         return apply(x, w, self.quant, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, gated,
                      residual)
+
+    def moe(self, h: torch.Tensor, b: MoeBlock) -> torch.Tensor:
+        """The MoE MLP of the normed hidden states `h` [T, hidden]: each token's top-k experts (softmax
+        over all experts, renormalised over the k if the config says so), weighted and summed, plus the
+        gated shared expert if any (module docstring)."""
+        self.fallbacks.add("moe experts (torch)")
+        c = self.c
+        probs = torch_linear(h, b.router).float().softmax(-1)
+        weights, chosen = probs.topk(c.experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights, chosen = weights.flatten().to(h.dtype), chosen.flatten()
+        order = chosen.argsort(stable=True)  # the (token, slot) pairs grouped by expert, in token order
+        out = torch.zeros_like(h)
+        start = 0
+        for (gate_up, down), n in zip(b.experts, torch.bincount(chosen, minlength=c.num_experts).tolist()):
+            if n:
+                pairs = order[start:start + n]
+                tokens = pairs // c.experts_per_tok
+                y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
+                out.index_add_(0, tokens, y * weights[pairs, None])
+            start += n
+        if b.shared is not None:
+            gate_up, down = b.shared
+            shared = self.linear(self.linear(h, gate_up), down, gated=True)
+            out += torch.sigmoid(torch_linear(h, b.shared_gate)) * shared
+        return out
 
     def _choose(self, n: int, k: int, m: int) -> str:
         target = dispatcher().target_for(self.device)
@@ -241,8 +306,11 @@ class Decoder:
                                                  batch.slots, *cache.slot_views(i))
             a = self.attention(q, k, v, cache, i, batch, keys).reshape(-1, nq)
             x = self.linear(a, L["o"], L.get("o_bias"), residual=x)
-            up = self.linear(x, L["gate_up"], L.get("gate_up_bias"), norm=L["post_norm"])
-            x = self.linear(up, L["down"], L.get("down_bias"), gated=True, residual=x)
+            if "moe" in L:
+                x = x + self.moe(torch.ops.flashgen.rmsnorm(x, L["post_norm"], c.rms_norm_eps), L["moe"])
+            else:
+                up = self.linear(x, L["gate_up"], L.get("gate_up_bias"), norm=L["post_norm"])
+                x = self.linear(up, L["down"], L.get("down_bias"), gated=True, residual=x)
         h = torch.ops.flashgen.rmsnorm(x, self.final_norm, c.rms_norm_eps)
         if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1

@@ -1,7 +1,9 @@
-"""A Hugging Face Llama-family config.json read into what the decoder computes, or refused.
+"""A Hugging Face Llama-family config.json (Mixtral and Qwen2-MoE included) read into what the decoder
+computes, or refused.
 
 Every key that changes what the model computes is either computed (RoPE scaling in both config forms,
-biases, an explicit head_dim, tied embeddings, sliding windows per layer, EOS ids) or refused in one
+biases, an explicit head_dim, tied embeddings, sliding windows per layer, EOS ids, experts and their
+routing) or refused in one
 line naming it: a folder never loads to compute something other than what its config says. Sizes and
 ranges are checked before anything is allocated from them.
 """
@@ -15,7 +17,7 @@ from typing import Any
 
 from flashgen.errors import FlashgenError
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 MAX_SIZE = 1 << 20  # any hidden, intermediate or head size, head count or vocabulary beyond this is not a model
 
@@ -42,12 +44,22 @@ class ModelConfig:
     rope_params: tuple[tuple[str, Any], ...] = ()  # the scaling parameters of rope_type, as the config gives them
     window_layers: tuple[bool, ...] = ()  # per layer, whether sliding_window applies; () = every layer
     eos_token_ids: tuple[int, ...] = field(default=())
+    num_experts: int = 0                      # routed experts of each MoE layer; 0: a dense model
+    experts_per_tok: int = 0                  # the router's top-k
+    moe_intermediate_size: int = 0            # each routed expert's
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert behind a sigmoid gate; 0: none
+    norm_topk_prob: bool = False              # whether the top-k router weights are renormalised to sum to 1
+    moe_layers: tuple[bool, ...] = ()         # per layer, whether its MLP is the MoE block; (): none is
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention, None for full attention."""
         if self.sliding_window is None or (self.window_layers and not self.window_layers[layer]):
             return None
         return self.sliding_window
+
+    def layer_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the routed-experts block (else the dense MLP of intermediate_size)."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @staticmethod
     def from_folder(folder: str | Path) -> ModelConfig:
@@ -132,7 +144,7 @@ def _rope(c: dict, path: Path) -> tuple[float, str, tuple[tuple[str, Any], ...]]
 def _windows(c: dict, kind: str, layers: int, path: Path) -> tuple[int | None, tuple[bool, ...]]:
     """The sliding window and which layers use it: every Mistral layer; Qwen2's `layer_types` (or, without
     them, the layers from `max_window_layers` on) when `use_sliding_window` is set."""
-    if kind == "llama" or (kind == "qwen2" and not c.get("use_sliding_window", False)):
+    if kind == "llama" or (kind in ("qwen2", "qwen2_moe") and not c.get("use_sliding_window", False)):
         return None, ()
     if c.get("sliding_window") is None:
         return None, ()
@@ -146,7 +158,34 @@ def _windows(c: dict, kind: str, layers: int, path: Path) -> tuple[int | None, t
     if kind == "qwen2":
         first = _int(c, "max_window_layers", path, default=layers, lo=0)
         return window, tuple(i >= first for i in range(layers))
+    if kind == "qwen2_moe":  # transformers' rule for these: every other layer below max_window_layers
+        limit = _int(c, "max_window_layers", path, default=layers, lo=0)
+        return window, tuple(i % 2 == 0 and i < limit for i in range(layers))
     return window, ()
+
+
+def _moe(c: dict, kind: str, layers: int, path: Path) -> dict[str, Any]:
+    """The experts: Mixtral's (of intermediate_size, top-k renormalised) in every layer; Qwen2-MoE's (of
+    moe_intermediate_size, with a shared expert) in the layers that decoder_sparse_step and
+    mlp_only_layers leave sparse, the others dense MLPs of intermediate_size."""
+    if kind not in ("mixtral", "qwen2_moe"):
+        return {}
+    experts = _int(c, "num_local_experts" if kind == "mixtral" else "num_experts", path, hi=1 << 16)
+    top_k = _int(c, "num_experts_per_tok", path, hi=experts)
+    if kind == "mixtral":
+        return dict(num_experts=experts, experts_per_tok=top_k, moe_intermediate_size=_int(c, "intermediate_size", path),
+                    norm_topk_prob=True, moe_layers=(True,) * layers)
+    step = _int(c, "decoder_sparse_step", path, default=1)
+    dense = c.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+                                          for i in dense):
+        raise _fail(path, "mlp_only_layers", f"must list layer indices in [0, {layers}), got {dense!r}")
+    norm = c.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise _fail(path, "norm_topk_prob", f"must be true or false, got {norm!r}")
+    return dict(num_experts=experts, experts_per_tok=top_k, moe_intermediate_size=_int(c, "moe_intermediate_size", path),
+                shared_expert_intermediate_size=_int(c, "shared_expert_intermediate_size", path), norm_topk_prob=norm,
+                moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
 def _eos(value: Any, where: str) -> tuple[int, ...]:
@@ -186,13 +225,15 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
     theta, rope_type, rope_params = _rope(c, path)
     window, window_layers = _windows(c, kind, layers, path)
     attention_bias = bool(c.get("attention_bias", False)) and kind == "llama"
+    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and bool(c.get("qkv_bias", True))) or attention_bias
     return ModelConfig(
         model_type=kind, vocab_size=_int(c, "vocab_size", path, hi=1 << 24), hidden_size=hidden,
         intermediate_size=_int(c, "intermediate_size", path), num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=_float(c, "rms_norm_eps", path, 1e-6),
         rope_theta=theta, max_position_embeddings=_int(c, "max_position_embeddings", path, default=4096, hi=(1 << 31) - 1),
-        sliding_window=window, qkv_bias=kind == "qwen2" or attention_bias,
+        sliding_window=window, qkv_bias=qkv_bias,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), o_bias=attention_bias,
         mlp_bias=bool(c.get("mlp_bias", False)) and kind == "llama", rope_type=rope_type, rope_params=rope_params,
         window_layers=window_layers,
-        eos_token_ids=tuple(dict.fromkeys(_eos(c.get("eos_token_id"), str(path)) + generation_eos)))
+        eos_token_ids=tuple(dict.fromkeys(_eos(c.get("eos_token_id"), str(path)) + generation_eos)),
+        **_moe(c, kind, layers, path))

@@ -1,4 +1,6 @@
-"""Loading a Hugging Face Llama-family checkpoint folder: safetensors weights, sharded or not.
+"""Loading a Hugging Face Llama-family checkpoint folder (Mixtral and Qwen2-MoE included, their
+experts stored one tensor per expert and projection, as transformers' save_pretrained writes them):
+safetensors weights, sharded or not.
 
 Every tensor the config implies is checked before any is read (present, the expected shape, a float
 dtype), and every tensor in the files must be one the decoder computes with: a checkpoint with more
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -19,9 +22,51 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; the decoder derives them
 
 
+class MoeNames(NamedTuple):
+    """One MoE layer's tensors, as the checkpoint names them."""
+    router: str                         # [experts, hidden]
+    experts: list[tuple[str, str, str]]  # each expert's gate, up and down projections
+    shared: tuple[str, str, str] | None  # Qwen2-MoE's shared expert's gate, up and down
+    shared_gate: str | None              # its sigmoid gate, [1, hidden]
+
+
+def moe_names(c: ModelConfig, layer: int) -> MoeNames:
+    """Mixtral's `block_sparse_moe` (experts' w1 = gate, w3 = up, w2 = down) or Qwen2-MoE's `mlp` names."""
+    if c.model_type == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        return MoeNames(p + "gate.weight", [tuple(f"{p}experts.{e}.{n}.weight" for n in ("w1", "w3", "w2"))
+                                            for e in range(c.num_experts)], None, None)
+    p = f"model.layers.{layer}.mlp."
+    return MoeNames(p + "gate.weight", [tuple(f"{p}experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
+                                        for e in range(c.num_experts)],
+                    tuple(f"{p}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")),
+                    p + "shared_expert_gate.weight")
+
+
+def _mlp_shapes(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """`layer`'s MLP tensors: the dense MLP's, or the router's, every expert's and the shared expert's."""
+    h, p = c.hidden_size, f"model.layers.{layer}.mlp."
+    if not c.layer_moe(layer):
+        ff = c.intermediate_size
+        out = {p + "gate_proj.weight": (ff, h), p + "up_proj.weight": (ff, h), p + "down_proj.weight": (h, ff)}
+        if c.mlp_bias:
+            out.update({p + "gate_proj.bias": (ff,), p + "up_proj.bias": (ff,), p + "down_proj.bias": (h,)})
+        return out
+    names = moe_names(c, layer)
+    sized = [(e, c.moe_intermediate_size) for e in names.experts]
+    if names.shared:
+        sized.append((names.shared, c.shared_expert_intermediate_size))
+    out = {names.router: (c.num_experts, h)}
+    for (gate, up, down), ff in sized:
+        out.update({gate: (ff, h), up: (ff, h), down: (h, ff)})
+    if names.shared_gate:
+        out[names.shared_gate] = (1, h)
+    return out
+
+
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the decoder reads for `c`, by checkpoint name."""
-    h, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     out = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = (c.vocab_size, h)
@@ -30,15 +75,12 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                    p + "mlp.down_proj.weight": (h, ff)})
+                    **_mlp_shapes(c, i)})
         if c.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
         if c.o_bias:
             out[p + "self_attn.o_proj.bias"] = (h,)
-        if c.mlp_bias:
-            out.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,), p + "mlp.down_proj.bias": (h,)})
     return out
 
 

@@ -1,0 +1,160 @@
+"""Mixtral and Qwen2-MoE against Hugging Face transformers (float32, eager attention and experts) on tiny
+random checkpoints it writes itself: logits, 32 greedy tokens of a ragged batch, and the refusals of a
+router top-k beyond the experts, a router of the wrong width and a missing expert weight."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashgen.errors import FlashgenError  # noqa: E402
+from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
+from flashgen.runtime.model import Decoder  # noqa: E402
+from flashgen.runtime.model_config import ModelConfig  # noqa: E402
+from flashgen.runtime.weights import load_weights  # noqa: E402
+from tests.prefill import prefill_logits  # noqa: E402
+from tests.test_decoder import PROMPTS, hf_greedy  # noqa: E402
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, num_experts_per_tok=2,
+              eos_token_id=None)  # (no EOS: greedy runs are compared at full length)
+QWEN = dict(COMMON, num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+MODELS = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**COMMON, num_local_experts=8, sliding_window=8)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**QWEN)),
+    # renormalised top-k, and layer 1 a dense MLP
+    "qwen2_moe-dense1": lambda: transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(**QWEN, norm_topk_prob=True, mlp_only_layers=[1])),
+}
+ERRORS: dict[str, float] = {}  # the measured max logit error of each model, relative to its largest logit
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
+    torch.manual_seed(sorted(MODELS).index(request.param))
+    hf = MODELS[request.param]()
+    # random init leaves the biases at zero and the routers near uniform (near-ties in every top-k):
+    # make them count
+    for name, p in hf.named_parameters():
+        if name.endswith(".bias") or name.endswith((".gate.weight", "shared_expert_gate.weight")):
+            torch.nn.init.normal_(p, std=0.5)
+    hf.config._attn_implementation = "eager"
+    hf.config._experts_implementation = "eager"
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return request.param, hf.eval(), folder
+
+
+def test_logits_match_transformers(checkpoint):
+    kind, hf, folder = checkpoint
+    c = ModelConfig.from_folder(folder)
+    model = Decoder(c, load_weights(folder))
+    assert c.model_type == kind.split("-")[0] and c.experts_per_tok == 2
+    assert c.moe_layers == ((True, False) if kind == "qwen2_moe-dense1" else (True, True))
+    assert c.qkv_bias == kind.startswith("qwen2_moe") and c.sliding_window == (8 if kind == "mixtral" else None)
+    prompt = PROMPTS[1]
+    ours = prefill_logits(model, prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    ERRORS[kind] = float((ours - ref).abs().max() / ref.abs().max())
+    print(f"{kind}: max |logit error| / max |logit| = {ERRORS[kind]:.2e}")
+    assert ERRORS[kind] < 1e-4
+    assert "moe experts (torch)" in model.fallbacks and not model.capturable
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    """A ragged batch prefilled together, then decoded together, 32 steps, token for token."""
+    kind, hf, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    outs = Engine(model, num_blocks=64).generate(PROMPTS, SamplingParams(max_new_tokens=32))
+    for prompt, req in zip(PROMPTS, outs):
+        assert req.output == hf_greedy(hf, prompt, 32), (kind, prompt)
+
+
+def test_quantized_experts_track_the_float_model(checkpoint):
+    """The experts run in the decoder's quant mode: w8a16 changes the logits by about its rounding."""
+    _, _, folder = checkpoint
+    c, w = ModelConfig.from_folder(folder), load_weights(folder)
+    ref, q = (prefill_logits(Decoder(c, w, quant=m), PROMPTS[1]) for m in ("bf16", "w8a16"))
+    assert 0 < float((q - ref).norm() / ref.norm()) < 0.05
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    dst.mkdir(exist_ok=True)
+    c = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**c, **changes}))
+    (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    return dst
+
+
+def _edit_tensors(src: Path, dst: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+    _edit_config(src, dst)
+    t = load_file(str(src / "model.safetensors"))
+    edit(t)
+    save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_refusals(checkpoint, tmp_path):
+    kind, _, folder = checkpoint
+    experts_key = "num_local_experts" if kind == "mixtral" else "num_experts"
+    experts = json.loads((folder / "config.json").read_text())[experts_key]
+    with pytest.raises(FlashgenError, match=rf"num_experts_per_tok must be an integer in \[1, {experts}\], got 9$"):
+        ModelConfig.from_folder(_edit_config(folder, tmp_path / "topk", num_experts_per_tok=9))
+    with pytest.raises(FlashgenError, match=rf"{experts_key} must be an integer in \[1, 65536\], got 0$"):
+        ModelConfig.from_folder(_edit_config(folder, tmp_path / "none", **{experts_key: 0}))
+
+    block = "block_sparse_moe" if kind == "mixtral" else "mlp"
+    router = f"model.layers.0.{block}.gate.weight"
+
+    def narrow(t: dict[str, torch.Tensor]) -> None:
+        t[router] = t[router][:, :48].contiguous()
+
+    with pytest.raises(FlashgenError, match=rf"^model.safetensors: tensor {router} has shape \[{experts}, 48\], "
+                                            rf"the config implies \[{experts}, 64\]$"):
+        load_weights(_edit_tensors(folder, tmp_path / "router", narrow))
+    with pytest.raises(FlashgenError, match=rf"tensor {router} has shape \[{experts - 1}, 64\]"):
+        load_weights(_edit_tensors(folder, tmp_path / "experts", lambda t: t.update({router: t[router][1:].clone()})))
+
+    down = f"model.layers.0.{block}.experts.{experts - 1}." + ("w2.weight" if kind == "mixtral" else "down_proj.weight")
+    ff = 96 if kind == "mixtral" else 32
+    with pytest.raises(FlashgenError, match=rf"tensor {down} \(shape \[64, {ff}\]\) is missing$"):
+        load_weights(_edit_tensors(folder, tmp_path / "missing", lambda t: t.pop(down)))
+
+
+def test_qwen2_moe_config_refusals(tmp_path):
+    """The Qwen2-MoE keys' ranges, each refused in one line naming the key."""
+    base = {"model_type": "qwen2_moe", **QWEN, "num_experts_per_tok": 2}
+    for key, value, why in (("mlp_only_layers", [2], r"must list layer indices in \[0, 2\), got \[2\]"),
+                            ("moe_intermediate_size", 0, r"must be an integer in \[1, 1048576\], got 0"),
+                            ("shared_expert_intermediate_size", None, "is missing"),
+                            ("decoder_sparse_step", 0, r"must be an integer in \[1, 1048576\], got 0"),
+                            ("norm_topk_prob", "yes", "must be true or false, got 'yes'")):
+        (tmp_path / "config.json").write_text(json.dumps({**base, key: value}))
+        with pytest.raises(FlashgenError, match=rf": {key} {why}$"):
+            ModelConfig.from_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**base, "decoder_sparse_step": 2}))
+    assert ModelConfig.from_folder(tmp_path).moe_layers == (False, True)  # every second layer sparse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_moe_decoder_on_gpu_tracks_the_cpu(checkpoint):
+    """On a GPU each expert's gathered tokens run the generated bf16 GEMMs, with no CUDA graphs (the
+    routing reads counts on the host): the logits track the float32 CPU decoder's, and a ragged batch
+    decodes."""
+    _, _, folder = checkpoint
+    c, w = ModelConfig.from_folder(folder), load_weights(folder)
+    ref = prefill_logits(Decoder(c, w), PROMPTS[1])
+    model = Decoder(c, w, "cuda", torch.bfloat16)
+    got = prefill_logits(model, PROMPTS[1]).float().cpu()
+    assert float((got - ref).norm() / ref.norm()) < 0.03
+    eng = Engine(model, num_blocks=64)
+    assert eng.graphs is None
+    assert all(len(r.output) == 8 and not r.error for r in eng.generate(PROMPTS, SamplingParams(max_new_tokens=8)))
