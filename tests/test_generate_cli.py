@@ -17,19 +17,13 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny random Llama folder whose tokenizer reads words w0..w127 as tokens 0..127."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    tok.save(str(path / "tokenizer.json"))
-    return path
+    """A tiny random Llama folder whose tokenizer reads words w0..w127 as tokens 0..127 (the one the
+    warm-start study times)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
+    from generate_warm_start import tiny_folder
+    return tiny_folder(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.mark.parametrize("flag, value, must", [
