@@ -11,12 +11,13 @@ Each residual add is the epilogue of the linear before it. Linears and attention
 GEMM and attention kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one
 used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
 
-An MoE layer's MLP is routed in torch (no grouped-GEMM kernel is generated yet): the router, unquantized
-so that weight rounding does not change which experts a token gets (its softmax in float32), picks
-each token's top-k experts; each expert's tokens are gathered and run through its gate|up and down
-linears (in `quant`, as the dense layers'), scaled by their router weights and summed; Qwen2-MoE adds
-its shared expert behind a sigmoid gate. The routing reads each expert's token count on the host, so such a model's
-decode steps are not captured in CUDA graphs (`capturable`).
+An MoE layer's MLP runs its experts in torch (no grouped-GEMM kernel is generated yet): the router,
+unquantized so that weight rounding does not change which experts a token gets, gives float32 logits;
+the generated `moe_route` kernel picks each token's top-k experts and their weights; each expert's
+tokens are gathered and run through its gate|up and down linears (in `quant`, as the dense layers'),
+scaled by their router weights and summed; Qwen2-MoE adds its shared expert behind a sigmoid gate.
+The routing reads each expert's token count on the host, so such a model's decode steps are not
+captured in CUDA graphs (`capturable`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from flashgen.oplib.moe import MOE_ROUTE
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
@@ -131,11 +133,16 @@ class Decoder:
         gated shared expert if any (module docstring)."""
         self.fallbacks.add("moe experts (torch)")
         c = self.c
-        probs = torch_linear(h, b.router).float().softmax(-1)
-        weights, chosen = probs.topk(c.experts_per_tok, dim=-1)
-        if c.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        weights, chosen = weights.flatten().to(h.dtype), chosen.flatten()
+        logits = torch_linear(h, b.router).float()
+        if str(c.experts_per_tok) in MOE_ROUTE.attrs["topk"]:  # the generated router: softmax, top-k, renorm
+            chosen, weights = torch.ops.flashgen.moe_route(logits.contiguous(), topk=str(c.experts_per_tok),
+                                                           renorm="yes" if c.norm_topk_prob else "no")
+        else:
+            self.fallbacks.add(f"moe router (torch: top-{c.experts_per_tok} is not generated)")
+            weights, chosen = logits.softmax(-1).topk(c.experts_per_tok, dim=-1)
+            if c.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        weights, chosen = weights.flatten().to(h.dtype), chosen.flatten().long()
         order = chosen.argsort(stable=True)  # the (token, slot) pairs grouped by expert, in token order
         out = torch.zeros_like(h)
         start = 0

@@ -158,3 +158,12 @@ def test_moe_decoder_on_gpu_tracks_the_cpu(checkpoint):
     eng = Engine(model, num_blocks=64)
     assert eng.graphs is None
     assert all(len(r.output) == 8 and not r.error for r in eng.generate(PROMPTS, SamplingParams(max_new_tokens=8)))
+
+
+def test_routing_runs_the_generated_router(checkpoint):
+    """The top-k choice is the generated moe_route kernel's (the torch router is only for other k)."""
+    _, _, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    prefill_logits(model, PROMPTS[0])
+    assert "moe experts (torch)" in model.fallbacks
+    assert not any(f.startswith("moe router") for f in model.fallbacks)
