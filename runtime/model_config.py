@@ -136,6 +136,12 @@ def _rope(c: dict, path: Path) -> tuple[float, str, tuple[tuple[str, Any], ...]]
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise _fail(path, f"{key}.{name}", f"must be a positive number, got {value!r}")
+    for name in ("mscale", "mscale_all_dim"):  # (0 turns yarn's attention factor off)
+        value = rest.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise _fail(path, f"{key}.{name}", f"must be a number >= 0, got {value!r}")
+    if not isinstance(rest.get("truncate", True), bool):
+        raise _fail(path, f"{key}.truncate", f"must be true or false, got {rest['truncate']!r}")
     if kind == "llama3" and rest["high_freq_factor"] <= rest["low_freq_factor"]:
         raise _fail(path, f"{key}.high_freq_factor", "must exceed low_freq_factor")
     return theta, kind, tuple(sorted(rest.items()))
