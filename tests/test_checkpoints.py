@@ -17,7 +17,7 @@ from flashgen.runtime.engine import Engine  # noqa: E402
 from flashgen.runtime.model import Decoder  # noqa: E402
 from flashgen.runtime.model_config import ModelConfig  # noqa: E402
 from flashgen.runtime.weights import load_weights  # noqa: E402
-from tests.prefill import prefill_logits  # noqa: E402
+from tests.prefill import prefill_logits, write_checkpoint  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -34,25 +34,15 @@ ROPES = {
 }
 
 
-def _write(tmp_path: Path, hf: torch.nn.Module, randomize_biases: bool = True) -> Path:
-    if randomize_biases:  # random init leaves biases at zero: make them count
-        for name, p in hf.named_parameters():
-            if name.endswith(".bias"):
-                torch.nn.init.normal_(p, std=0.5)
-    hf.save_pretrained(tmp_path)
-    return tmp_path
-
-
 def _llama(tmp_path: Path, seed: int = 0, **kw) -> tuple[torch.nn.Module, Path]:
     torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, **kw})).eval()
-    return hf, _write(tmp_path, hf)
+    return hf, write_checkpoint(hf, tmp_path)
 
 
 def _error(hf: torch.nn.Module, folder: Path, prompt: list[int] = PROMPT) -> float:
     """Max |logit difference| over the prompt's tokens, relative to the largest logit."""
     ours = prefill_logits(Decoder(ModelConfig.from_folder(folder), load_weights(folder)), prompt, num_blocks=16)
-    hf.config._attn_implementation = "eager"
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     return float((ours - ref).abs().max() / ref.abs().max())
@@ -103,7 +93,7 @@ def test_qwen2_sliding_window_layers_match_transformers(tmp_path, max_window_lay
     cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8,
                                    max_window_layers=max_window_layers)
     hf = transformers.Qwen2ForCausalLM(cfg).eval()
-    folder = _write(tmp_path, hf)
+    folder = write_checkpoint(hf, tmp_path)
     c = ModelConfig.from_folder(folder)
     assert [c.layer_window(i) for i in range(2)] == [None if i < max_window_layers else 8 for i in range(2)]
     assert _error(hf, folder, PROMPT[:30]) < 1e-4

@@ -14,7 +14,7 @@ from flashgen.errors import FlashgenError  # noqa: E402
 from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
 from flashgen.runtime.model import Batch, Decoder  # noqa: E402
 from flashgen.runtime.weights import ModelConfig, load_weights  # noqa: E402
-from tests.prefill import prefill_logits  # noqa: E402
+from tests.prefill import prefill_logits, write_checkpoint  # noqa: E402
 from tests.eager_graphs import EagerGraphs  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -32,14 +32,8 @@ PROMPTS = [[1, 5, 9, 20, 33], [7, 8, 100, 3, 4, 5, 6, 77, 2, 1, 0, 9, 8, 7, 6, 5
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(sorted(MODELS).index(request.param))
     hf = MODELS[request.param]()
-    if request.param == "qwen2":  # random init leaves the qkv biases at zero: make them count
-        for layer in hf.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    hf.config._attn_implementation = "eager"
-    folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(folder)
-    return request.param, hf.eval(), folder
+    folder = write_checkpoint(hf, tmp_path_factory.mktemp(request.param))  # (Qwen2's qkv biases drawn)
+    return request.param, hf, folder
 
 
 def test_logits_match_transformers(checkpoint):

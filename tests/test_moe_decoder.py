@@ -16,7 +16,7 @@ from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
 from flashgen.runtime.model import Decoder  # noqa: E402
 from flashgen.runtime.model_config import ModelConfig  # noqa: E402
 from flashgen.runtime.weights import load_weights  # noqa: E402
-from tests.prefill import prefill_logits  # noqa: E402
+from tests.prefill import prefill_logits, write_checkpoint  # noqa: E402
 from tests.test_decoder import PROMPTS, hf_greedy  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -38,16 +38,11 @@ ERRORS: dict[str, float] = {}  # the measured max logit error of each model, rel
 def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
     torch.manual_seed(sorted(MODELS).index(request.param))
     hf = MODELS[request.param]()
-    # random init leaves the biases at zero and the routers near uniform (near-ties in every top-k):
-    # make them count
-    for name, p in hf.named_parameters():
-        if name.endswith(".bias") or name.endswith((".gate.weight", "shared_expert_gate.weight")):
-            torch.nn.init.normal_(p, std=0.5)
-    hf.config._attn_implementation = "eager"
     hf.config._experts_implementation = "eager"
-    folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(folder)
-    return request.param, hf.eval(), folder
+    # (near-uniform routers would put near-ties in every top-k)
+    folder = write_checkpoint(hf, tmp_path_factory.mktemp(request.param),
+                              (".gate.weight", "shared_expert_gate.weight"))
+    return request.param, hf, folder
 
 
 def test_logits_match_transformers(checkpoint):
