@@ -47,7 +47,7 @@ def schema(op: Op) -> str:
     args.append("int[] dims=[]")
     n_out = len(op.outputs_for({a: v[0] for a, v in op.attrs.items()}))  # the same for every attr value
     outs = ", ".join("Tensor" for _ in range(n_out))
-    return f"{op.name}({', '.join(args)}) -> " + (f"({outs})" if n_out > 1 else outs)
+    return f"{op.name}({', '.join(args)}) -> " + (f"({outs})" if n_out != 1 else outs)  # "()": updates in place only
 
 
 def _defaults(op: Op) -> list[Any]:
@@ -104,7 +104,7 @@ def register(op: Op) -> None:
         check_tables(op.name, tensors, dims)
         kernel = _DISPATCHER.kernel(op.name, tensors, attrs, dims)
         vals = tuple(kernel.run(tensors, params=params).values())  # in the op's output order
-        return vals[0] if len(vals) == 1 else vals
+        return vals[0] if len(vals) == 1 else vals or None
 
     def fake(*args: Any):
         tensors, _, attrs, dims = split(args)
@@ -116,7 +116,7 @@ def register(op: Op) -> None:
         vals = tuple(first.new_empty(tuple(eval_int(e, bound) for e in t.shape),
                                      dtype=dtypes.TORCH[op.dtype_of(t.name, full)])
                      for t in op.outputs if t.present(full))
-        return vals[0] if len(vals) == 1 else vals
+        return vals[0] if len(vals) == 1 else vals or None
 
     for key in ("CPU", "CUDA"):
         _LIB.impl(op.name, real, key)

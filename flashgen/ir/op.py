@@ -54,11 +54,14 @@ class Reduce:
 
 @dataclass(frozen=True)
 class Store:
-    """Write `value` (cast to the tensor's dtype) where the domain, and `mask` if given, hold."""
+    """Write `value` (cast to the tensor's dtype) where the domain, and `mask` if given, hold. With
+    `combine="add"` the value is added to the element instead (atomically: rows of several programs
+    may meet in one element, as a token's k expert outputs do)."""
     tensor: str
     indices: tuple[E.Expr, ...]
     value: E.Expr
     mask: E.Expr | None = None
+    combine: str = ""  # "" (overwrite) or "add"
 
     def __post_init__(self) -> None:  # a constant index (an output's column j) as Load takes one
         object.__setattr__(self, "indices", tuple(E.lift(i) for i in self.indices))

@@ -196,7 +196,20 @@ class Emitter:
         m = self.mask(st.indices, st.mask, scope)
         dt = dtypes.TL[self.op.dtype_of(st.tensor, self.attrs)]
         mask = f", mask={m}" if m else ""
-        scope.line(f"tl.store({addr}, {v}.to({dt}){mask})")
+        if st.combine == "add":
+            scope.line(f"tl.atomic_add({addr}, {v}.to({dt}){mask}, sem=\"relaxed\")")
+        else:
+            scope.line(f"tl.store({addr}, {v}.to({dt}){mask})")
+
+    def operand(self, e: E.Expr, scope: Scope, operand: str) -> str:
+        """A matrix instruction's operand tile of `e`, in the `operand` dtype: a plain load of a tensor
+        stored in it is loaded as is, anything else is computed (in fp32) and cast."""
+        load = e
+        while isinstance(load, E.Ref) and load.name in self.lets:
+            load = self.lets[load.name]
+        raw = isinstance(load, E.Load) and self.op.dtype_of(load.tensor, self.attrs) == operand
+        v = self.emit(e, scope, raw=raw)
+        return v if raw else self.temp(scope, f"{v}.to({dtypes.TL[operand]})")
 
 
 def kernel_args(wl: Workload, constexprs: Mapping[str, int], scratch: tuple[Scratch, ...] = ()) -> list[Arg]:

@@ -2,7 +2,6 @@
 unpacked per element into fp32, its group rows, and operand tiles cast to the operand dtype."""
 from __future__ import annotations
 
-from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.quant import INT4_PERIOD
@@ -15,17 +14,7 @@ RUN = prologue.RUN
 
 def operand_tile(t: Tile, e: E.Expr, scope: Scope) -> str:
     """An operand tile of a matrix instruction, loaded in the operand dtype when it is stored in it."""
-    em = t.em
-    load = _bare_load(e, t.lets)
-    raw = load is not None and em.op.dtype_of(load.tensor, em.attrs) == t.operand
-    v = em.emit(e, scope, raw=raw)
-    return v if raw else em.temp(scope, f"{v}.to({dtypes.TL[t.operand]})")
-
-
-def _bare_load(e: E.Expr, lets: dict) -> E.Load | None:
-    while isinstance(e, E.Ref) and e.name in lets:
-        e = lets[e.name]
-    return e if isinstance(e, E.Load) else None
+    return t.em.operand(e, scope, t.operand)
 
 
 def load_words(t: Tile, scope: Scope, word: E.Load) -> str:
