@@ -88,10 +88,10 @@ def test_every_class_provides_each_part(name):
 
 
 def test_backends_support_exactly_the_classes_with_their_generator():
-    assert supported("triton") == ["rowwise", "pointwise", "contraction", "attention"]
+    assert supported("triton") == ["rowwise", "pointwise", "contraction", "attention", "moe"]
     assert supported("tvm") == ["rowwise", "pointwise"]
-    with pytest.raises(FlashgenError, match="unknown kernel class 'moe'"):
-        kernel_class("moe")
+    with pytest.raises(FlashgenError, match="unknown kernel class 'ssm'"):
+        kernel_class("ssm")
 
 
 def test_space_reaches_the_class_through_the_registry(toy):

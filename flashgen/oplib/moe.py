@@ -12,11 +12,15 @@ from flashgen.lazy import lazy
 
 torch = lazy("torch")
 
-from flashgen.ir.expr import Binary, Dim, Expr, Load, Ref, exp, where
-from flashgen.ir.op import DTYPE, Attrs, Let, Op, Reduce, Stmt, Store, TensorSpec
+from flashgen.ir import dtypes
+from flashgen.ir.expr import Binary, Dim, Expr, Index, Load, Ref, exp, sigmoid, where
+from flashgen.ir.op import DTYPE, Attrs, Contract, Let, Op, Reduce, Stmt, Store, TensorSpec
+from flashgen.ir.prologue import RUN
 from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, r, randn
+from flashgen.quant import INT4_PERIOD, pack_int4, packed_words, quantize_rtn, unpack_int4
 
 E, K = Dim("E"), Dim("K")
+k = Index("k")
 TOPK = ("2", "1", "4", "6", "8")  # Mixtral 2, Qwen1.5-MoE 4, DeepSeek-V2-Lite 6, Qwen3-MoE 8
 
 
@@ -75,4 +79,182 @@ MOE_ROUTE = Op(
     make_inputs=lambda d, a, g: {"logits": randn((d["M"], d["E"]), a["dtype"], g, 0.0, 2.0)},
 )
 
-OPS = (MOE_ROUTE,)
+
+
+# ---- moe_gemm_gate_up / moe_gemm_down: the experts' grouped GEMMs over the routed (token, expert) pairs ----
+# A pair p = token * KT + j is token p // KT's j-th expert. `sorted_pairs` lists the pairs expert by
+# expert (`moe_align`), expert e's at [expert_offsets[e], expert_offsets[e + 1]); a program serves one
+# expert's block of pairs (Index("e") is its expert, Index("r") a pair) and reads only that expert's
+# weights, so the weights of experts no pair chose are never read.
+N_, KT = Dim("N"), Dim("KT")
+e_ = Index("e")
+WEIGHTS = ("half", "w8a16", "w4a16g128")  # 16-bit experts; int8 per channel; int4 in groups of 128 k
+INT4_GROUP = 128
+
+
+def moe_align(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs, expert_offsets) of a [M, KT] top-k: the pairs ordered by expert (stable: by
+    token within an expert) and where each expert's run starts, E + 1 int32 offsets."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    # counts by a scatter, not bincount (which reads the largest id on the host): no sync, so a decode
+    # step holding it can be captured in a CUDA graph
+    ends = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    ends.index_add_(0, flat + 1, torch.ones_like(flat))
+    return order, torch.cumsum(ends, 0).to(torch.int32)
+
+
+def _weight(a: Attrs, rows: Expr) -> Expr:
+    """Expert e's weight at (row `rows`, k), dequantized in the prologue; an int8 weight's per-channel
+    scale applies to the accumulator instead (`_channel_scale`)."""
+    if a["weights"] == "w4a16g128":  # pack_int4's interleaved words, symmetric codes (zero point 8)
+        word = Load("w_packed", (e_, rows, k // INT4_PERIOD * RUN + k % RUN))
+        code = (word >> (k % INT4_PERIOD // RUN * 4)) & 15
+        return (code - 8) * Load("scales", (e_, rows, k // INT4_GROUP))
+    return Load("w_q" if a["weights"] == "w8a16" else "w", (e_, rows, k))
+
+
+def _channel_scale(a: Attrs, acc: Expr, rows: Expr) -> Expr:
+    return acc * Load("w_scale", (e_, rows)) if a["weights"] == "w8a16" else acc
+
+
+def _weight_specs(rows: Expr) -> tuple[TensorSpec, ...]:
+    return (TensorSpec("w", (E, rows, K), DTYPE, when=(("weights", ("half",)),)),
+            TensorSpec("w_q", (E, rows, K), "int8", when=(("weights", ("w8a16",)),)),
+            TensorSpec("w_scale", (E, rows), "fp32", when=(("weights", ("w8a16",)),)),
+            TensorSpec("w_packed", (E, rows, packed_words(K)), "int32", when=(("weights", ("w4a16g128",)),)),
+            TensorSpec("scales", (E, rows, K // INT4_GROUP), DTYPE, when=(("weights", ("w4a16g128",)),)))
+
+
+def _expert_weights(t: dict, a: Attrs) -> torch.Tensor:
+    """The [E, rows, K] float64 weights the kernel computes with: int8 codes scaled after the sum
+    (exact), int4 codes dequantized and rounded to the 16-bit operand dtype, as the Contract casts them."""
+    if a["weights"] == "half":
+        return f64(t["w"])
+    if a["weights"] == "w8a16":
+        return f64(t["w_q"]) * f64(t["w_scale"])[..., None]
+    e, rows, _ = t["scales"].shape
+    k = t["scales"].shape[2] * INT4_GROUP
+    codes = unpack_int4(t["w_packed"].reshape(e * rows, -1), k).reshape(e, rows, k)
+    w = (f64(codes) - 8) * f64(t["scales"]).repeat_interleave(INT4_GROUP, dim=2)
+    return f64(w.to(dtypes.TORCH[a["dtype"]]))
+
+
+def _make_weights(t: dict, shape: tuple[int, int, int], a: Attrs, g: torch.Generator) -> None:
+    """Random expert weights of `shape` [E, rows, K] in the workload's format."""
+    w = torch.randn(shape, generator=g) / shape[2] ** 0.5
+    if a["weights"] == "half":
+        t["w"] = w.to(dtypes.TORCH[a["dtype"]])
+        return
+    e, rows, k = shape
+    bits, group = (8, None) if a["weights"] == "w8a16" else (4, INT4_GROUP)
+    q = quantize_rtn(w.reshape(e * rows, k), bits=bits, group=group)
+    if bits == 8:
+        t["w_q"], t["w_scale"] = q.codes.reshape(shape), q.scales[:, 0].reshape(e, rows).float()
+    else:
+        t["w_packed"] = pack_int4(q.codes).reshape(e, rows, -1)
+        t["scales"] = q.scales.reshape(e, rows, -1).to(dtypes.TORCH[a["dtype"]])
+
+
+def _routing(d, a, g) -> dict:
+    """A random top-k of distinct experts per token, aligned; the first expert is left unchosen (its
+    run is empty) when the others suffice, so kernels meet an expert with no pairs."""
+    m, e, kt = d["M"], d["E"], d["KT"]
+    skip = 1 if e - 1 >= kt else 0
+    ids = torch.stack([torch.randperm(e - skip, generator=g)[:kt] + skip for _ in range(m)]).to(torch.int32)
+    pairs, offsets = moe_align(ids, e)
+    return {"sorted_pairs": pairs, "expert_offsets": offsets}
+
+
+def _pairs_of(t: dict) -> list[tuple[int, torch.Tensor]]:
+    """Each expert with pairs, and its pairs (as int64 indices)."""
+    off = t["expert_offsets"].tolist()
+    pairs = t["sorted_pairs"].long()
+    return [(e, pairs[off[e]:off[e + 1]]) for e in range(len(off) - 1) if off[e + 1] > off[e]]
+
+
+def _moe_check(d, a) -> str | None:
+    if d["KT"] > d["E"]:
+        return f"topk={d['KT']} is more than the E={d['E']} experts"
+    if a["weights"] == "w4a16g128" and d["K"] % INT4_GROUP:
+        return f"K={d['K']} is not a multiple of the int4 weights' group of {INT4_GROUP}"
+    return None
+
+
+ROUTING = (TensorSpec("sorted_pairs", (M * KT,), "int32"), TensorSpec("expert_offsets", (E + 1,), "int32"))
+MOE_ATTRS = {"dtype": ("bf16", "fp16"), "weights": WEIGHTS, "topk": TOPK}
+
+
+def _gate_up(a: Attrs) -> tuple[Stmt, ...]:
+    """Both halves of a pair's gate_up row in one k loop (the x tile loaded once), SiLU(gate) * up."""
+    x = Load("x", (r // KT, k))
+    gate = _channel_scale(a, Ref("gate"), c)
+    up = _channel_scale(a, Ref("up"), c + N_)
+    return (Contract("gate", x, _weight(a, c), K, DTYPE), Contract("up", x, _weight(a, c + N_), K, DTYPE),
+            Store("h", (r, c), gate * sigmoid(gate) * up))
+
+
+def _gate_up_ref(t, p, d, a) -> dict:
+    w, x = _expert_weights(t, a), f64(t["x"])
+    h = torch.zeros(d["M"] * d["KT"], d["N"], dtype=torch.float64, device=x.device)
+    for e, pairs in _pairs_of(t):
+        y = x[pairs // d["KT"]] @ w[e].T
+        gate, up = y[:, :d["N"]], y[:, d["N"]:]
+        h[pairs] = gate * torch.sigmoid(gate) * up
+    return {"h": h}
+
+
+def _gate_up_inputs(d, a, g) -> dict:
+    t = {"x": randn((d["M"], d["K"]), a["dtype"], g), **_routing(d, a, g)}
+    _make_weights(t, (d["E"], 2 * d["N"], d["K"]), a, g)
+    return t
+
+
+MOE_GEMM_GATE_UP = Op(
+    name="moe_gemm_gate_up", kclass="moe",
+    doc="h[p] = silu(x[p // KT] @ w[e_p, :N].T) * (x[p // KT] @ w[e_p, N:].T) for each routed pair p "
+        "(token p // KT's expert e_p), grouped by expert; w [E, 2N, K] (gate rows, then up rows)",
+    dims=("M", "N", "K", "E", "KT"), row_dims=("M",),
+    inputs=(TensorSpec("x", (M, K), DTYPE), *ROUTING, *_weight_specs(2 * N_)),
+    outputs=(TensorSpec("h", (M * KT, N_), DTYPE),),
+    domain=(M * KT, N_), attrs=MOE_ATTRS, attr_dims={"KT": "topk"},
+    build=_gate_up, reference=_gate_up_ref, check_dims=_moe_check, make_inputs=_gate_up_inputs,
+)
+
+
+def _down(a: Attrs) -> tuple[Stmt, ...]:
+    """A pair's expert output, weighted by its router weight and added to its token's row of y."""
+    out = _channel_scale(a, Ref("acc"), c) * Load("topk_weights", (r,))
+    return (Contract("acc", Load("h", (r, k)), _weight(a, c), K, DTYPE),
+            Store("y", (r // KT, c), out, combine="add"))
+
+
+def _down_ref(t, p, d, a) -> dict:
+    w, h = _expert_weights(t, a), f64(t["h"])
+    y = f64(t["y"]).clone()
+    for e, pairs in _pairs_of(t):
+        y.index_add_(0, pairs // d["KT"], (h[pairs] @ w[e].T) * f64(t["topk_weights"])[pairs, None])
+    return {"y": y}
+
+
+def _down_inputs(d, a, g) -> dict:
+    p = d["M"] * d["KT"]
+    t = {"h": randn((p, d["K"]), a["dtype"], g), **_routing(d, a, g),
+         "topk_weights": torch.rand(p, generator=g) + 0.05, "y": randn((d["M"], d["N"]), "fp32", g)}
+    _make_weights(t, (d["E"], d["N"], d["K"]), a, g)
+    return t
+
+
+MOE_GEMM_DOWN = Op(
+    name="moe_gemm_down", kclass="moe",
+    doc="y[p // KT] += topk_weights[p] * (h[p] @ w[e_p].T) for each routed pair p, grouped by expert: "
+        "each token's k expert outputs, weighted, summed into y [M, N] (fp32, in place)",
+    dims=("M", "N", "K", "E", "KT"), row_dims=("M",),
+    inputs=(TensorSpec("h", (M * KT, K), DTYPE), *ROUTING, TensorSpec("topk_weights", (M * KT,), "fp32"),
+            TensorSpec("y", (M, N_), "fp32", written=True), *_weight_specs(N_)),
+    outputs=(),
+    domain=(M * KT, N_), attrs=MOE_ATTRS, attr_dims={"KT": "topk"},
+    build=_down, reference=_down_ref, check_dims=_moe_check, make_inputs=_down_inputs,
+)
+
+OPS = (MOE_ROUTE, MOE_GEMM_GATE_UP, MOE_GEMM_DOWN)

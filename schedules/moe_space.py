@@ -1,0 +1,68 @@
+"""Schedule-space rules of the moe class (grouped GEMMs over the routed pairs), and its analytic default.
+
+Knobs: block_m pairs of one expert per tile (an expert receives at most M pairs, one per token, so
+tiles stop at the next power of two of M; 16 is the fewest rows a matrix instruction takes),
+block_n output columns (narrow tiles give decode, where few experts are touched, enough programs to
+stream their weights), block_k depth per k step, num_warps, num_stages (copy-pipeline buffers; AMD's
+pipeliner takes one or two). Rules: the pipelined A and weight tiles (one weight tile per Contract:
+gate and up are two) fit the shared memory, and the accumulators fit the registers of the
+program's threads.
+"""
+from __future__ import annotations
+
+from flashgen.ir import dtypes
+from flashgen.ir.op import Contract
+from flashgen.targets.descriptor import Target
+from flashgen.workload import Schedule, Workload
+
+MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread
+DECODE_MAX_M = 64  # up to this many tokens, the default serves decode: 16-pair tiles, narrow columns
+
+
+def _p2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def contracts(wl: Workload) -> int:
+    """Weight tiles per k step: one per Contract of the body."""
+    return sum(isinstance(st, Contract) for st in wl.op.body(wl.attr))
+
+
+def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
+    d = wl.dim
+    n = d["N"]
+    return {"block_m": tuple(b for b in (16, 32, 64, 128) if b <= max(16, _p2(d["M"]))),
+            "block_n": tuple(b for b in (16, 32, 64, 128, 256) if b <= max(16, _p2(n))),
+            "block_k": tuple(b for b in (32, 64, 128, 256) if b <= max(32, _p2(d["K"]))),
+            "num_warps": (4, 8),
+            "num_stages": (1, 2) if target.vendor == "amd" else (2, 3, 4, 5)}
+
+
+def added_knobs(wl: Workload) -> dict[str, int]:
+    return {}
+
+
+def why_invalid(wl: Workload, target: Target, s: Schedule) -> str | None:
+    tiles = contracts(wl)
+    elem = dtypes.BYTES[wl.attr["dtype"]]
+    smem = s["num_stages"] * (s["block_m"] + tiles * s["block_n"]) * s["block_k"] * elem
+    if smem > int(target.get("smem_per_block", 0)):
+        return f"{smem} bytes of pipelined tiles exceed the shared memory"
+    if tiles * s["block_m"] * s["block_n"] > s["num_warps"] * target.warp_size * MAX_ACC_PER_THREAD:
+        return "the accumulators do not fit the warps' registers"
+    return None
+
+
+def default(wl: Workload, target: Target) -> Schedule:
+    """Decode: 16-pair tiles and 64 columns, so each touched expert's weights stream through many
+    programs; more tokens: 64 x 128 tiles (64 x 64 for two Contracts, which hold two accumulators)."""
+    space = knobs(wl, target)
+    decode = wl.dim["M"] <= DECODE_MAX_M
+    block_n = 64 if decode or contracts(wl) > 1 else 128
+    for stages in (3, 2, 1):
+        s = {"block_m": 16 if decode else min(64, max(space["block_m"])),
+             "block_n": min(block_n, max(space["block_n"])), "block_k": min(128 if decode else 64, max(space["block_k"])),
+             "num_warps": 4, "num_stages": stages}
+        if stages in space["num_stages"] and why_invalid(wl, target, s) is None:
+            return s
+    return {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": min(space["num_stages"])}

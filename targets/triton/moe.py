@@ -1,0 +1,93 @@
+"""Triton code generation for the moe class: grouped GEMMs over the (token, expert) pairs a router chose.
+
+The pairs come ordered expert by expert (`sorted_pairs`, with each expert's run in `expert_offsets`:
+flashgen/oplib/moe.py's `moe_align`). A program serves block_m consecutive pairs of one expert and
+block_n output columns: it reads only its expert's weight tiles, so an expert no pair chose costs no
+bytes, and in decode (a few pairs per expert) each touched expert's weights are read once per column
+tile. Programs are numbered along the first grid axis over every expert's row tiles in turn; there
+are at most P / block_m + E of them (each expert's last tile may be partial), so no host-side count is
+needed: each program finds its expert from the offsets' running tile counts, and one past the last
+tile returns at once. The k loop loads the A tile through the op's prologue (gathered rows: a pair's
+token row of x), the weight tiles of each Contract (dequantized as the IR says), and accumulates
+`tl.dot` in fp32; Contracts over the same A share its tile (gate and up in one loop). The epilogue is
+the op's statements: a `combine="add"` store adds atomically (a token's k expert outputs meet there).
+"""
+from __future__ import annotations
+
+from flashgen.ir.op import Contract, Let, Store, eval_int
+from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, grid_dependency, kernel_args, module_header
+from flashgen.workload import Schedule, Workload
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _expert_of_tile(top: Scope) -> None:
+    """`e`, the expert whose row tiles hold program pid_m (E when none does), and in its scope `j`,
+    the program's positions in `sorted_pairs`, `rmask` those inside the expert's run."""
+    top.line("ee = tl.arange(0, E_PAD)")
+    top.line("lo = tl.load(expert_offsets_ptr + ee, mask=ee < E, other=0)")
+    top.line("hi = tl.load(expert_offsets_ptr + ee + 1, mask=ee < E, other=0)")
+    top.line("tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M")
+    top.line("ends = tl.cumsum(tiles, 0)")
+    top.line("e = tl.sum((ends <= pid_m).to(tl.int32), 0)")
+
+
+def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
+    """A moe workload's Triton kernel for schedule `s`."""
+    op, attrs = wl.op, wl.attr
+    body = op.body(attrs)
+    lets = {st.name: st.value for st in body if isinstance(st, Let)}
+    contracts = [st for st in body if isinstance(st, Contract)]
+    em = Emitter(op, attrs, lets)
+    name = f"{op.name}_kernel"
+    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"],
+              "E_PAD": _next_pow2(wl.dim["E"])}
+    args = kernel_args(wl, consts)
+    lines = module_header(wl, s, name, args)
+    n_val, k_val = eval_int(op.domain[1], wl.dim), eval_int(contracts[0].extent, wl.dim)
+    cmask = "cmask" if n_val % s["block_n"] else None
+    kmask = k_val % s["block_k"] != 0
+    top = Scope(lines, "    ", {})
+    top.line("pid_m = tl.program_id(0)")
+    top.line("pid_n = tl.program_id(1)")
+    grid_dependency(top)
+    _expert_of_tile(top)
+    top.line("if e < E:")
+    blk = top.child(top.indent + "    ")
+    blk.line("mine = ee == e")
+    blk.line("j = tl.sum(tl.where(mine, lo + (pid_m - ends + tiles) * BLOCK_M, 0), 0) + tl.arange(0, BLOCK_M)[:, None]")
+    blk.line("rmask = j < tl.sum(tl.where(mine, hi, 0), 0)")
+    blk.line("r = tl.load(sorted_pairs_ptr + j, mask=rmask, other=0)")
+    blk.line("c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+    if cmask:
+        blk.line(f"cmask = c < {em.emit(op.domain[1], blk)}")
+    accs = {con.name: f"acc_{con.name}" for con in contracts}
+    for acc in accs.values():
+        blk.line(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
+    blk.line(f"for k0 in range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K):")
+    loop = blk.child(blk.indent + "    ", {}, fresh=True)
+    loop.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
+    loop.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+    if kmask:
+        k_extent = em.emit(contracts[0].extent, loop)
+        loop.line(f"kmask_a = ka < {k_extent}")
+        loop.line(f"kmask_b = kb < {k_extent}")
+    e_axis = ("e", None)
+    a_scope = loop.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None), "e": e_axis},
+                         fresh=True)
+    b_scope = loop.child(axes={"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None), "e": e_axis},
+                         fresh=True)
+    for con in contracts:
+        operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
+        a = em.operand(con.a, a_scope, operand)
+        b = em.operand(con.b, b_scope, operand)
+        loop.line(f"{accs[con.name]} = tl.dot({a}, {b}, {accs[con.name]}, out_dtype=tl.float32)")
+    em.named.update(accs)
+    out = blk.child(axes={"r": ("r", "rmask"), "c": ("c", cmask), "e": e_axis}, fresh=True)
+    for st in body:
+        if isinstance(st, Store):
+            em.store(st, out)
+    # a tile of pid_m's rows, and (with `seq_tiles`) one more per expert: each expert's last may be partial
+    return KernelSource(name, em.finish(lines), args, (s["block_m"], s["block_n"]), tile_cols=True, seq_tiles="E")

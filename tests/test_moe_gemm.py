@@ -1,0 +1,159 @@
+"""The moe class: grouped expert GEMMs (moe_gemm_gate_up, moe_gemm_down) from the IR, their alignment
+step, schedule space and features, in Triton's interpreter (fp16: its bf16 tl.dot is wrong, so bf16
+runs on the GPU, at the end of this module) and built ahead of time for NVIDIA and AMD."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashgen
+from flashgen.errors import FlashgenError
+from flashgen.oplib.moe import moe_align
+from flashgen.schedules.features import feature_matrix, feature_names
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.targets import get_target
+from flashgen.targets.triton.codegen import generate
+from tests.cases import case_id
+
+H200 = get_target("h200")
+
+# odd shapes: M = 1, tails of every tile (N, K not multiples), many experts with few pairs, top-1/2/4/8,
+# and an expert no token chose (make_inputs leaves expert 0 out)
+SHAPES = [dict(M=1, N=72, K=40, E=8, topk="2"), dict(M=3, N=40, K=100, E=8, topk="2"),
+          dict(M=17, N=33, K=48, E=5, topk="4"), dict(M=5, N=24, K=256, E=16, topk="8"),
+          dict(M=40, N=48, K=64, E=3, topk="1")]
+CASES = [flashgen.workload(op, dtype="fp16", weights=w, **s)
+         for i, s in enumerate(SHAPES) for op in ("moe_gemm_gate_up", "moe_gemm_down")
+         for w in ("half", ("w8a16", "w4a16g128")[i % 2])
+         if not (w == "w4a16g128" and s["K"] % 128)]
+
+
+@pytest.mark.parametrize("wl", CASES, ids=case_id)
+def test_default_schedule(interpreter, wl):
+    schedule = ScheduleSpace(wl, H200).default()
+    checks = interpreter.check(wl, schedule, "h200", seed=[1, 2])
+    assert {c.tensor for c in checks} == {"h" if "gate_up" in wl.op.name else "y"}
+    for c in checks:
+        assert c.ok, (c, schedule)
+
+
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 32), (32, 64, 64)])
+def test_tiles_of_one_expert(interpreter, op, block_m, block_n, block_k):
+    """40 tokens top-2 over 3 experts: each expert's run spans several row tiles, the last partial."""
+    wl = flashgen.workload(op, M=40, N=48, K=100, E=3, topk="2", dtype="fp16")
+    s = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2}
+    assert ScheduleSpace(wl, H200).is_valid(s)
+    for c in interpreter.check(wl, s, "h200", seed=5):
+        assert c.ok, c
+
+
+def test_down_adds_into_y():
+    """The reference of down keeps y's content: its in-place sum is what the kernel must reproduce,
+    and it differs from the content alone (the check would catch a kernel that adds nothing)."""
+    wl = flashgen.workload("moe_gemm_down", M=4, N=16, K=32, E=4, topk="2", dtype="fp16")
+    t = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0))
+    y0 = t["y"].double().clone()
+    ref = wl.op.reference(t, {}, wl.dim, wl.attr)["y"]
+    assert (ref - y0).norm() > 0.3 * y0.norm()
+
+
+def test_align_orders_pairs_by_expert():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (33, 3), generator=g, dtype=torch.int32)
+    pairs, offsets = moe_align(ids, 7)
+    flat = ids.flatten()
+    assert pairs.dtype == offsets.dtype == torch.int32
+    assert sorted(pairs.tolist()) == list(range(99))
+    assert offsets.tolist() == [0] + torch.bincount(flat.long(), minlength=7).cumsum(0).tolist()
+    for e in range(7):
+        run = pairs[offsets[e]:offsets[e + 1]]
+        assert (flat[run.long()] == e).all() and run.tolist() == sorted(run.tolist())  # by token within
+    empty_pairs, empty = moe_align(torch.zeros((0, 2), dtype=torch.int32), 4)
+    assert empty.tolist() == [0] * 5 and empty_pairs.numel() == 0
+
+
+def test_generated_source_reads_like_the_op():
+    wl = flashgen.workload("moe_gemm_gate_up", M=8, N=768, K=2048, E=128, topk="8", dtype="bf16")
+    src = generate(wl, ScheduleSpace(wl, H200).default()).source
+    assert src.count("tl.dot(") == 2 and "acc_gate" in src and "acc_up" in src  # one loop, A tile shared
+    assert src.count("tl.load(x_ptr") == 1 and "tl.sigmoid(acc_gate)" in src
+    down = flashgen.workload("moe_gemm_down", M=8, N=2048, K=768, E=128, topk="8", dtype="bf16")
+    assert "tl.atomic_add(y_ptr" in generate(down, ScheduleSpace(down, H200).default()).source
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx942"])
+@pytest.mark.parametrize("weights", ["half", "w8a16", "w4a16g128"])
+def test_aot_compile(target, weights):
+    """Mixtral's experts (E=8, top-2, 4096 x 14336) and Qwen3-MoE's (E=128, top-8, 2048 x 768)."""
+    for op, kw in (("moe_gemm_gate_up", dict(N=14336, K=4096, E=8, topk="2")),
+                   ("moe_gemm_down", dict(N=2048, K=768, E=128, topk="8"))):
+        k = flashgen.compile(flashgen.workload(op, M=16, dtype="bf16", weights=weights, **kw), target)
+        assert k.binary[:4] == b"\x7fELF" and k.metadata["binary_symbol"].encode() in k.binary
+        assert k.binary_kind == ("cubin" if target.startswith("sm_") else "hsaco")
+
+
+@pytest.mark.parametrize("target", ["h200", "sm_80", "gfx942"])
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_space_and_features(target, m):
+    tgt = get_target(target)
+    for op in ("moe_gemm_gate_up", "moe_gemm_down"):
+        wl = flashgen.workload(op, M=m, N=768, K=2048, E=128, topk="8", dtype="bf16")
+        space = ScheduleSpace(wl, tgt)
+        assert space.is_valid(space.default())
+        points = list(space)[:200]
+        x = feature_matrix(wl, points, tgt)
+        assert x.shape == (len(points), len(feature_names("moe"))) and np.isfinite(x).all()
+
+
+def test_features_rank_decode_by_touched_bytes():
+    """At M = 1 the estimate follows the touched experts' bytes: top-8 of 128 reads 4x what top-2 of
+    128 does (launch and early-exit costs are the same for both)."""
+    from flashgen.schedules.features import analytic_latency_us
+
+    s = [ScheduleSpace(flashgen.workload("moe_gemm_down", M=1, N=4096, K=4096, E=128, topk="8"), H200).default()]
+    t8 = analytic_latency_us(flashgen.workload("moe_gemm_down", M=1, N=4096, K=4096, E=128, topk="8"), s, H200)[0]
+    t2 = analytic_latency_us(flashgen.workload("moe_gemm_down", M=1, N=4096, K=4096, E=128, topk="2"), s, H200)[0]
+    assert 2.5 < t8 / t2 < 4.0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(E=4, topk="8"), "topk=8 is more than the E=4 experts"),
+    (dict(E=8, topk="2", K=100, weights="w4a16g128"), "K=100 is not a multiple of the int4 weights' group of 128"),
+    (dict(E=8, topk="3"), "topk=3 is not supported"),
+])
+def test_bad_workloads_are_one_line(kw, match):
+    args = {"M": 4, "N": 64, "K": 128, **kw}
+    with pytest.raises(FlashgenError, match=match):
+        flashgen.workload("moe_gemm_gate_up", **args)
+
+
+def test_runtime_refuses_a_wrong_weight_shape():
+    """A stacked weight of the wrong width is one error naming the tensor, before any launch."""
+    from flashgen.runtime.torch_ops import register_all
+
+    register_all()
+    x = torch.randn(3, 64, dtype=torch.float16)
+    pairs, offsets = moe_align(torch.tensor([[0, 1], [1, 2], [2, 3]], dtype=torch.int32), 4)
+    with pytest.raises(FlashgenError, match="w"):
+        torch.ops.flashgen.moe_gemm_gate_up(x, pairs, offsets, w=torch.randn(4, 32, 65, dtype=torch.float16))
+
+
+# ---- on the GPU (bf16 and fp16, the decoder's path) -------------------------------------------------
+GPU_CASES = [flashgen.workload(op, dtype=dt, weights=w, **s) for s in (
+    dict(M=1, N=320, K=512, E=8, topk="2"), dict(M=33, N=200, K=384, E=16, topk="4"),
+    dict(M=300, N=256, K=256, E=128, topk="8")) for op in ("moe_gemm_gate_up", "moe_gemm_down")
+    for dt in ("bf16", "fp16") for w in ("half", "w8a16", "w4a16g128")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", GPU_CASES, ids=case_id)
+def test_moe_gemm_on_gpu(wl):
+    from flashgen.check import check
+
+    dev = torch.device("cuda")
+    kernel = flashgen.compile(wl, flashgen.targets.device_target(dev), db=None)
+    for seed in (0, 1):
+        for c in check(wl, lambda i, o, p: kernel.run(i, o, p), seed, dev):
+            assert c.ok, (c, kernel.schedule)
