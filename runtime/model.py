@@ -11,13 +11,17 @@ Each residual add is the epilogue of the linear before it. Linears and attention
 GEMM and attention kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one
 used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
 
-An MoE layer's MLP runs its experts in torch (no grouped-GEMM kernel is generated yet): the router,
-unquantized so that weight rounding does not change which experts a token gets, gives float32 logits;
-the generated `moe_route` kernel picks each token's top-k experts and their weights; each expert's
-tokens are gathered and run through its gate|up and down linears (in `quant`, as the dense layers'),
-scaled by their router weights and summed; Qwen2-MoE adds its shared expert behind a sigmoid gate.
-The routing reads each expert's token count on the host, so such a model's decode steps are not
-captured in CUDA graphs (`capturable`).
+An MoE layer's router, unquantized so that weight rounding does not change which experts a token
+gets, gives float32 logits; the generated `moe_route` kernel picks each token's top-k experts and
+their weights. On a GPU with 16-bit experts (quant bf16), the experts run as the generated grouped
+GEMMs of the moe class: the (token, expert) pairs are ordered by expert (`moe_align`, torch's sort,
+no host sync), `moe_gemm_gate_up` gives each pair's SiLU(gate) * up, and `moe_gemm_down` adds each
+pair's weighted expert output into its token's row, reading each touched expert's weights once. Such
+steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, quantized experts) each
+expert's tokens are gathered and run through its gate|up and down linears in torch (in `quant`, as the
+dense layers'), scaled by their router weights and summed; that routing reads each expert's token
+count on the host, so its decode steps are not captured (`capturable`). Qwen2-MoE adds its shared
+expert behind a sigmoid gate.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from flashgen.oplib.moe import MOE_ROUTE
+from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, moe_align
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
@@ -58,9 +62,11 @@ class Batch:
 class MoeBlock:
     """One MoE layer's weights."""
     router: torch.Tensor                            # [experts, hidden], in the decoder's dtype, unquantized
-    experts: list[tuple[QuantLinear, QuantLinear]]  # each expert's gate|up and down
+    experts: list[tuple[QuantLinear, QuantLinear]]  # each expert's gate|up and down (the torch path)
     shared: tuple[QuantLinear, QuantLinear] | None = None  # Qwen2-MoE's shared expert's gate|up and down
     shared_gate: torch.Tensor | None = None         # [1, hidden]
+    # the generated path's stacked weights: gate|up [E, 2I, hidden] and down [E, hidden, I] (experts then empty)
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Decoder:
@@ -100,21 +106,32 @@ class Decoder:
         self.cos_sin: torch.Tensor | None = None  # sized by the first cache it serves (`context`)
         self._rope_positions = 0
 
+    @property
+    def generated_moe(self) -> bool:
+        """Whether MoE experts run as the generated grouped GEMMs: on a GPU, 16-bit experts, and a
+        top-k the ops take (module docstring)."""
+        return (self.device.type == "cuda" and self.quant == "bf16"
+                and str(self.c.experts_per_tok) in MOE_GEMM_GATE_UP.attrs["topk"])
+
     def _moe_block(self, w: dict[str, torch.Tensor], layer: int) -> MoeBlock:
         names = moe_names(self.c, layer)
 
         def expert(gate: str, up: str, down: str) -> tuple[QuantLinear, QuantLinear]:
             return prepare(torch.cat([w[gate], w[up]]), self.quant), prepare(w[down], self.quant)
 
-        return MoeBlock(cpu_weight(w[names.router]), [expert(*e) for e in names.experts],
-                        expert(*names.shared) if names.shared else None,
-                        cpu_weight(w[names.shared_gate]) if names.shared_gate else None)
+        shared = expert(*names.shared) if names.shared else None
+        gate = cpu_weight(w[names.router]), shared, cpu_weight(w[names.shared_gate]) if names.shared_gate else None
+        if self.generated_moe:  # stacked, each expert's own tensors let go as it is copied
+            gate_up = torch.stack([torch.cat([w.pop(g), w.pop(u)]) for g, u, _ in names.experts])
+            down = torch.stack([w.pop(d) for _, _, d in names.experts])
+            return MoeBlock(gate[0], [], gate[1], gate[2], stacked=(gate_up, down))
+        return MoeBlock(gate[0], [expert(*e) for e in names.experts], *gate[1:])
 
     @property
     def capturable(self) -> bool:
-        """Whether a decode step can be captured in a CUDA graph: not with MoE layers, whose torch
+        """Whether a decode step can be captured in a CUDA graph: not with MoE layers whose torch
         routing reads each expert's token count on the host."""
-        return not any(self.c.moe_layers)
+        return not any(self.c.moe_layers) or self.generated_moe
 
     # ---- building blocks ------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None,
@@ -131,7 +148,6 @@ class Decoder:
         """The MoE MLP of the normed hidden states `h` [T, hidden]: each token's top-k experts (softmax
         over all experts, renormalised over the k if the config says so), weighted and summed, plus the
         gated shared expert if any (module docstring)."""
-        self.fallbacks.add("moe experts (torch)")
         c = self.c
         logits = torch_linear(h, b.router).float()
         if str(c.experts_per_tok) in MOE_ROUTE.attrs["topk"]:  # the generated router: softmax, top-k, renorm
@@ -142,21 +158,44 @@ class Decoder:
             weights, chosen = logits.softmax(-1).topk(c.experts_per_tok, dim=-1)
             if c.norm_topk_prob:
                 weights = weights / weights.sum(-1, keepdim=True)
-        weights, chosen = weights.flatten().to(h.dtype), chosen.flatten().long()
-        order = chosen.argsort(stable=True)  # the (token, slot) pairs grouped by expert, in token order
-        out = torch.zeros_like(h)
-        start = 0
-        for (gate_up, down), n in zip(b.experts, torch.bincount(chosen, minlength=c.num_experts).tolist()):
-            if n:
-                pairs = order[start:start + n]
-                tokens = pairs // c.experts_per_tok
-                y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
-                out.index_add_(0, tokens, y * weights[pairs, None])
-            start += n
+        if b.stacked is not None:
+            out = self._generated_experts(h, b.stacked, chosen, weights.float())
+        else:
+            out = self._torch_experts(h, b.experts, chosen, weights)
         if b.shared is not None:
             gate_up, down = b.shared
             shared = self.linear(self.linear(h, gate_up), down, gated=True)
             out += torch.sigmoid(torch_linear(h, b.shared_gate)) * shared
+        return out
+
+    def _generated_experts(self, h: torch.Tensor, stacked: tuple[torch.Tensor, torch.Tensor], chosen: torch.Tensor,
+                           weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum by the generated grouped GEMMs (module docstring)."""
+        gate_up, down = stacked
+        topk = str(self.c.experts_per_tok)
+        pairs, offsets = moe_align(chosen, self.c.num_experts)
+        act = torch.ops.flashgen.moe_gemm_gate_up(h, pairs, offsets, w=gate_up, topk=topk)
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        torch.ops.flashgen.moe_gemm_down(act, pairs, offsets, weights.flatten().contiguous(), out, w=down, topk=topk)
+        return out.to(h.dtype)
+
+    def _torch_experts(self, h: torch.Tensor, experts: list[tuple[QuantLinear, QuantLinear]], chosen: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum in torch: each expert's tokens gathered and run through its
+        linears (the expert loop reads each expert's token count on the host)."""
+        self.fallbacks.add("moe experts (torch)")
+        k = self.c.experts_per_tok
+        weights, chosen = weights.flatten().to(h.dtype), chosen.flatten().long()
+        order = chosen.argsort(stable=True)  # the (token, slot) pairs grouped by expert, in token order
+        out = torch.zeros_like(h)
+        start = 0
+        for (gate_up, down), n in zip(experts, torch.bincount(chosen, minlength=self.c.num_experts).tolist()):
+            if n:
+                pairs = order[start:start + n]
+                tokens = pairs // k
+                y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
+                out.index_add_(0, tokens, y * weights[pairs, None])
+            start += n
         return out
 
     def _choose(self, n: int, k: int, m: int) -> str:

@@ -141,18 +141,26 @@ def test_qwen2_moe_config_refusals(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_moe_decoder_on_gpu_tracks_the_cpu(checkpoint):
-    """On a GPU each expert's gathered tokens run the generated bf16 GEMMs, with no CUDA graphs (the
-    routing reads counts on the host): the logits track the float32 CPU decoder's, and a ragged batch
-    decodes."""
+    """On a GPU with bf16 experts the generated grouped GEMMs run them (no torch expert loop), the
+    logits track the float32 CPU decoder's, and decode steps are captured in CUDA graphs, giving the
+    tokens eager steps give. Quantized experts take the torch loop, uncaptured."""
     _, _, folder = checkpoint
     c, w = ModelConfig.from_folder(folder), load_weights(folder)
     ref = prefill_logits(Decoder(c, w), PROMPTS[1])
     model = Decoder(c, w, "cuda", torch.bfloat16)
     got = prefill_logits(model, PROMPTS[1]).float().cpu()
     assert float((got - ref).norm() / ref.norm()) < 0.03
+    assert "moe experts (torch)" not in model.fallbacks
+    sampling = SamplingParams(max_new_tokens=8)
     eng = Engine(model, num_blocks=64)
-    assert eng.graphs is None
-    assert all(len(r.output) == 8 and not r.error for r in eng.generate(PROMPTS, SamplingParams(max_new_tokens=8)))
+    assert eng.graphs is not None
+    graphed = [r.output for r in eng.generate(PROMPTS, sampling)]
+    eager = [r.output for r in Engine(model, num_blocks=64, cuda_graphs=False).generate(PROMPTS, sampling)]
+    assert graphed == eager and all(len(o) == 8 for o in graphed)
+    quantized = Decoder(c, w, "cuda", torch.bfloat16, quant="w8a16")
+    assert Engine(quantized, num_blocks=64).graphs is None
+    got = prefill_logits(quantized, PROMPTS[1]).float().cpu()
+    assert float((got - ref).norm() / ref.norm()) < 0.05 and "moe experts (torch)" in quantized.fallbacks
 
 
 def test_routing_runs_the_generated_router(checkpoint):
