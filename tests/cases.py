@@ -38,6 +38,9 @@ def numerics_cases(Ms=(1, 3, 17), Ns=(1, 127, 5120, 11008), dtypes=("fp32", "fp1
         for topk in ("2", "8"):
             out.append(workload("moe_route", M=m, E=e, topk=topk, renorm=("yes", "no")[(i + int(topk)) % 2],
                                 dtype=dtypes[i % len(dtypes)]))
+        # DeepSeek-V3's scoring: sigmoid plus a bias that steers the choice
+        out.append(workload("moe_route", M=m, E=e, topk=("8", "6")[i % 2], scoring="sigmoid_bias",
+                            renorm=("yes", "no")[i % 2], dtype=dtypes[(i + 1) % len(dtypes)]))
     return out
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flashgen
+
 from flashgen.errors import FlashgenError
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
@@ -80,3 +82,23 @@ def test_moe_route_as_a_torch_op():
     top = torch.topk(torch.softmax(x.double(), -1), 2)
     assert ids.tolist() == top.indices.tolist()
     torch.testing.assert_close(weights.double(), top.values / top.values.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("renorm", ["yes", "no"])
+def test_sigmoid_bias_scoring(renorm):
+    """DeepSeek-V3's router: the bias picks the experts (here it overturns the logits' order for
+    some tokens), the weights are the picks' sigmoids without it, renormalised if asked."""
+    wl = workload("moe_route", M=9, E=16, topk="4", scoring="sigmoid_bias", renorm=renorm, dtype="fp32")
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 16, generator=g)
+    bias = torch.rand(16, generator=g) * 0.5
+    kernel = flashgen.compile(wl, CPU)
+    out = kernel.run({"logits": logits, "bias": bias})
+    sig = torch.sigmoid(logits.double())
+    want = [sorted(range(16), key=lambda i: (-(row[i] + bias[i].item()), i))[:4] for row in sig.tolist()]
+    assert out["topk_ids"].tolist() == want
+    assert want != [sorted(range(16), key=lambda i: -row[i])[:4] for row in sig.tolist()]  # the bias mattered
+    w = torch.tensor([[sig[m, i].item() for i in row] for m, row in enumerate(want)], dtype=torch.float64)
+    if renorm == "yes":
+        w = w / w.sum(-1, keepdim=True)
+    assert torch.allclose(out["topk_weights"].double(), w, rtol=1e-6, atol=0)

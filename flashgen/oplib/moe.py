@@ -1,10 +1,13 @@
-"""Mixture-of-experts routing: moe_route, the router's softmax and top-k over a token's expert logits.
+"""Mixture of experts: moe_route (a router's top-k) and the experts' grouped GEMMs over the routed pairs.
 
-Ranks are picked one at a time, each by two reductions over the row: the largest logit not yet chosen,
-then the smallest column holding it. The k chosen are the first k of the order (logit descending,
-column ascending), so ties go to the lowest expert index, on every backend and in the reference.
-Selecting on the logits picks what the softmax's probabilities would (exp is monotone) without the
-rounding that could tie two probabilities of distinct logits.
+moe_route ranks are picked one at a time, each by two reductions over the row: the largest score not
+yet chosen, then the smallest column holding it. The k chosen are the first k of the order (score
+descending, column ascending), so ties go to the lowest expert index, on every backend and in the
+reference. With softmax scoring the score is the logit itself: exp is monotone, so it picks what the
+probabilities would, without the rounding that could tie two probabilities of distinct logits; top-k
+of the softmax renormalised is also the softmax of the top-k logits (Mixtral's order), the
+denominator cancelling. With sigmoid_bias scoring (DeepSeek-V3) the score is sigmoid(logit) plus a
+per-expert bias that only steers the choice: a pick's weight is its sigmoid, without the bias.
 """
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ TOPK = ("2", "1", "4", "6", "8")  # Mixtral 2, Qwen1.5-MoE 4, DeepSeek-V2-Lite 6
 
 
 def _route(a: Attrs) -> tuple[Stmt, ...]:
-    """Rank j's candidates are the columns after rank j-1's pick in the order: a lower logit, or the
-    same logit at a higher column; a pick is the lowest candidate column holding their largest logit."""
+    """Rank j's candidates are the columns after rank j-1's pick in the order: a lower score, or the
+    same score at a higher column; a pick is the lowest candidate column holding their largest score."""
     x = Ref("x")
-    out: list[Stmt] = [Let("x", Load("logits", (r, c)))]
+    sigmoid_scoring = a["scoring"] == "sigmoid_bias"
+    logit = Load("logits", (r, c))
+    out: list[Stmt] = [Let("x", sigmoid(logit) + Load("bias", (c,)) if sigmoid_scoring else logit)]
     for j in range(int(a["topk"])):
         hit: Expr = where(Binary("eq", x, Ref(f"m{j}")), c, E)
         if j == 0:
@@ -38,25 +43,42 @@ def _route(a: Attrs) -> tuple[Stmt, ...]:
             out += [Let(f"after{j}", where(Binary("gt", c, i), Binary("le", x, m), Binary("lt", x, m))),
                     Reduce(f"m{j}", "max", where(Ref(f"after{j}"), x, float("-inf")))]
             hit = where(Ref(f"after{j}"), hit, E)
-        out += [Reduce(f"id{j}", "min", hit), Store("topk_ids", (r, j), Ref(f"id{j}")),
-                Let(f"e{j}", exp(Ref(f"m{j}") - Ref("m0")))]
+        out += [Reduce(f"id{j}", "min", hit), Store("topk_ids", (r, j), Ref(f"id{j}"))]
+        if sigmoid_scoring:  # the pick's own sigmoid: the bias steered the choice only
+            out.append(Reduce(f"e{j}", "sum", where(Binary("eq", c, Ref(f"id{j}")), sigmoid(logit), 0.0)))
+        else:
+            out.append(Let(f"e{j}", exp(Ref(f"m{j}") - Ref("m0"))))
     picked = [Ref(f"e{j}") for j in range(int(a["topk"]))]
-    if a["renorm"] == "yes":  # the k weights sum to 1: the softmax's denominator cancels
+    if a["renorm"] == "yes":  # the k weights sum to 1 (with softmax, its denominator cancels)
         out.append(Let("z", sum(picked[1:], picked[0])))
+    elif sigmoid_scoring:
+        return (*out, *(Store("topk_weights", (r, j), e) for j, e in enumerate(picked)))
     else:
         out.append(Reduce("z", "sum", exp(x - Ref("m0"))))
     return (*out, *(Store("topk_weights", (r, j), e / Ref("z")) for j, e in enumerate(picked)))
 
 
 def _route_ref(t, p, d, a) -> dict:
-    """softmax in float64, then the k largest probabilities, ties to the lowest index (a stable sort
-    keeps equal values in index order)."""
-    prob = torch.softmax(f64(t["logits"]), dim=-1)
-    w, ids = torch.sort(prob, dim=-1, descending=True, stable=True)
-    w, ids = w[:, :d["K"]], ids[:, :d["K"]]
+    """softmax in float64 (or sigmoid plus bias in float32, as the kernels compute the score they
+    compare), then the k largest, ties to the lowest index (a stable sort keeps equal values in index
+    order)."""
+    if a["scoring"] == "sigmoid_bias":
+        score = torch.sigmoid(t["logits"].float()) + t["bias"].float()
+        prob = torch.sigmoid(f64(t["logits"]))
+    else:
+        score = prob = torch.softmax(f64(t["logits"]), dim=-1)
+    ids = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :d["K"]]
+    w = torch.gather(prob, 1, ids)
     if a["renorm"] == "yes":
         w = w / w.sum(-1, keepdim=True)
     return {"topk_ids": ids, "topk_weights": w}
+
+
+def _route_inputs(d, a, g) -> dict:
+    t = {"logits": randn((d["M"], d["E"]), a["dtype"], g, 0.0, 2.0)}
+    if a["scoring"] == "sigmoid_bias":  # a bias as large as the sigmoids' spread: it changes choices
+        t["bias"] = torch.rand(d["E"], generator=g) * 0.5
+    return t
 
 
 def _check(d, a) -> str | None:
@@ -68,15 +90,15 @@ def _check(d, a) -> str | None:
 MOE_ROUTE = Op(
     name="moe_route", kclass="rowwise",
     doc="topk_ids, topk_weights = top-k of softmax(logits) over the E experts (ties: lowest index), "
-        "the weights renormalised to sum to 1 if renorm",
+        "or of sigmoid(logits) + bias with the sigmoids as weights (sigmoid_bias); the weights "
+        "renormalised to sum to 1 if renorm",
     dims=("M", "E", "K"), row_dims=("M",),
-    inputs=(TensorSpec("logits", (M, E), DTYPE),),
+    inputs=(TensorSpec("logits", (M, E), DTYPE), TensorSpec("bias", (E,), "fp32", when=(("scoring", ("sigmoid_bias",)),))),
     outputs=(TensorSpec("topk_ids", (M, K), "int32"), TensorSpec("topk_weights", (M, K), "fp32")),
     domain=(M, E),
-    attrs={"dtype": FLOAT_DTYPES, "topk": TOPK, "scoring": ("softmax",), "renorm": ("yes", "no")},
+    attrs={"dtype": FLOAT_DTYPES, "topk": TOPK, "scoring": ("softmax", "sigmoid_bias"), "renorm": ("yes", "no")},
     attr_dims={"K": "topk"},
-    build=_route, reference=_route_ref, check_dims=_check,
-    make_inputs=lambda d, a, g: {"logits": randn((d["M"], d["E"]), a["dtype"], g, 0.0, 2.0)},
+    build=_route, reference=_route_ref, check_dims=_check, make_inputs=_route_inputs,
 )
 
 
