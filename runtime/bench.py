@@ -16,12 +16,18 @@ from flashgen.runtime.graphs import bucket_for
 from flashgen.runtime.memory import available_bytes, cache_bytes
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.torch_ops import dispatcher
-from flashgen.runtime.weights import ModelConfig
+from flashgen.runtime.weights import ModelConfig, expected_shapes
+from flashgen.schedules.moe_features import touched_experts
 
 CONFIGS = {
     "llama3-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, None, False, False),
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, None, False, True),
     "tiny": ModelConfig("llama", 256, 128, 352, 2, 4, 2, 32, 1e-5, 10000.0, 1024, None, False, False),
+    # Mixtral-8x7B's layers (8 experts, top-2, 4096 x 14336), 2 of its 32: its 94 GB of bf16 weights, held
+    # twice while they load, would not fit one GPU
+    "mixtral-2l": ModelConfig("mixtral", 32000, 4096, 14336, 2, 32, 8, 128, 1e-5, 1e6, 32768, None, False, False,
+                              num_experts=8, experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+                              moe_layers=(True, True)),
 }
 
 
@@ -38,38 +44,40 @@ def defaults() -> dict[str, str | int]:
 
 
 def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor the decoder reads for `c` (runtime/weights.py's `expected_shapes`): norms at one,
+    matrices and biases normal with a 1/sqrt(fan-in) scale."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def t(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * shape[-1] ** -0.5).to(dtype)
 
-    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    w = {"model.embed_tokens.weight": t(c.vocab_size, c.hidden_size), "lm_head.weight": t(c.vocab_size, c.hidden_size),
-         "model.norm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device)}
+    return {name: torch.ones(shape, dtype=dtype, device=device) if name.endswith("norm.weight") else t(*shape)
+            for name, shape in expected_shapes(c).items()}
+
+
+def weight_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int | None = None) -> float:
+    """Bytes of the weights a decode step of `batch` sequences reads: every dense linear, and of each
+    MoE layer the router and the experts a random router touches on average (every expert when
+    `batch` is None: what the model holds)."""
+    qd, kd, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+    attention = h * (qd + 2 * kd) + qd * h
+    linear = 0.0
     for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device),
-                  p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device),
-                  p + "self_attn.q_proj.weight": t(qd, c.hidden_size), p + "self_attn.k_proj.weight": t(kd, c.hidden_size),
-                  p + "self_attn.v_proj.weight": t(kd, c.hidden_size), p + "self_attn.o_proj.weight": t(c.hidden_size, qd),
-                  p + "mlp.gate_proj.weight": t(c.intermediate_size, c.hidden_size),
-                  p + "mlp.up_proj.weight": t(c.intermediate_size, c.hidden_size),
-                  p + "mlp.down_proj.weight": t(c.hidden_size, c.intermediate_size)})
-    return w
-
-
-def weight_bytes(c: ModelConfig, quant: str, dtype_bytes: int) -> float:
-    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    linear = c.num_layers * (c.hidden_size * (qd + 2 * kd) + qd * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+        if c.layer_moe(i):
+            experts = c.num_experts if batch is None else touched_experts(batch, c.num_experts, c.experts_per_tok)
+            linear += attention + 3 * h * (experts * c.moe_intermediate_size + c.shared_expert_intermediate_size)
+        else:
+            linear += attention + 3 * h * c.intermediate_size
     per = {"bf16": dtype_bytes, "w8a16": 1, "w8a8": 1, "w4a16": 0.5 + dtype_bytes / 128, "mixed": 0.5 + dtype_bytes / 128}
-    return linear * per[quant] + c.vocab_size * c.hidden_size * dtype_bytes  # the lm_head stays in dtype
+    routers = sum(c.layer_moe(i) for i in range(c.num_layers)) * c.num_experts * h * dtype_bytes
+    return linear * per[quant] + routers + c.vocab_size * h * dtype_bytes  # the lm_head stays in dtype
 
 
 def step_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int, context: float) -> float:
     """Bytes one decode step must read: the weights once, and each sequence's keys and values of
     `context` tokens."""
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes * batch * context
-    return weight_bytes(c, quant, dtype_bytes) + kv
+    return weight_bytes(c, quant, dtype_bytes, batch) + kv
 
 
 def kv_cache_bytes(c: ModelConfig, dtype_bytes: int, batch: int, tokens: int) -> int:
