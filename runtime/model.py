@@ -1,7 +1,7 @@
 """A Llama-family decoder (Llama 2/3 with scaled RoPE and optional biases, Mistral with sliding window,
-Qwen2 with qkv bias and per-layer windows, Mixtral and Qwen2-MoE with routed experts) over a paged KV
-cache, computing with flashgen's generated kernels. What it computes is what runtime/model_config.py
-accepted: anything else was refused there.
+Qwen2 with qkv bias and per-layer windows, Qwen3 with per-head q/k norms, Mixtral, Qwen2-MoE and
+Qwen3-MoE with routed experts) over a paged KV cache, computing with flashgen's generated kernels. What
+it computes is what runtime/model_config.py accepted: anything else was refused there.
 
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
 decode token), packed along one token axis. Norms, SiLU·mul and RoPE (with the new tokens' keys and
@@ -99,6 +99,8 @@ class Decoder:
                 layer["qkv_bias"] = torch.cat([w[att + n + "_proj.bias"] for n in "qkv"])
             if config.o_bias:
                 layer["o_bias"] = w[att + "o_proj.bias"]
+            if config.qk_norm:
+                layer.update(q_norm=w[att + "q_norm.weight"], k_norm=w[att + "k_norm.weight"])
             if config.mlp_bias:
                 layer["gate_up_bias"] = torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
                 layer["down_bias"] = w[p + "mlp.down_proj.bias"]
@@ -348,6 +350,9 @@ class Decoder:
             k = qkv[:, nq:nq + nk].reshape(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)
             v = v.contiguous()
+            if c.qk_norm:  # Qwen3: each head RMS-normalised over its head_dim
+                q = torch.ops.flashgen.rmsnorm(q.reshape(-1, c.head_dim), L["q_norm"], c.rms_norm_eps).view(q.shape)
+                k = torch.ops.flashgen.rmsnorm(k.reshape(-1, c.head_dim), L["k_norm"], c.rms_norm_eps).view(k.shape)
             q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, cos_sin, v,
                                                  batch.slots, *cache.slot_views(i))
             a = self.attention(q, k, v, cache, i, batch, keys).reshape(-1, nq)

@@ -17,7 +17,9 @@ from typing import Any
 
 from flashgen.errors import FlashgenError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM = ("qwen3", "qwen3_moe")  # per-head RMSNorm of q and k before RoPE
+ATTENTION_BIAS = ("llama", *QK_NORM)  # where attention_bias biases q, k, v and o
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 MAX_SIZE = 1 << 20  # any hidden, intermediate or head size, head count or vocabulary beyond this is not a model
 
@@ -50,6 +52,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert behind a sigmoid gate; 0: none
     norm_topk_prob: bool = False              # whether the top-k router weights are renormalised to sum to 1
     moe_layers: tuple[bool, ...] = ()         # per layer, whether its MLP is the MoE block; (): none is
+    qk_norm: bool = False                     # Qwen3: q and k RMS-normalised per head (q_norm, k_norm) before RoPE
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention, None for full attention."""
@@ -106,8 +109,8 @@ def _refuse_uncomputed(c: dict, kind: str, path: Path) -> None:
     prf = c.get("partial_rotary_factor", 1.0)
     if prf != 1.0:
         raise _fail(path, "partial_rotary_factor", f"is {prf!r}: this model family rotates the whole head")
-    for key in ("attention_bias", "mlp_bias"):
-        if c.get(key) and kind != "llama":
+    for key, kinds in (("attention_bias", ATTENTION_BIAS), ("mlp_bias", ("llama",))):
+        if c.get(key) and kind not in kinds:
             raise _fail(path, key, f"is set, which {kind} models do not compute")
 
 
@@ -150,8 +153,10 @@ def _rope(c: dict, path: Path) -> tuple[float, str, tuple[tuple[str, Any], ...]]
 def _windows(c: dict, kind: str, layers: int, path: Path) -> tuple[int | None, tuple[bool, ...]]:
     """The sliding window and which layers use it: every Mistral layer; Qwen2's `layer_types` (or, without
     them, the layers from `max_window_layers` on) when `use_sliding_window` is set."""
-    if kind == "llama" or (kind in ("qwen2", "qwen2_moe") and not c.get("use_sliding_window", False)):
+    if kind == "llama" or (kind in ("qwen2", "qwen2_moe", *QK_NORM) and not c.get("use_sliding_window", False)):
         return None, ()
+    if kind in QK_NORM:  # transformers' Qwen3 windows are not computed here
+        raise _fail(path, "use_sliding_window", f"is set, which the decoder does not compute for {kind}")
     if c.get("sliding_window") is None:
         return None, ()
     window = _int(c, "sliding_window", path)
@@ -172,11 +177,12 @@ def _windows(c: dict, kind: str, layers: int, path: Path) -> tuple[int | None, t
 
 def _moe(c: dict, kind: str, layers: int, path: Path) -> dict[str, Any]:
     """The experts: Mixtral's (of intermediate_size, top-k renormalised) in every layer; Qwen2-MoE's (of
-    moe_intermediate_size, with a shared expert) in the layers that decoder_sparse_step and
-    mlp_only_layers leave sparse, the others dense MLPs of intermediate_size."""
-    if kind not in ("mixtral", "qwen2_moe"):
+    moe_intermediate_size, with a shared expert) and Qwen3-MoE's (no shared expert) in the layers that
+    decoder_sparse_step and mlp_only_layers leave sparse, the others dense MLPs of intermediate_size."""
+    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
-    experts = _int(c, "num_local_experts" if kind == "mixtral" else "num_experts", path, hi=1 << 16)
+    key = "num_local_experts" if kind == "mixtral" or "num_experts" not in c else "num_experts"  # (either name)
+    experts = _int(c, key, path, hi=1 << 16)
     top_k = _int(c, "num_experts_per_tok", path, hi=experts)
     if kind == "mixtral":
         return dict(num_experts=experts, experts_per_tok=top_k, moe_intermediate_size=_int(c, "intermediate_size", path),
@@ -189,8 +195,9 @@ def _moe(c: dict, kind: str, layers: int, path: Path) -> dict[str, Any]:
     norm = c.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
         raise _fail(path, "norm_topk_prob", f"must be true or false, got {norm!r}")
+    shared = 0 if kind == "qwen3_moe" else _int(c, "shared_expert_intermediate_size", path)  # Qwen3-MoE has none
     return dict(num_experts=experts, experts_per_tok=top_k, moe_intermediate_size=_int(c, "moe_intermediate_size", path),
-                shared_expert_intermediate_size=_int(c, "shared_expert_intermediate_size", path), norm_topk_prob=norm,
+                shared_expert_intermediate_size=shared, norm_topk_prob=norm,
                 moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
@@ -230,7 +237,7 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
     layers = _int(c, "num_hidden_layers", path, hi=4096)
     theta, rope_type, rope_params = _rope(c, path)
     window, window_layers = _windows(c, kind, layers, path)
-    attention_bias = bool(c.get("attention_bias", False)) and kind == "llama"
+    attention_bias = bool(c.get("attention_bias", False)) and kind in ATTENTION_BIAS
     qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and bool(c.get("qkv_bias", True))) or attention_bias
     return ModelConfig(
         model_type=kind, vocab_size=_int(c, "vocab_size", path, hi=1 << 24), hidden_size=hidden,
@@ -242,4 +249,4 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
         mlp_bias=bool(c.get("mlp_bias", False)) and kind == "llama", rope_type=rope_type, rope_params=rope_params,
         window_layers=window_layers,
         eos_token_ids=tuple(dict.fromkeys(_eos(c.get("eos_token_id"), str(path)) + generation_eos)),
-        **_moe(c, kind, layers, path))
+        qk_norm=kind in QK_NORM, **_moe(c, kind, layers, path))

@@ -31,15 +31,17 @@ class MoeNames(NamedTuple):
 
 
 def moe_names(c: ModelConfig, layer: int) -> MoeNames:
-    """Mixtral's `block_sparse_moe` (experts' w1 = gate, w3 = up, w2 = down) or Qwen2-MoE's `mlp` names."""
+    """Mixtral's `block_sparse_moe` (experts' w1 = gate, w3 = up, w2 = down), or Qwen2-MoE's and
+    Qwen3-MoE's `mlp` names (Qwen3-MoE has no shared expert)."""
     if c.model_type == "mixtral":
         p = f"model.layers.{layer}.block_sparse_moe."
         return MoeNames(p + "gate.weight", [tuple(f"{p}experts.{e}.{n}.weight" for n in ("w1", "w3", "w2"))
                                             for e in range(c.num_experts)], None, None)
     p = f"model.layers.{layer}.mlp."
-    return MoeNames(p + "gate.weight", [tuple(f"{p}experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
-                                        for e in range(c.num_experts)],
-                    tuple(f"{p}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")),
+    experts = [tuple(f"{p}experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")) for e in range(c.num_experts)]
+    if not c.shared_expert_intermediate_size:  # Qwen3-MoE
+        return MoeNames(p + "gate.weight", experts, None, None)
+    return MoeNames(p + "gate.weight", experts, tuple(f"{p}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")),
                     p + "shared_expert_gate.weight")
 
 
@@ -81,6 +83,8 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                         p + "self_attn.v_proj.bias": (kv,)})
         if c.o_bias:
             out[p + "self_attn.o_proj.bias"] = (h,)
+        if c.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
     return out
 
 

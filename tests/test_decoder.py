@@ -24,7 +24,9 @@ MODELS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=8)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, use_sliding_window=False)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=16)),
 }
+QK_NORMS = (".q_norm.weight", ".k_norm.weight")  # Qwen3's, drawn (at init they are ones)
 PROMPTS = [[1, 5, 9, 20, 33], [7, 8, 100, 3, 4, 5, 6, 77, 2, 1, 0, 9, 8, 7, 6, 5, 4, 3, 11, 12], [42]]
 
 
@@ -32,7 +34,7 @@ PROMPTS = [[1, 5, 9, 20, 33], [7, 8, 100, 3, 4, 5, 6, 77, 2, 1, 0, 9, 8, 7, 6, 5
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(sorted(MODELS).index(request.param))
     hf = MODELS[request.param]()
-    folder = write_checkpoint(hf, tmp_path_factory.mktemp(request.param))  # (Qwen2's qkv biases drawn)
+    folder = write_checkpoint(hf, tmp_path_factory.mktemp(request.param), QK_NORMS)  # (Qwen2's qkv biases drawn)
     return request.param, hf, folder
 
 

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE against Hugging Face transformers (float32, eager attention and experts) on tiny
+"""Mixtral, Qwen2-MoE and Qwen3-MoE against Hugging Face transformers (float32, eager attention and experts) on tiny
 random checkpoints it writes itself: logits, 32 greedy tokens of a ragged batch, and the refusals of a
 router top-k beyond the experts, a router of the wrong width and a missing expert weight."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flashgen.runtime.model import Decoder  # noqa: E402
 from flashgen.runtime.model_config import ModelConfig  # noqa: E402
 from flashgen.runtime.weights import load_weights  # noqa: E402
 from tests.prefill import prefill_logits, write_checkpoint  # noqa: E402
-from tests.test_decoder import PROMPTS, hf_greedy  # noqa: E402
+from tests.test_decoder import PROMPTS, QK_NORMS, hf_greedy  # noqa: E402
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, num_experts_per_tok=2,
@@ -30,6 +30,9 @@ MODELS = {
     # renormalised top-k, and layer 1 a dense MLP
     "qwen2_moe-dense1": lambda: transformers.Qwen2MoeForCausalLM(
         transformers.Qwen2MoeConfig(**QWEN, norm_topk_prob=True, mlp_only_layers=[1])),
+    # per-head q/k norms, no shared expert
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **COMMON, num_experts=6, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)),
 }
 ERRORS: dict[str, float] = {}  # the measured max logit error of each model, relative to its largest logit
 
@@ -41,7 +44,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
     hf.config._experts_implementation = "eager"
     # (near-uniform routers would put near-ties in every top-k)
     folder = write_checkpoint(hf, tmp_path_factory.mktemp(request.param),
-                              (".gate.weight", "shared_expert_gate.weight"))
+                              (".gate.weight", "shared_expert_gate.weight", *QK_NORMS))
     return request.param, hf, folder
 
 
@@ -98,8 +101,9 @@ def _edit_tensors(src: Path, dst: Path, edit) -> Path:
 
 def test_refusals(checkpoint, tmp_path):
     kind, _, folder = checkpoint
-    experts_key = "num_local_experts" if kind == "mixtral" else "num_experts"
-    experts = json.loads((folder / "config.json").read_text())[experts_key]
+    config = json.loads((folder / "config.json").read_text())
+    experts_key = "num_experts" if "num_experts" in config else "num_local_experts"  # (transformers saves either)
+    experts = config[experts_key]
     with pytest.raises(FlashgenError, match=rf"num_experts_per_tok must be an integer in \[1, {experts}\], got 9$"):
         ModelConfig.from_folder(_edit_config(folder, tmp_path / "topk", num_experts_per_tok=9))
     with pytest.raises(FlashgenError, match=rf"{experts_key} must be an integer in \[1, 65536\], got 0$"):
