@@ -4,11 +4,13 @@ of cuBLAS GEMMs per expert (what transformers runs) and the roofline, side by si
     python benchmarks/moe.py --db DB [--trials 8] [--shapes mixtral,qwen3] [--ms 1,16,64,256,4096]
         [--name moe] [--rounds 2]
 
-Each (shape, M): a router's top-k of random logits (softmax, top-k, renormalised), aligned by
-`moe_align`; the same tokens, weights and routing for every version. Versions timed:
-- flashgen: the two generated grouped GEMMs (y zeroed, gate_up, down), after each is tuned briefly
-  (`--trials` new measured schedules, every candidate checked against the float64 reference);
-  flashgen+align adds the alignment (torch's sort and a scatter, as the decoder runs it);
+Each (shape, M): a router's top-k of random logits (softmax, top-k, renormalised); the same tokens,
+weights and routing for every version. Versions timed:
+- flashgen: the two generated grouped GEMMs (y zeroed, gate_up, down) in the routing the decoder
+  uses at that M (ids up to 64 tokens: the kernels read the router's ids; sorted beyond: pairs ordered
+  by `moe_align` first), after each is tuned briefly (`--trials` new measured schedules, every
+  candidate checked against the float64 reference); flashgen+align adds the alignment of the sorted
+  routing (torch's sort and a scatter, as the decoder runs it; the ids routing has none);
 - grouped_mm: the same pairs through torch._grouped_mm (gather, gate_up, SiLU·mul, down, weights,
   index_add); grouped_mm GEMMs: its two grouped GEMMs alone, the kernels flashgen's replace;
 - loop: per touched expert, its tokens gathered, x @ w13.T, SiLU·mul, @ w2.T, weighted, index_add
@@ -31,6 +33,7 @@ from common import RESULTS, bench_side_by_side, copy_gbs, environment, print_tab
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.oplib.moe import moe_align  # noqa: E402
+from flashgen.runtime.model import IDS_ROUTING_MAX_TOKENS  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 
@@ -58,7 +61,7 @@ def main() -> None:
     dev = torch.device("cuda")
     target = device_target(dev)
     bw = copy_gbs()
-    header = ("shape", "M", "touched", "flashgen_us", "flashgen+align_us", "grouped_mm_gemms_us", "grouped_mm_us",
+    header = ("shape", "M", "routing", "touched", "flashgen_us", "flashgen+align_us", "grouped_mm_gemms_us", "grouped_mm_us",
               "loop_us", "roofline_us", "of_roofline", "vs_loop", "vs_grouped_mm_gemms", "gate_up schedule",
               "down schedule")
     rows = []
@@ -71,7 +74,8 @@ def main() -> None:
             w2 = (torch.randn(e, hidden, inter, generator=gen) / inter ** 0.5).to(dev, torch.bfloat16)
             w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N] views, column-major per expert
             for m in map(int, args.ms.split(",")):
-                kw = dict(M=m, E=e, topk=str(k), dtype="bf16")
+                routing_form = "ids" if m <= IDS_ROUTING_MAX_TOKENS else "sorted"
+                kw = dict(M=m, E=e, topk=str(k), dtype="bf16", routing=routing_form)
                 wl_up = flashgen.workload("moe_gemm_gate_up", N=inter, K=hidden, **kw)
                 wl_down = flashgen.workload("moe_gemm_down", N=hidden, K=inter, **kw)
                 for wl in (wl_up, wl_down):
@@ -84,10 +88,10 @@ def main() -> None:
                 flat_w = weights.flatten().contiguous()
                 tokens = (pairs // k).long()
                 y = torch.zeros(m, hidden, dtype=torch.float32, device=dev)
-                up_in = {"x": x, "w": w13, "sorted_pairs": pairs, "expert_offsets": offsets}
+                route = {"topk_ids": ids} if routing_form == "ids" else {"sorted_pairs": pairs, "expert_offsets": offsets}
+                up_in = {"x": x, "w": w13, **route}
                 h = k_up.run(up_in)["h"]
-                down_in = {"h": h, "w": w2, "sorted_pairs": pairs, "expert_offsets": offsets, "topk_weights": flat_w,
-                           "y": y}
+                down_in = {"h": h, "w": w2, "topk_weights": flat_w, "y": y, **route}
 
                 up_call, down_call = k_up.bind(up_in, {"h": h}), k_down.bind(down_in, {})  # checked once
 
@@ -97,9 +101,10 @@ def main() -> None:
                     down_call()
 
                 def ours_aligned() -> None:
-                    p, o = moe_align(ids, e)
-                    pairs.copy_(p)
-                    offsets.copy_(o)
+                    if routing_form == "sorted":
+                        p, o = moe_align(ids, e)
+                        pairs.copy_(p)
+                        offsets.copy_(o)
                     ours()
 
                 ends = offsets[1:].contiguous()
@@ -142,7 +147,7 @@ def main() -> None:
                 t = bench_side_by_side(fns, nbytes, target.get("l2_bytes"), rounds=args.rounds)
                 roof = nbytes / (bw * 1e3)
                 gm, gg = t.get("grouped", float("nan")), t.get("grouped_gemms", float("nan"))
-                rows.append([shape, m, touched, t["flashgen"], t["aligned"], gg, gm, t["loop"], roof,
+                rows.append([shape, m, routing_form, touched, t["flashgen"], t["aligned"], gg, gm, t["loop"], roof,
                              roof / t["flashgen"], t["loop"] / t["flashgen"], gg / t["flashgen"],
                              str(k_up.schedule), str(k_down.schedule)])
                 print(f"{shape:8s} M={m:<5d} flashgen {t['flashgen']:9.2f} us  grouped_mm gemms {gg:9.2f}  "
@@ -152,11 +157,13 @@ def main() -> None:
                               args.out_dir, NOTE.format(trials=args.trials, bw=bw))
             del w13, w2, w13_t, w2_t
             torch.cuda.empty_cache()
-    print_table(("shape", "M", "us", "of_roof", "vs_loop", "vs_gmm"), [(r[0], r[1], r[3], r[9], r[10], r[11]) for r in rows])
+    print_table(("shape", "M", "routing", "us", "+align", "of_roof", "vs_loop", "vs_gmm"),
+                [(r[0], r[1], r[2], r[4], r[5], r[10], r[11], r[12]) for r in rows])
 
 
 NOTE = ("bf16 experts. Each generated GEMM tuned with {trials} new measured schedules (the analytic default first, "
-        "then the cost model's ranking). flashgen_us: y zeroed + gate_up + down; flashgen+align_us adds moe_align. "
+        "then the cost model's ranking). flashgen_us: y zeroed + gate_up + down, in the routing the decoder uses "
+        "at that M; flashgen+align_us adds moe_align (sorted routing only). "
         "grouped_mm_gemms_us: torch._grouped_mm's two GEMMs alone; grouped_mm_us: its whole layer. loop_us: a cuBLAS "
         "GEMM pair per touched expert. Roofline: the touched experts' weights and the activations over the measured "
         "copy bandwidth {bw:.0f} GB/s. of_roofline = roofline / flashgen; vs_* = peer / flashgen (above 1: flashgen "

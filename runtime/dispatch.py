@@ -23,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from flashgen.compiler import compile as compile_kernel
+from flashgen.compiler import check_supported, compile as compile_kernel
 from flashgen.db import Database, default_db_path
 from flashgen.db.record import BEHIND
 from flashgen.db.shipped import ORIGIN, TunedRecords
@@ -186,6 +186,7 @@ class Dispatcher:
         device = next(iter(tensors.values())).device
         target = self.target_for(device)
         wl = self.workload_for(op_name, tensors, attrs or {}, dims)
+        check_supported(wl, target)  # (before a schedule is chosen: one line naming what the target lacks)
         decision = self.decisions.get(wl.key + target.id)
         if decision is None:
             decision = self.choose(wl, target)

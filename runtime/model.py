@@ -14,9 +14,10 @@ used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; run
 An MoE layer's router, unquantized so that weight rounding does not change which experts a token
 gets, gives float32 logits; the generated `moe_route` kernel picks each token's top-k experts and
 their weights. On a GPU with 16-bit experts (quant bf16), the experts run as the generated grouped
-GEMMs of the moe class: the (token, expert) pairs are ordered by expert (`moe_align`, torch's sort,
-no host sync), `moe_gemm_gate_up` gives each pair's SiLU(gate) * up, and `moe_gemm_down` adds each
-pair's weighted expert output into its token's row, reading each touched expert's weights once. Such
+GEMMs of the moe class: `moe_gemm_gate_up` gives each (token, expert) pair's SiLU(gate) * up, and
+`moe_gemm_down` adds each pair's weighted expert output into its token's row, reading each touched
+expert's weights once. A decode step's kernels find each expert's pairs in the router's ids; a longer
+batch's pairs are first ordered by expert (`moe_align`, torch's sort, no host sync). Such
 steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, quantized experts) each
 expert's tokens are gathered and run through its gate|up and down linears in torch (in `quant`, as the
 dense layers'), scaled by their router weights and summed; that routing reads each expert's token
@@ -38,6 +39,11 @@ from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.model_config import ModelConfig
 from flashgen.runtime.rope_scaling import rope_table
 from flashgen.runtime.weights import moe_names
+
+
+# Up to this many tokens the generated experts take the router's ids as they are (`routing="ids"`);
+# more take them aligned: each program's scan of every id would outgrow the alignment's cost.
+IDS_ROUTING_MAX_TOKENS = 64
 
 
 @dataclass
@@ -174,11 +180,15 @@ class Decoder:
                            weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum by the generated grouped GEMMs (module docstring)."""
         gate_up, down = stacked
-        topk = str(self.c.experts_per_tok)
-        pairs, offsets = moe_align(chosen, self.c.num_experts)
-        act = torch.ops.flashgen.moe_gemm_gate_up(h, pairs, offsets, w=gate_up, topk=topk)
+        kw = {"topk": str(self.c.experts_per_tok)}
+        if h.shape[0] <= IDS_ROUTING_MAX_TOKENS:  # each program finds its pairs in the ids: no alignment launched
+            kw.update(routing="ids", topk_ids=chosen)
+        else:
+            pairs, offsets = moe_align(chosen, self.c.num_experts)
+            kw.update(sorted_pairs=pairs, expert_offsets=offsets)
+        act = torch.ops.flashgen.moe_gemm_gate_up(h, w=gate_up, **kw)
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        torch.ops.flashgen.moe_gemm_down(act, pairs, offsets, weights.flatten().contiguous(), out, w=down, topk=topk)
+        torch.ops.flashgen.moe_gemm_down(act, weights.flatten().contiguous(), out, w=down, **kw)
         return out.to(h.dtype)
 
     def _torch_experts(self, h: torch.Tensor, experts: list[tuple[QuantLinear, QuantLinear]], chosen: torch.Tensor,

@@ -146,14 +146,18 @@ def test_qwen2_moe_config_refusals(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_moe_decoder_on_gpu_tracks_the_cpu(checkpoint):
     """On a GPU with bf16 experts the generated grouped GEMMs run them (no torch expert loop), the
-    logits track the float32 CPU decoder's, and decode steps are captured in CUDA graphs, giving the
-    tokens eager steps give. Quantized experts take the torch loop, uncaptured."""
-    _, _, folder = checkpoint
+    logits of a prompt (ids routing) and of a 70-token one (sorted routing) track transformers' float32
+    ones, and decode steps are captured in CUDA graphs, giving the tokens eager steps give. Quantized
+    experts take the torch loop, uncaptured."""
+    _, hf, folder = checkpoint
     c, w = ModelConfig.from_folder(folder), load_weights(folder)
-    ref = prefill_logits(Decoder(c, w), PROMPTS[1])
     model = Decoder(c, w, "cuda", torch.bfloat16)
-    got = prefill_logits(model, PROMPTS[1]).float().cpu()
-    assert float((got - ref).norm() / ref.norm()) < 0.03
+    long = (PROMPTS[1] * 4)[:70]  # past IDS_ROUTING_MAX_TOKENS
+    for prompt in (PROMPTS[1], long):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        got = prefill_logits(model, prompt).float().cpu()
+        assert float((got - ref).norm() / ref.norm()) < 0.03, len(prompt)
     assert "moe experts (torch)" not in model.fallbacks
     sampling = SamplingParams(max_new_tokens=8)
     eng = Engine(model, num_blocks=64)

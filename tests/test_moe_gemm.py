@@ -23,9 +23,9 @@ H200 = get_target("h200")
 SHAPES = [dict(M=1, N=72, K=40, E=8, topk="2"), dict(M=3, N=40, K=100, E=8, topk="2"),
           dict(M=17, N=33, K=48, E=5, topk="4"), dict(M=5, N=24, K=256, E=16, topk="8"),
           dict(M=40, N=48, K=64, E=3, topk="1")]
-CASES = [flashgen.workload(op, dtype="fp16", weights=w, **s)
+CASES = [flashgen.workload(op, dtype="fp16", weights=w, routing=("sorted", "ids")[(i + j) % 2], **s)
          for i, s in enumerate(SHAPES) for op in ("moe_gemm_gate_up", "moe_gemm_down")
-         for w in ("half", ("w8a16", "w4a16g128")[i % 2])
+         for j, w in enumerate(("half", ("w8a16", "w4a16g128")[i % 2]))
          if not (w == "w4a16g128" and s["K"] % 128)]
 
 
@@ -40,9 +40,12 @@ def test_default_schedule(interpreter, wl):
 
 @pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
 @pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 32), (32, 64, 64)])
-def test_tiles_of_one_expert(interpreter, op, block_m, block_n, block_k):
-    """40 tokens top-2 over 3 experts: each expert's run spans several row tiles, the last partial."""
-    wl = flashgen.workload(op, M=40, N=48, K=100, E=3, topk="2", dtype="fp16")
+@pytest.mark.parametrize("routing", ["sorted", "ids"])
+def test_tiles_of_one_expert(interpreter, op, block_m, block_n, block_k, routing):
+    """Tokens top-2 over 3 experts: each expert's run spans several row tiles, the last partial (with
+    ids routing, 150 tokens: the scan of 300 ids takes three chunks)."""
+    wl = flashgen.workload(op, M=40 if routing == "sorted" else 150, N=48, K=100, E=3, topk="2", dtype="fp16",
+                           routing=routing)
     s = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2}
     assert ScheduleSpace(wl, H200).is_valid(s)
     for c in interpreter.check(wl, s, "h200", seed=5):
@@ -129,22 +132,23 @@ def test_bad_workloads_are_one_line(kw, match):
         flashgen.workload("moe_gemm_gate_up", **args)
 
 
-def test_runtime_refuses_a_wrong_weight_shape():
-    """A stacked weight of the wrong width is one error naming the tensor, before any launch."""
+def test_cpu_refuses_in_one_line():
+    """The moe class has no CPU generator: the torch op says so before anything is chosen or built."""
     from flashgen.runtime.torch_ops import register_all
 
     register_all()
-    x = torch.randn(3, 64, dtype=torch.float16)
-    pairs, offsets = moe_align(torch.tensor([[0, 1], [1, 2], [2, 3]], dtype=torch.int32), 4)
-    with pytest.raises(FlashgenError, match="w"):
-        torch.ops.flashgen.moe_gemm_gate_up(x, pairs, offsets, w=torch.randn(4, 32, 65, dtype=torch.float16))
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3]], dtype=torch.int32)
+    with pytest.raises(FlashgenError, match=r"^moe kernels are not generated for cpu/host yet"):
+        torch.ops.flashgen.moe_gemm_gate_up(torch.randn(3, 64, dtype=torch.float16), topk_ids=ids, routing="ids",
+                                            w=torch.randn(4, 32, 64, dtype=torch.float16))
 
 
 # ---- on the GPU (bf16 and fp16, the decoder's path) -------------------------------------------------
-GPU_CASES = [flashgen.workload(op, dtype=dt, weights=w, **s) for s in (
+GPU_CASES = [flashgen.workload(op, dtype=dt, weights=w, routing=routing, **s) for s in (
     dict(M=1, N=320, K=512, E=8, topk="2"), dict(M=33, N=200, K=384, E=16, topk="4"),
     dict(M=300, N=256, K=256, E=128, topk="8")) for op in ("moe_gemm_gate_up", "moe_gemm_down")
-    for dt in ("bf16", "fp16") for w in ("half", "w8a16", "w4a16g128")]
+    for dt, w, routing in (("bf16", "half", "sorted"), ("bf16", "half", "ids"), ("fp16", "w8a16", "ids"),
+                           ("bf16", "w4a16g128", "sorted"), ("fp16", "w4a16g128", "ids"))]
 
 
 @pytest.mark.gpu
@@ -157,3 +161,20 @@ def test_moe_gemm_on_gpu(wl):
     for seed in (0, 1):
         for c in check(wl, lambda i, o, p: kernel.run(i, o, p), seed, dev):
             assert c.ok, (c, kernel.schedule)
+
+
+@pytest.mark.gpu
+def test_bad_calls_on_gpu_are_one_line():
+    """A stacked weight of the wrong width, and ids given to the sorted routing: one error naming the
+    tensor, before any launch."""
+    from flashgen.runtime.torch_ops import register_all
+
+    register_all()
+    x = torch.randn(3, 64, dtype=torch.bfloat16, device="cuda")
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3]], dtype=torch.int32, device="cuda")
+    pairs, offsets = moe_align(ids, 4)
+    with pytest.raises(FlashgenError, match=r"input 'w' has shape \(4, 32, 65\), expected \(4, 32, 64\)"):
+        torch.ops.flashgen.moe_gemm_gate_up(x, sorted_pairs=pairs, expert_offsets=offsets,
+                                            w=torch.randn(4, 32, 65, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(FlashgenError, match="missing input 'sorted_pairs'"):
+        torch.ops.flashgen.moe_gemm_gate_up(x, topk_ids=ids, w=torch.randn(4, 32, 64, dtype=torch.bfloat16, device="cuda"))

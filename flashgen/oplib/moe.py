@@ -104,14 +104,17 @@ MOE_ROUTE = Op(
 
 
 # ---- moe_gemm_gate_up / moe_gemm_down: the experts' grouped GEMMs over the routed (token, expert) pairs ----
-# A pair p = token * KT + j is token p // KT's j-th expert. `sorted_pairs` lists the pairs expert by
-# expert (`moe_align`), expert e's at [expert_offsets[e], expert_offsets[e + 1]); a program serves one
-# expert's block of pairs (Index("e") is its expert, Index("r") a pair) and reads only that expert's
-# weights, so the weights of experts no pair chose are never read.
+# A pair p = token * KT + j is token p // KT's j-th expert. A program serves one expert's block of
+# pairs (Index("e") is its expert, Index("r") a pair) and reads only that expert's weights, so the
+# weights of experts no pair chose are never read. How programs find their pairs is the `routing`
+# attr: "sorted" takes them listed expert by expert (`moe_align`: `sorted_pairs`, expert e's at
+# [expert_offsets[e], expert_offsets[e + 1])), "ids" takes the router's [M, KT] `topk_ids` and each
+# program picks its expert's pairs itself (decode: a few hundred pairs, no alignment step to launch).
 N_, KT = Dim("N"), Dim("KT")
 e_ = Index("e")
 WEIGHTS = ("half", "w8a16", "w4a16g128")  # 16-bit experts; int8 per channel; int4 in groups of 128 k
 INT4_GROUP = 128
+IDS_SCAN = 128  # top-k ids an ids-routed kernel reads at a time (its generator's and cost model's unit)
 
 
 def moe_align(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,19 +182,24 @@ def _make_weights(t: dict, shape: tuple[int, int, int], a: Attrs, g: torch.Gener
 
 
 def _routing(d, a, g) -> dict:
-    """A random top-k of distinct experts per token, aligned; the first expert is left unchosen (its
-    run is empty) when the others suffice, so kernels meet an expert with no pairs."""
+    """A random top-k of distinct experts per token (aligned, for the sorted routing); the first expert
+    is left unchosen (its run is empty) when the others suffice, so kernels meet an expert with no pairs."""
     m, e, kt = d["M"], d["E"], d["KT"]
     skip = 1 if e - 1 >= kt else 0
     ids = torch.stack([torch.randperm(e - skip, generator=g)[:kt] + skip for _ in range(m)]).to(torch.int32)
+    if a["routing"] == "ids":
+        return {"topk_ids": ids.reshape(m, kt)}
     pairs, offsets = moe_align(ids, e)
     return {"sorted_pairs": pairs, "expert_offsets": offsets}
 
 
-def _pairs_of(t: dict) -> list[tuple[int, torch.Tensor]]:
+def _pairs_of(t: dict, experts: int) -> list[tuple[int, torch.Tensor]]:
     """Each expert with pairs, and its pairs (as int64 indices)."""
-    off = t["expert_offsets"].tolist()
-    pairs = t["sorted_pairs"].long()
+    if "topk_ids" in t:
+        pairs, offsets = moe_align(t["topk_ids"], experts)
+    else:
+        pairs, offsets = t["sorted_pairs"], t["expert_offsets"]
+    off, pairs = offsets.tolist(), pairs.long()
     return [(e, pairs[off[e]:off[e + 1]]) for e in range(len(off) - 1) if off[e + 1] > off[e]]
 
 
@@ -203,8 +211,10 @@ def _moe_check(d, a) -> str | None:
     return None
 
 
-ROUTING = (TensorSpec("sorted_pairs", (M * KT,), "int32"), TensorSpec("expert_offsets", (E + 1,), "int32"))
-MOE_ATTRS = {"dtype": ("bf16", "fp16"), "weights": WEIGHTS, "topk": TOPK}
+ROUTING = (TensorSpec("sorted_pairs", (M * KT,), "int32", when=(("routing", ("sorted",)),)),
+           TensorSpec("expert_offsets", (E + 1,), "int32", when=(("routing", ("sorted",)),)),
+           TensorSpec("topk_ids", (M, KT), "int32", when=(("routing", ("ids",)),)))
+MOE_ATTRS = {"dtype": ("bf16", "fp16"), "weights": WEIGHTS, "topk": TOPK, "routing": ("sorted", "ids")}
 
 
 def _gate_up(a: Attrs) -> tuple[Stmt, ...]:
@@ -219,7 +229,7 @@ def _gate_up(a: Attrs) -> tuple[Stmt, ...]:
 def _gate_up_ref(t, p, d, a) -> dict:
     w, x = _expert_weights(t, a), f64(t["x"])
     h = torch.zeros(d["M"] * d["KT"], d["N"], dtype=torch.float64, device=x.device)
-    for e, pairs in _pairs_of(t):
+    for e, pairs in _pairs_of(t, d["E"]):
         y = x[pairs // d["KT"]] @ w[e].T
         gate, up = y[:, :d["N"]], y[:, d["N"]:]
         h[pairs] = gate * torch.sigmoid(gate) * up
@@ -254,7 +264,7 @@ def _down(a: Attrs) -> tuple[Stmt, ...]:
 def _down_ref(t, p, d, a) -> dict:
     w, h = _expert_weights(t, a), f64(t["h"])
     y = f64(t["y"]).clone()
-    for e, pairs in _pairs_of(t):
+    for e, pairs in _pairs_of(t, d["E"]):
         y.index_add_(0, pairs // d["KT"], (h[pairs] @ w[e].T) * f64(t["topk_weights"])[pairs, None])
     return {"y": y}
 
@@ -272,8 +282,8 @@ MOE_GEMM_DOWN = Op(
     doc="y[p // KT] += topk_weights[p] * (h[p] @ w[e_p].T) for each routed pair p, grouped by expert: "
         "each token's k expert outputs, weighted, summed into y [M, N] (fp32, in place)",
     dims=("M", "N", "K", "E", "KT"), row_dims=("M",),
-    inputs=(TensorSpec("h", (M * KT, K), DTYPE), *ROUTING, TensorSpec("topk_weights", (M * KT,), "fp32"),
-            TensorSpec("y", (M, N_), "fp32", written=True), *_weight_specs(N_)),
+    inputs=(TensorSpec("h", (M * KT, K), DTYPE), TensorSpec("topk_weights", (M * KT,), "fp32"),
+            TensorSpec("y", (M, N_), "fp32", written=True), *ROUTING, *_weight_specs(N_)),
     outputs=(),
     domain=(M * KT, N_), attrs=MOE_ATTRS, attr_dims={"KT": "topk"},
     build=_down, reference=_down_ref, check_dims=_moe_check, make_inputs=_down_inputs,

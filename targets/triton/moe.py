@@ -7,14 +7,18 @@ bytes, and in decode (a few pairs per expert) each touched expert's weights are 
 tile. Programs are numbered along the first grid axis over every expert's row tiles in turn; there
 are at most P / block_m + E of them (each expert's last tile may be partial), so no host-side count is
 needed: each program finds its expert from the offsets' running tile counts, and one past the last
-tile returns at once. The k loop loads the A tile through the op's prologue (gathered rows: a pair's
-token row of x), the weight tiles of each Contract (dequantized as the IR says), and accumulates
-`tl.dot` in fp32; Contracts over the same A share its tile (gate and up in one loop). The epilogue is
-the op's statements: a `combine="add"` store adds atomically (a token's k expert outputs meet there).
+tile returns at once. With the ids routing (decode) there is no alignment step: program (pid_m, pid_n,
+e) scans the router's top-k ids for expert e's pairs and serves the pid_m-th block of them (an expert
+has at most M pairs, one a token), returning at once where there is none. The k loop loads the A
+tile through the op's prologue (gathered rows: a pair's token row of x), the weight tiles of each
+Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32; Contracts over the same A
+share its tile (gate and up in one loop). The epilogue is the op's statements: a `combine="add"`
+store adds atomically (a token's k expert outputs meet there).
 """
 from __future__ import annotations
 
 from flashgen.ir.op import Contract, Let, Store, eval_int
+from flashgen.oplib.moe import IDS_SCAN
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, grid_dependency, kernel_args, module_header
 from flashgen.workload import Schedule, Workload
 
@@ -34,6 +38,24 @@ def _expert_of_tile(top: Scope) -> None:
     top.line("e = tl.sum((ends <= pid_m).to(tl.int32), 0)")
 
 
+def _pairs_from_ids(top: Scope) -> None:
+    """The ids routing: program (pid_m, pid_n, e) takes the pid_m-th block of expert e's pairs, found
+    by scanning the top-k ids SCAN at a time: each match's rank among e's pairs is a running count, and
+    `r` gathers the pairs whose ranks the program's rows ask for. `cnt`: the expert's pairs in all."""
+    top.line("e = tl.program_id(2)")
+    top.line("jj = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
+    top.line("r = tl.zeros([BLOCK_M, 1], dtype=tl.int32)")
+    top.line("cnt = pid_m * 0")
+    top.line("for p0 in range(0, M * KT, SCAN):")
+    top.line("    p = p0 + tl.arange(0, SCAN)")
+    top.line("    ids = tl.load(topk_ids_ptr + (p // KT).to(tl.int64) * topk_ids_s0 + p % KT, mask=p < M * KT, other=-1)")
+    top.line("    mine = (ids == e).to(tl.int32)")
+    top.line("    rank = cnt + tl.cumsum(mine, 0) - 1")
+    top.line("    r += tl.sum(tl.where((mine[None, :] == 1) & (rank[None, :] == jj), p[None, :], 0), 1)[:, None]")
+    top.line("    cnt += tl.sum(mine, 0)")
+    top.line("rmask = jj < cnt")
+
+
 def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     """A moe workload's Triton kernel for schedule `s`."""
     op, attrs = wl.op, wl.attr
@@ -42,8 +64,9 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     contracts = [st for st in body if isinstance(st, Contract)]
     em = Emitter(op, attrs, lets)
     name = f"{op.name}_kernel"
+    by_ids = "topk_ids" in {t.name for t in wl.inputs}
     consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"],
-              "E_PAD": _next_pow2(wl.dim["E"])}
+              **({"SCAN": IDS_SCAN} if by_ids else {"E_PAD": _next_pow2(wl.dim["E"])})}
     args = kernel_args(wl, consts)
     lines = module_header(wl, s, name, args)
     n_val, k_val = eval_int(op.domain[1], wl.dim), eval_int(contracts[0].extent, wl.dim)
@@ -53,13 +76,18 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     top.line("pid_m = tl.program_id(0)")
     top.line("pid_n = tl.program_id(1)")
     grid_dependency(top)
-    _expert_of_tile(top)
-    top.line("if e < E:")
-    blk = top.child(top.indent + "    ")
-    blk.line("mine = ee == e")
-    blk.line("j = tl.sum(tl.where(mine, lo + (pid_m - ends + tiles) * BLOCK_M, 0), 0) + tl.arange(0, BLOCK_M)[:, None]")
-    blk.line("rmask = j < tl.sum(tl.where(mine, hi, 0), 0)")
-    blk.line("r = tl.load(sorted_pairs_ptr + j, mask=rmask, other=0)")
+    if by_ids:
+        _pairs_from_ids(top)
+        top.line("if pid_m * BLOCK_M < cnt:")
+        blk = top.child(top.indent + "    ")
+    else:
+        _expert_of_tile(top)
+        top.line("if e < E:")
+        blk = top.child(top.indent + "    ")
+        blk.line("mine = ee == e")
+        blk.line("j = tl.sum(tl.where(mine, lo + (pid_m - ends + tiles) * BLOCK_M, 0), 0) + tl.arange(0, BLOCK_M)[:, None]")
+        blk.line("rmask = j < tl.sum(tl.where(mine, hi, 0), 0)")
+        blk.line("r = tl.load(sorted_pairs_ptr + j, mask=rmask, other=0)")
     blk.line("c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
     if cmask:
         blk.line(f"cmask = c < {em.emit(op.domain[1], blk)}")
@@ -89,5 +117,9 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     for st in body:
         if isinstance(st, Store):
             em.store(st, out)
+    if by_ids:  # an expert has at most M pairs (one a token): M / block_m row tiles of each, experts on axis 2
+        kt = wl.dim["KT"]
+        return KernelSource(name, em.finish(lines), args, (s["block_m"] * kt, s["block_n"]), tile_cols=True,
+                            grid_z=wl.dim["E"])
     # a tile of pid_m's rows, and (with `seq_tiles`) one more per expert: each expert's last may be partial
     return KernelSource(name, em.finish(lines), args, (s["block_m"], s["block_n"]), tile_cols=True, seq_tiles="E")
