@@ -1,9 +1,11 @@
-"""Whole-model decode on Llama-3-8B-shaped random weights: flashgen's decoder in each quant mode
-against transformers' generate (eager, and static cache with torch.compile), and the bandwidth limit.
+"""Whole-model decode on Llama-3-8B-shaped random weights (or another bench config: --config
+mixtral-2l, two Mixtral-8x7B layers): flashgen's decoder in each quant mode against transformers'
+generate (eager, and static cache with torch.compile) on a model of the same shape, and the bandwidth
+limit.
 With --device cpu: SmolLM2-135M-shaped random weights in float32, the decoder and engine against
 transformers' eager generate on the same weights, interleaved in rounds (the best round of each counts).
 
-    python benchmarks/model.py [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
+    python benchmarks/model.py [--config llama3-8b] [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
                                [--no-cuda-graphs] [--peer-batch 1,64] [--fused-rows 1,0]
     python benchmarks/model.py --device cpu [--batch 1,8] [--prompt-len 64] [--new-tokens 32] [--rounds 2] [--threads 0]
 """
@@ -25,18 +27,22 @@ from flashgen.runtime.dispatch import describe_sources  # noqa: E402
 
 
 def hf_model(config: str, device: str, dtype: torch.dtype, weights: dict[str, torch.Tensor] | None = None):
-    """transformers' LlamaForCausalLM of a bench config, with `weights` (Hugging Face names) if given."""
+    """transformers' model of a bench config (Llama, or Mixtral with its experts), with `weights`
+    (Hugging Face names) if given."""
     import transformers
 
     c = bench.CONFIGS[config]
-    cfg = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                                   intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                                   num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                                   head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
-                                   rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
-                                   tie_word_embeddings=c.tie_word_embeddings)
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                  head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
+                  rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings)
+    if c.model_type == "mixtral":
+        cfg, cls = transformers.MixtralConfig(**common, num_local_experts=c.num_experts,
+                                              num_experts_per_tok=c.experts_per_tok), transformers.MixtralForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+        model = cls(cfg).to(dtype).eval()
     if weights is not None:
         model.load_state_dict(weights, strict=False)
     return model
@@ -64,8 +70,8 @@ def generate_tps(model, batch: int, prompt_len: int, new_tokens: int, static: bo
     return batch * (new_tokens - 1) / (spent[1] - spent[0])
 
 
-def transformers_tps(batch: int, prompt_len: int, new_tokens: int, static: bool) -> float:
-    model = hf_model("llama3-8b", "cuda", torch.bfloat16)
+def transformers_tps(config: str, batch: int, prompt_len: int, new_tokens: int, static: bool) -> float:
+    model = hf_model(config, "cuda", torch.bfloat16)
     tps = generate_tps(model, batch, prompt_len, new_tokens, static)
     del model
     torch.cuda.empty_cache()
@@ -125,6 +131,8 @@ def cpu_main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="llama3-8b", choices=("llama3-8b", "mixtral-2l"),
+                    help="the model's shape (random weights), GPU runs")
     ap.add_argument("--batch", default=None, help="default: 1,16,64 (cpu: 1,8)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default: 2000 (cpu: 64)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 300 (cpu: 32)")
@@ -150,7 +158,8 @@ def main() -> None:
     if cpu:
         args.name = args.name or "model_cpu"
         return cpu_main(args)
-    args.name = args.name or "model"
+    args.name = args.name or ("model" if args.config == "llama3-8b" else f"model_{args.config}")
+    shape = {"llama3-8b": "Llama-3-8B-shaped", "mixtral-2l": "Mixtral-8x7B-shaped (2 layers, 8 experts, top-2)"}
     bw = copy_gbs()
     batches = [int(b) for b in args.batch.split(",")]
     rows: list[list] = []
@@ -159,14 +168,14 @@ def main() -> None:
         write_results(args.name, ("system", "batch", "ttft_s", "tokens_per_s", "limit_tokens_per_s", "of_limit",
                                 "decode_gemm_schedules"), rows,
                       {**environment(), "copy_gbs": bw}, args.out_dir,
-                      f"Llama-3-8B-shaped random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
+                      f"{shape[args.config]} random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
                       "Decode tokens/s; for transformers, the time of a generate call minus that of a one-token "
                       "call (its prefill). decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
                       "a record of the tuning database (exact, or a bucket) and how many the analytic default.")
 
     for quant, fused_rows in ((q, int(f)) for q in args.quant.split(",") for f in args.fused_rows.split(",")):
         linear.FUSED_MAX_ROWS = fused_rows
-        for r in bench.run("llama3-8b", batches, args.prompt_len, args.new_tokens, quant, bw,
+        for r in bench.run(args.config, batches, args.prompt_len, args.new_tokens, quant, bw,
                            cuda_graphs=not args.no_cuda_graphs):
             name = ("flashgen " + quant + ("" if r["cuda_graphs"] else " eager")
                     + ("" if fused_rows >= r["batch"] and quant in linear.FUSED_MODES else " (unfused)"))
@@ -176,9 +185,13 @@ def main() -> None:
             save()
     for static in (False, True):
         for b in [] if args.peer_batch == "none" else [int(b) for b in (args.peer_batch or args.batch).split(",")]:
-            tps = transformers_tps(b, args.prompt_len, args.new_tokens, static)
+            try:
+                tps, why = transformers_tps(args.config, b, args.prompt_len, args.new_tokens, static), ""
+            except Exception as e:  # a peer that does not run is a row saying why, not a lost run
+                tps, why = float("nan"), f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                torch.cuda.empty_cache()
             rows.append(["transformers " + ("static+compile" if static else "eager"), b, float("nan"), tps,
-                         float("nan"), float("nan"), ""])
+                         float("nan"), float("nan"), why])
             print(rows[-1], flush=True)
             save()
     print_table(("system", "batch", "tok/s", "of_limit"), [(r[0], r[1], r[3], r[5]) for r in rows])

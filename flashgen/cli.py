@@ -8,7 +8,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from typing import Any, Callable, Sequence
 
 from flashgen.errors import FlashgenError
@@ -423,7 +425,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_interrupted = False
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    """Ctrl-C, remembered: one that lands inside a library's import can surface as another error (a
+    half-imported module), which is then an interrupt all the same."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    global _interrupted
+    _interrupted = False
+    previous = signal.getsignal(signal.SIGINT)
+    own = previous is signal.default_int_handler and threading.current_thread() is threading.main_thread()
+    if own:
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
@@ -439,6 +458,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other shell tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception:
+        if not _interrupted:
+            raise
+        print("flashgen: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

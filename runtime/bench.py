@@ -17,7 +17,7 @@ from flashgen.runtime.memory import available_bytes, cache_bytes
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.torch_ops import dispatcher
 from flashgen.runtime.weights import ModelConfig, expected_shapes
-from flashgen.schedules.moe_features import touched_experts
+from flashgen.schedules.moe_space import touched_experts
 
 CONFIGS = {
     "llama3-8b": ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0, 8192, None, False, False),

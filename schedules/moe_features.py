@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from flashgen.ir import dtypes
-from flashgen.schedules.moe_space import contracts
+from flashgen.schedules.moe_space import contracts, touched_experts
 from flashgen.oplib.moe import IDS_SCAN
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -27,11 +27,6 @@ FEATURE_NAMES: tuple[str, ...] = (*KNOBS, *(f"log2_{k}" for k in KNOBS), "log2_m
 WEIGHT_BYTES = {"half": 2.0, "w8a16": 1.0, "w4a16g128": 0.5}
 LAUNCH_US, EXIT_US = 3.0, 0.0005
 SCAN_US = 0.05  # an ids-routed program's scan of IDS_SCAN ids, per SM (it runs beside the other programs)
-
-
-def touched_experts(m: int, experts: int, topk: int) -> float:
-    """Experts a random top-k of m tokens chooses, on average."""
-    return experts * (1.0 - (1.0 - topk / experts) ** m)
 
 
 def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
@@ -55,8 +50,11 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     sms = max(target.sm_count, 1)
     waves = programs / sms
     stretch = np.maximum(1.0, np.ceil(waves) / waves)
-    by_ids = wl.attr["routing"] == "ids"  # every program scans the ids; E x M / block_m row tiles launched
-    launched = (e * np.ceil(m / kv["block_m"]) if by_ids else np.ceil(pairs / kv["block_m"]) + e) * col_tiles
+    # (targets/triton/moe.py) ids: every program scans the ids, M / block_m row blocks of each expert, or
+    # of each pair when pairs are fewer; sorted: a row tile more per expert, never more tiles than pairs
+    by_ids = wl.attr["routing"] == "ids"
+    launched = (min(e, pairs) * np.ceil(m / kv["block_m"]) if by_ids
+                else np.minimum(np.ceil(pairs / kv["block_m"]) + e, pairs)) * col_tiles
     scan = launched * np.ceil(pairs / IDS_SCAN) * SCAN_US / sms if by_ids else 0.0
     est = (np.maximum(nbytes / (target.copy_gbs * 1e3), flops / (peak * eff)) * stretch
            + (launched - programs) * EXIT_US + scan + LAUNCH_US)

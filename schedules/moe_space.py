@@ -23,6 +23,11 @@ def _p2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def touched_experts(m: int, experts: int, topk: int) -> float:
+    """Experts a random top-k of m tokens chooses, on average."""
+    return experts * (1.0 - (1.0 - topk / experts) ** m)
+
+
 def contracts(wl: Workload) -> int:
     """Weight tiles per k step: one per Contract of the body."""
     return sum(isinstance(st, Contract) for st in wl.op.body(wl.attr))
@@ -53,15 +58,29 @@ def why_invalid(wl: Workload, target: Target, s: Schedule) -> str | None:
     return None
 
 
+def decode_block_n(wl: Workload, target: Target, widths: tuple[int, ...]) -> int:
+    """Decode's column tile: the widest of 64, 32, 16 that still gives the touched experts' column
+    tiles two programs per SM (few tokens touch few experts: their weights must stream through
+    enough programs to fill the machine), else the narrowest."""
+    d = wl.dim
+    touched = touched_experts(d["M"], d["E"], d["KT"])
+    for bn in (64, 32, 16):
+        if bn in widths and touched * -(-d["N"] // bn) >= 2 * max(target.sm_count, 1):
+            return bn
+    return min(widths)
+
+
 def default(wl: Workload, target: Target) -> Schedule:
-    """Decode: 16-pair tiles and 64 columns, so each touched expert's weights stream through many
-    programs; more tokens: 64 x 128 tiles (64 x 64 for two Contracts, which hold two accumulators)."""
+    """Decode: 16-pair tiles and columns narrow enough to fill the machine (`decode_block_n`), each k
+    step 16 KB of weights or more; more tokens: 64 x 128 tiles (64 x 64 for two Contracts, which hold
+    two accumulators)."""
     space = knobs(wl, target)
     decode = wl.dim["M"] <= DECODE_MAX_M
-    block_n = 64 if decode or contracts(wl) > 1 else 128
+    block_n = decode_block_n(wl, target, space["block_n"]) if decode else 64 if contracts(wl) > 1 else 128
+    block_k = (128 if block_n >= 64 else 256) if decode else 64
     for stages in (3, 2, 1):
         s = {"block_m": 16 if decode else min(64, max(space["block_m"])),
-             "block_n": min(block_n, max(space["block_n"])), "block_k": min(128 if decode else 64, max(space["block_k"])),
+             "block_n": min(block_n, max(space["block_n"])), "block_k": min(block_k, max(space["block_k"])),
              "num_warps": 4, "num_stages": stages}
         if stages in space["num_stages"] and why_invalid(wl, target, s) is None:
             return s

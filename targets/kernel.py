@@ -51,7 +51,40 @@ def bind_dims(wl: Workload, inputs: Mapping[str, torch.Tensor]) -> dict[str, int
             raise FlashgenError(f"{op.name}: input '{t.name}' is {x.dtype}, this kernel takes {want_dt}")
         if x.numel() and x.stride(-1) != 1 and x.shape[-1] != 1:  # (a size-1 dim's stride is never used)
             raise FlashgenError(f"{op.name}: input '{t.name}' needs a contiguous last dimension")
+    same_device(op.name, inputs)
     return dims
+
+
+def same_device(op_name: str, tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    """The one device of a call's tensors: a kernel given a pointer of another device would read or
+    write memory it does not own, so a mixed call is refused, naming the tensor that differs."""
+    names = iter(tensors)
+    first = next(names)
+    device = tensors[first].device
+    for name in names:
+        if tensors[name].device != device:
+            raise FlashgenError(f"{op_name}: '{name}' is on {tensors[name].device}, '{first}' on {device}; "
+                                f"every tensor of a call must be on one device")
+    return device
+
+
+def check_outputs(op_name: str, given: Mapping[str, torch.Tensor],
+                  specs: list[tuple[str, tuple[int, ...], torch.dtype]], device: torch.device) -> None:
+    """Given outputs are written in place: each must have the op's shape and dtype, lie on the
+    inputs' device and be contiguous (the kernel writes it as one dense block), or the launch would
+    write out of its bounds."""
+    if set(given) != {name for name, _, _ in specs}:
+        raise FlashgenError(f"{op_name}: outputs {sorted(given)} given, the op writes "
+                            f"{sorted(name for name, _, _ in specs)}")
+    for name, shape, dt in specs:
+        y = given[name]
+        if tuple(y.shape) != shape or y.dtype != dt:
+            raise FlashgenError(f"{op_name}: output '{name}' is {y.dtype} {tuple(y.shape)}, "
+                                f"expected {dt} {shape}")
+        if y.device != device:
+            raise FlashgenError(f"{op_name}: output '{name}' is on {y.device}, the inputs on {device}")
+        if not y.is_contiguous():
+            raise FlashgenError(f"{op_name}: output '{name}' must be contiguous")
 
 
 @dataclass(frozen=True)
@@ -92,13 +125,13 @@ class Kernel:
         self._input_names = tuple(t.name for t in self.workload.inputs)
 
     def _signature(self, inputs: Mapping[str, torch.Tensor]) -> tuple | None:
-        """Each input's shape, dtype and strides (all of them: one call costs less than asking for the
-        last), when the inputs are the op's tensors in order; else None (the full check then says what
+        """Each input's shape, dtype, strides (all of them: one call costs less than asking for the
+        last) and device, when the inputs are the op's tensors in order; else None (the full check then says what
         is wrong)."""
         if tuple(inputs) != self._input_names:
             return None
         try:
-            return tuple([(x.shape, x.dtype, x.stride()) for x in inputs.values()])
+            return tuple([(x.shape, x.dtype, x.stride(), x.device) for x in inputs.values()])
         except AttributeError:
             return None
 
@@ -134,10 +167,11 @@ class Kernel:
                     self._calls.clear()
                 self._calls[sig] = bound
         dims, out_specs = bound
+        device = next(iter(inputs.values())).device
         if outputs is not None:
+            check_outputs(op.name, outputs, out_specs, device)
             outs = dict(outputs)
         else:
-            device = next(iter(inputs.values())).device
             outs = {name: torch.empty(shape, dtype=dt, device=device) for name, shape, dt in out_specs}
         return {**inputs, **outs}, outs, {**op.params, **params} if params else op.params, dims
 

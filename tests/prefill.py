@@ -14,9 +14,10 @@ def prefill_logits(model: Decoder, prompt: list[int], num_blocks: int = 32) -> t
     eng = Engine(model, num_blocks=num_blocks)
     eng.cache.manager.reserve(0, len(prompt))
     table, bs = eng.cache.manager.tables[0], eng.cache.manager.block_size
-    batch = Batch(torch.tensor(prompt), torch.arange(len(prompt)),
-                  torch.tensor([table[p // bs] * bs + p % bs for p in range(len(prompt))]), [0], [len(prompt)],
-                  [len(prompt)])
+    dev = model.device
+    batch = Batch(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev),
+                  torch.tensor([table[p // bs] * bs + p % bs for p in range(len(prompt))], device=dev), [0],
+                  [len(prompt)], [len(prompt)])
     return model.forward(batch, eng.cache, last_only=False)
 
 

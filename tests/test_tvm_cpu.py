@@ -376,6 +376,28 @@ def test_repeated_calls_reuse_checks_but_still_refuse_bad_tensors():
         k.run({"x": torch.randn(3, 48)})
 
 
+def test_mixed_devices_and_bad_outputs_are_refused():
+    """A tensor of another device (here torch's meta device) is a pointer the kernel does not own, even
+    when the call's shapes were checked before; a given output is written in place, so its shape,
+    dtype, device and layout are checked on every call."""
+    k = kernel(workload("rmsnorm", M=4, N=48, dtype="fp32"))
+    x, w = torch.randn(3, 48), torch.randn(48)
+    k.run({"x": x, "w": w})
+    with pytest.raises(FlashgenError, match=r"^rmsnorm: 'w' is on meta, 'x' on cpu; every tensor of a call"):
+        k.run({"x": x, "w": torch.empty(48, device="meta")})
+    for y, why in ((torch.empty(3, 47), r"output 'y' is torch.float32 \(3, 47\), expected torch.float32 \(3, 48\)"),
+                   (torch.empty(3, 48, dtype=torch.float16), "output 'y' is torch.float16"),
+                   (torch.empty(3, 48, device="meta"), "output 'y' is on meta, the inputs on cpu"),
+                   (torch.empty(48, 3).t(), "output 'y' must be contiguous")):
+        with pytest.raises(FlashgenError, match=why):
+            k.run({"x": x, "w": w}, {"y": y})
+    with pytest.raises(FlashgenError, match=r"outputs \['z'\] given, the op writes \['y'\]"):
+        k.run({"x": x, "w": w}, {"z": torch.empty(3, 48)})
+    y = torch.empty(3, 48)
+    k.run({"x": x, "w": w}, {"y": y})
+    torch.testing.assert_close(y, x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w, rtol=1e-5, atol=1e-5)
+
+
 def test_call_signatures_remembered_are_bounded(monkeypatch):
     """Prefills bring ever new row counts: the per-kernel memory of checked signatures stays bounded."""
     from flashgen.targets import kernel as kernel_module

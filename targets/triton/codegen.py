@@ -139,8 +139,11 @@ def grid(ks: KernelSource, wl: Workload, rows: int | None = None, sm_count: int 
     rows = r if rows is None else rows
     tr, tc = ks.tiles
     nr, nc = -(-rows // tr), (-(-c // tc) if ks.tile_cols else 1)
-    if ks.seq_tiles:
-        nr += (wl.dim if dims is None else dims)[ks.seq_tiles]
+    d = wl.dim if dims is None else dims
+    if ks.seq_tiles:  # (each tile holds a row at least: never more tiles than rows)
+        nr = min(nr + d[ks.seq_tiles], rows)
+    if ks.slots:
+        nr *= min(d[ks.slots], rows)
     if ks.persistent and sm_count:
         return (min(nr * nc, ks.persistent * sm_count), 1, ks.grid_z)
     return (nr * nc, 1, ks.grid_z) if ks.flat else (nr, nc, ks.grid_z)

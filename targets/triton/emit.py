@@ -72,6 +72,7 @@ class KernelSource:
     scratch: tuple[Scratch, ...] = ()
     persistent: int = 0  # programs per SM when the kernel walks the tiles itself (0: one program per tile)
     seq_tiles: str = ""  # packed sequences: one more row tile per sequence of this dim (each may end in a part tile)
+    slots: str = ""  # the row tiles repeated for each of min(this dim, rows) slots (moe's ids routing)
 
 
 @dataclass

@@ -39,20 +39,32 @@ def _expert_of_tile(top: Scope) -> None:
 
 
 def _pairs_from_ids(top: Scope) -> None:
-    """The ids routing: program (pid_m, pid_n, e) takes the pid_m-th block of expert e's pairs, found
-    by scanning the top-k ids SCAN at a time: each match's rank among e's pairs is a running count, and
-    `r` gathers the pairs whose ranks the program's rows ask for. `cnt`: the expert's pairs in all."""
-    top.line("e = tl.program_id(2)")
+    """The ids routing: the row axis holds slots of M / block_m row blocks each; a slot is an expert,
+    or, when the pairs are fewer than the experts (decode on many experts), a pair, standing for its
+    expert if it is that expert's first pair (so only experts with pairs launch programs). Program
+    (pid_m, pid_n) takes the block of expert e's pairs its row block names, found by scanning the
+    top-k ids SCAN at a time: each match's rank among e's pairs is a running count, and `r` gathers
+    the pairs whose ranks the program's rows ask for. `cnt`: the expert's pairs in all; `lead`:
+    whether this program's slot serves e."""
+    top.line("blocks = (M + BLOCK_M - 1) // BLOCK_M")
+    top.line("slot = pid_m // blocks")
+    top.line("pid_m = pid_m % blocks")
+    top.line("by_pair = M * KT < E")
+    top.line("first_id = tl.load(topk_ids_ptr + (slot // KT).to(tl.int64) * topk_ids_s0 + slot % KT)")
+    top.line("e = tl.where(by_pair, first_id, slot)")
     top.line("jj = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
     top.line("r = tl.zeros([BLOCK_M, 1], dtype=tl.int32)")
     top.line("cnt = pid_m * 0")
+    top.line("first = cnt + M * KT")
     top.line("for p0 in range(0, M * KT, SCAN):")
     top.line("    p = p0 + tl.arange(0, SCAN)")
     top.line("    ids = tl.load(topk_ids_ptr + (p // KT).to(tl.int64) * topk_ids_s0 + p % KT, mask=p < M * KT, other=-1)")
     top.line("    mine = (ids == e).to(tl.int32)")
     top.line("    rank = cnt + tl.cumsum(mine, 0) - 1")
     top.line("    r += tl.sum(tl.where((mine[None, :] == 1) & (rank[None, :] == jj), p[None, :], 0), 1)[:, None]")
+    top.line("    first = tl.minimum(first, tl.min(tl.where(mine == 1, p, M * KT), 0))")
     top.line("    cnt += tl.sum(mine, 0)")
+    top.line("lead = (first == slot) | (M * KT >= E)")
     top.line("rmask = jj < cnt")
 
 
@@ -78,7 +90,7 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     grid_dependency(top)
     if by_ids:
         _pairs_from_ids(top)
-        top.line("if pid_m * BLOCK_M < cnt:")
+        top.line("if (pid_m * BLOCK_M < cnt) & lead:")
         blk = top.child(top.indent + "    ")
     else:
         _expert_of_tile(top)
@@ -117,9 +129,9 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     for st in body:
         if isinstance(st, Store):
             em.store(st, out)
-    if by_ids:  # an expert has at most M pairs (one a token): M / block_m row tiles of each, experts on axis 2
+    if by_ids:  # an expert has at most M pairs (one a token): M / block_m row blocks of each slot
         kt = wl.dim["KT"]
         return KernelSource(name, em.finish(lines), args, (s["block_m"] * kt, s["block_n"]), tile_cols=True,
-                            grid_z=wl.dim["E"])
+                            slots="E")
     # a tile of pid_m's rows, and (with `seq_tiles`) one more per expert: each expert's last may be partial
     return KernelSource(name, em.finish(lines), args, (s["block_m"], s["block_n"]), tile_cols=True, seq_tiles="E")
