@@ -13,12 +13,13 @@ used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; run
 
 An MoE layer's router, unquantized so that weight rounding does not change which experts a token
 gets, gives float32 logits; the generated `moe_route` kernel picks each token's top-k experts and
-their weights. On a GPU with 16-bit experts (quant bf16), the experts run as the generated grouped
-GEMMs of the moe class: `moe_gemm_gate_up` gives each (token, expert) pair's SiLU(gate) * up, and
+their weights. On a GPU, in bf16, w8a16 and w4a16 (group 128) modes, the experts run as the generated
+grouped GEMMs of the moe class, their weights stacked and quantized as the mode says
+(runtime/moe_experts.py): `moe_gemm_gate_up` gives each (token, expert) pair's SiLU(gate) * up, and
 `moe_gemm_down` adds each pair's weighted expert output into its token's row, reading each touched
 expert's weights once. A decode step's kernels find each expert's pairs in the router's ids; a longer
 batch's pairs are first ordered by expert (`moe_align`, torch's sort, no host sync). Such
-steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, quantized experts) each
+steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, w8a8 or mixed experts) each
 expert's tokens are gathered and run through its gate|up and down linears in torch (in `quant`, as the
 dense layers'), scaled by their router weights and summed; that routing reads each expert's token
 count on the host, so its decode steps are not captured (`capturable`). Qwen2-MoE adds its shared
@@ -37,6 +38,7 @@ from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.model_config import ModelConfig
+from flashgen.runtime.moe_experts import Stacked, stack_experts, stacked_format
 from flashgen.runtime.rope_scaling import rope_table
 from flashgen.runtime.weights import moe_names
 
@@ -71,8 +73,9 @@ class MoeBlock:
     experts: list[tuple[QuantLinear, QuantLinear]]  # each expert's gate|up and down (the torch path)
     shared: tuple[QuantLinear, QuantLinear] | None = None  # Qwen2-MoE's shared expert's gate|up and down
     shared_gate: torch.Tensor | None = None         # [1, hidden]
-    # the generated path's stacked weights: gate|up [E, 2I, hidden] and down [E, hidden, I] (experts then empty)
-    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the generated path's stacked weights, gate|up [E, 2I, hidden] and down [E, hidden, I] in the moe
+    # ops' layout of the quant mode (runtime/moe_experts.py; experts then empty)
+    stacked: tuple[Stacked, Stacked] | None = None
 
 
 class Decoder:
@@ -115,11 +118,17 @@ class Decoder:
         self._rope_positions = 0
 
     @property
+    def moe_weights(self) -> str | None:
+        """The moe ops' `weights` attr the experts run with as the generated grouped GEMMs (on a GPU, a
+        top-k the ops take, a mode with a stacked form: runtime/moe_experts.py), or None (torch)."""
+        c = self.c
+        if self.device.type != "cuda" or str(c.experts_per_tok) not in MOE_GEMM_GATE_UP.attrs["topk"]:
+            return None
+        return stacked_format(self.quant, c.hidden_size, c.moe_intermediate_size)
+
+    @property
     def generated_moe(self) -> bool:
-        """Whether MoE experts run as the generated grouped GEMMs: on a GPU, 16-bit experts, and a
-        top-k the ops take (module docstring)."""
-        return (self.device.type == "cuda" and self.quant == "bf16"
-                and str(self.c.experts_per_tok) in MOE_GEMM_GATE_UP.attrs["topk"])
+        return self.moe_weights is not None
 
     def _moe_block(self, w: dict[str, torch.Tensor], layer: int) -> MoeBlock:
         names = moe_names(self.c, layer)
@@ -129,10 +138,10 @@ class Decoder:
 
         shared = expert(*names.shared) if names.shared else None
         gate = cpu_weight(w[names.router]), shared, cpu_weight(w[names.shared_gate]) if names.shared_gate else None
-        if self.generated_moe:  # stacked, each expert's own tensors let go as it is copied
-            gate_up = torch.stack([torch.cat([w.pop(g), w.pop(u)]) for g, u, _ in names.experts])
-            down = torch.stack([w.pop(d) for _, _, d in names.experts])
-            return MoeBlock(gate[0], [], gate[1], gate[2], stacked=(gate_up, down))
+        if self.generated_moe:  # stacked, each expert's own tensors let go as it is quantized or copied
+            experts = [(lambda g=g, u=u: torch.cat([w.pop(g), w.pop(u)]), lambda d=d: w.pop(d))
+                       for g, u, d in names.experts]
+            return MoeBlock(gate[0], [], gate[1], gate[2], stacked=stack_experts(experts, self.quant, self.moe_weights))
         return MoeBlock(gate[0], [expert(*e) for e in names.experts], *gate[1:])
 
     @property
@@ -176,19 +185,19 @@ class Decoder:
             out += torch.sigmoid(torch_linear(h, b.shared_gate)) * shared
         return out
 
-    def _generated_experts(self, h: torch.Tensor, stacked: tuple[torch.Tensor, torch.Tensor], chosen: torch.Tensor,
+    def _generated_experts(self, h: torch.Tensor, stacked: tuple[Stacked, Stacked], chosen: torch.Tensor,
                            weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum by the generated grouped GEMMs (module docstring)."""
         gate_up, down = stacked
-        kw = {"topk": str(self.c.experts_per_tok)}
+        kw = {"topk": str(self.c.experts_per_tok), "weights": self.moe_weights}
         if h.shape[0] <= IDS_ROUTING_MAX_TOKENS:  # each program finds its pairs in the ids: no alignment launched
             kw.update(routing="ids", topk_ids=chosen)
         else:
             pairs, offsets = moe_align(chosen, self.c.num_experts)
             kw.update(sorted_pairs=pairs, expert_offsets=offsets)
-        act = torch.ops.flashgen.moe_gemm_gate_up(h, w=gate_up, **kw)
+        act = torch.ops.flashgen.moe_gemm_gate_up(h, **gate_up, **kw)
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        torch.ops.flashgen.moe_gemm_down(act, weights.flatten().contiguous(), out, w=down, **kw)
+        torch.ops.flashgen.moe_gemm_down(act, weights.flatten().contiguous(), out, **down, **kw)
         return out.to(h.dtype)
 
     def _torch_experts(self, h: torch.Tensor, experts: list[tuple[QuantLinear, QuantLinear]], chosen: torch.Tensor,
