@@ -49,6 +49,8 @@ class QuantLinear:
     w4: torch.Tensor | None = None        # int32 [N, packed_words(K)] (flashgen/quant.py)
     w4_scales: torch.Tensor | None = None
     group: int = 0
+    w4_zeros: torch.Tensor | None = None  # int8 [N, K / group]: zero points (a pre-quantized checkpoint's)
+    perm: torch.Tensor | None = None      # act-order: the k order of the packed codes, x gathered so first
 
 
 def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
@@ -142,9 +144,12 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
     if mode == "w8a16":
         return getattr(ops, pre + "gemm_w8a16")(w=q.w8, w_scale=q.w8_scale, **args)
     if mode == "w4a16":
+        if q.perm is not None:  # (no norm nor gate fused here: they ran above, before the gather)
+            args[arg] = x.index_select(1, q.perm)
+        zp = {"zp": "asym", "zeros": q.w4_zeros} if q.w4_zeros is not None else {}
         return getattr(ops, pre + "gemm_w4a16")(w_packed=q.w4, scales=q.w4_scales,
                                                  group="group" if q.group != k else "channel",
-                                                 dims=[x.shape[0], n, k, q.group], **args)
+                                                 dims=[x.shape[0], n, k, q.group], **zp, **args)
     if norm is not None:
         xq, xs = ops.rmsnorm_quant(x, norm, eps, out_dtype="int8")
     else:

@@ -33,12 +33,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from flashgen.errors import FlashgenError
 from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, moe_align
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.model_config import ModelConfig
 from flashgen.runtime.moe_experts import Stacked, stack_experts, stacked_format
+from flashgen.runtime.prequant import mode_of, quant_linear, read_linear
 from flashgen.runtime.rope_scaling import rope_table
 from flashgen.runtime.weights import moe_names
 
@@ -85,7 +87,12 @@ class Decoder:
         self.c, self.device, self.dtype, self.quant = config, torch.device(device), dtype, quant
         self.generated_attention = True  # on a GPU; False keeps the torch path (a reference for tests)
         self.fallbacks: set[str] = set()
-        w = {k: v.to(self.device, dtype) for k, v in weights.items()}
+        if config.prequant is not None:  # the checkpoint's codes decide the mode (runtime/prequant.py)
+            if quant not in ("bf16", mode_of(config.prequant)):
+                raise FlashgenError(f"a {config.prequant.method} checkpoint computes as {mode_of(config.prequant)}, "
+                                    f"not {quant}: its weights are quantized already")
+            self.quant = quant = mode_of(config.prequant)
+        w = {k: v.to(self.device, dtype if v.is_floating_point() else None) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         # (on the CPU a tied head is a second copy of the embedding, in oneDNN's form: runtime/linear.py)
         self.lm_head = cpu_weight(self.embed if config.tie_word_embeddings else w["lm_head.weight"])
@@ -94,16 +101,14 @@ class Decoder:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             att = p + "self_attn."
-            layer = {"in_norm": w[p + "input_layernorm.weight"], "post_norm": w[p + "post_attention_layernorm.weight"],
-                     "qkv": torch.cat([w[att + n + "_proj.weight"] for n in "qkv"]), "o": w[att + "o_proj.weight"]}
+            layer = {"in_norm": w[p + "input_layernorm.weight"], "post_norm": w[p + "post_attention_layernorm.weight"]}
+            linears = {"qkv": [att + n + "_proj" for n in "qkv"], "o": [att + "o_proj"]}
             if config.layer_moe(i):
                 layer["moe"] = self._moe_block(w, i)
             else:
-                layer.update(gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                             down=w[p + "mlp.down_proj.weight"])
-            for name in ("qkv", "o", "gate_up", "down"):
-                if name in layer:
-                    layer[name] = prepare(layer[name], quant)
+                linears.update(gate_up=[p + "mlp.gate_proj", p + "mlp.up_proj"], down=[p + "mlp.down_proj"])
+            for name, parts in linears.items():
+                layer[name] = self._linear_weights(w, parts, name)
             if config.qkv_bias:
                 layer["qkv_bias"] = torch.cat([w[att + n + "_proj.bias"] for n in "qkv"])
             if config.o_bias:
@@ -116,6 +121,22 @@ class Decoder:
             self.layers.append(layer)
         self.cos_sin: torch.Tensor | None = None  # sized by the first cache it serves (`context`)
         self._rope_positions = 0
+
+    def _linear_weights(self, w: dict[str, torch.Tensor], parts: list[str], name: str) -> QuantLinear:
+        """A decoder linear, its checkpoint linears `parts` stacked along N: float weights quantized in
+        the decoder's mode, or a pre-quantized checkpoint's codes repacked (runtime/prequant.py)."""
+        pq = self.c.prequant
+        if pq is None:
+            return prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1 else w[parts[0] + ".weight"],
+                           self.quant)
+        shapes = [tuple(w[x + ".scales"].shape) for x in parts]
+        ints = [read_linear(w, x + ".", pq, s[1], self._in_features(x), "the checkpoint") for x, s in zip(parts, shapes)]
+        return quant_linear(ints, pq, self.dtype, f"{parts[0].rsplit('.', 1)[0]}.{name}")
+
+    def _in_features(self, linear: str) -> int:
+        c = self.c
+        return {"o_proj": c.num_heads * c.head_dim, "down_proj": c.intermediate_size}.get(linear.rsplit(".", 1)[1],
+                                                                                         c.hidden_size)
 
     @property
     def moe_weights(self) -> str | None:

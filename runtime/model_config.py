@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from flashgen.errors import FlashgenError
+from flashgen.runtime.prequant import PrequantConfig, parse_config
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")  # per-head RMSNorm of q and k before RoPE
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")  # routed experts in (some of) the layers
 ATTENTION_BIAS = ("llama", *QK_NORM)  # where attention_bias biases q, k, v and o
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 MAX_SIZE = 1 << 20  # any hidden, intermediate or head size, head count or vocabulary beyond this is not a model
@@ -53,6 +55,7 @@ class ModelConfig:
     norm_topk_prob: bool = False              # whether the top-k router weights are renormalised to sum to 1
     moe_layers: tuple[bool, ...] = ()         # per layer, whether its MLP is the MoE block; (): none is
     qk_norm: bool = False                     # Qwen3: q and k RMS-normalised per head (q_norm, k_norm) before RoPE
+    prequant: PrequantConfig | None = None    # a GPTQ / AWQ checkpoint's quantization_config (runtime/prequant.py)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention, None for full attention."""
@@ -102,10 +105,6 @@ def _refuse_uncomputed(c: dict, kind: str, path: Path) -> None:
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise _fail(path, "hidden_act", f"is {act!r}: the decoder computes silu only")
-    if c.get("quantization_config") is not None:
-        method = c["quantization_config"].get("quant_method") if isinstance(c["quantization_config"], dict) else None
-        raise _fail(path, "quantization_config", f"is present ({method!r}): pre-quantized checkpoints are not "
-                                                 "loaded; give a float checkpoint and choose --quant")
     prf = c.get("partial_rotary_factor", 1.0)
     if prf != 1.0:
         raise _fail(path, "partial_rotary_factor", f"is {prf!r}: this model family rotates the whole head")
@@ -179,7 +178,7 @@ def _moe(c: dict, kind: str, layers: int, path: Path) -> dict[str, Any]:
     """The experts: Mixtral's (of intermediate_size, top-k renormalised) in every layer; Qwen2-MoE's (of
     moe_intermediate_size, with a shared expert) and Qwen3-MoE's (no shared expert) in the layers that
     decoder_sparse_step and mlp_only_layers leave sparse, the others dense MLPs of intermediate_size."""
-    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if kind not in MOE_TYPES:
         return {}
     key = "num_local_experts" if kind == "mixtral" or "num_experts" not in c else "num_experts"  # (either name)
     experts = _int(c, key, path, hi=1 << 16)
@@ -249,4 +248,19 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
         mlp_bias=bool(c.get("mlp_bias", False)) and kind == "llama", rope_type=rope_type, rope_params=rope_params,
         window_layers=window_layers,
         eos_token_ids=tuple(dict.fromkeys(_eos(c.get("eos_token_id"), str(path)) + generation_eos)),
-        qk_norm=kind in QK_NORM, **_moe(c, kind, layers, path))
+        qk_norm=kind in QK_NORM, prequant=_prequant(c, path), **_moe(c, kind, layers, path))
+
+
+def _prequant(c: dict, path: Path) -> PrequantConfig | None:
+    """A pre-quantized checkpoint's format, where the decoder computes it: dense models' linears, 4-bit
+    codes, or 8-bit ones that are per-channel and symmetric (w8a16's int8 GEMM)."""
+    if c.get("quantization_config") is None:
+        return None
+    q = parse_config(c["quantization_config"], path)
+    if c.get("model_type") in MOE_TYPES:
+        raise _fail(path, "quantization_config", f"is {q.method}: pre-quantized MoE experts are not loaded; give a "
+                                                 "float checkpoint and choose --quant")
+    if q.bits == 8 and (q.group != -1 or not q.sym):
+        raise _fail(path, "quantization_config", "is 8-bit GPTQ with group scales or zero points: the int8 GEMM "
+                                                 "takes per-channel symmetric weights only (group_size -1, sym true)")
+    return q

@@ -17,6 +17,7 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.runtime.model_config import ModelConfig
+from flashgen.runtime.prequant import packed_shapes
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; the decoder derives them
@@ -43,6 +44,13 @@ def moe_names(c: ModelConfig, layer: int) -> MoeNames:
         return MoeNames(p + "gate.weight", experts, None, None)
     return MoeNames(p + "gate.weight", experts, tuple(f"{p}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")),
                     p + "shared_expert_gate.weight")
+
+
+# The linears a pre-quantized checkpoint stores packed (the embeddings, norms and head stay float),
+# and the names of its int32 tensors.
+PREQUANT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".g_idx")
 
 
 def _mlp_shapes(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -85,6 +93,10 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.o_proj.bias"] = (h,)
         if c.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
+        if c.prequant is not None:  # each linear's weight as its packed tensors (runtime/prequant.py)
+            for lin in PREQUANT_LINEARS:
+                n, k = out.pop(p + lin + ".weight")
+                out.update({f"{p}{lin}.{x}": shape for x, shape in packed_shapes(c.prequant, n, k).items()})
     return out
 
 
@@ -135,7 +147,10 @@ def check_weights(folder: str | Path, c: ModelConfig) -> dict[str, tuple[Path, s
         path, dtype, got = found[name]
         if got != shape:
             raise FlashgenError(f"{path.name}: tensor {name} has shape {list(got)}, the config implies {list(shape)}")
-        if dtype not in FLOAT_DTYPES:
+        if name.endswith(PACKED_SUFFIXES):
+            if dtype != "I32":
+                raise FlashgenError(f"{path.name}: tensor {name} is {dtype}, not the packed int32 (I32) its format stores")
+        elif dtype not in FLOAT_DTYPES:
             raise FlashgenError(f"{path.name}: tensor {name} is {dtype}, not a float tensor (F32, F16, BF16)")
     extra = sorted(n for n in found if n not in want and not n.endswith(IGNORED_SUFFIXES)
                    and not (c.tie_word_embeddings and n == "lm_head.weight"))
