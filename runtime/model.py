@@ -129,14 +129,15 @@ class Decoder:
         if pq is None:
             return prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1 else w[parts[0] + ".weight"],
                            self.quant)
-        shapes = [tuple(w[x + ".scales"].shape) for x in parts]
-        ints = [read_linear(w, x + ".", pq, s[1], self._in_features(x), "the checkpoint") for x, s in zip(parts, shapes)]
+        ints = [read_linear(w, x + ".", pq, *self._features(x), "the checkpoint") for x in parts]
         return quant_linear(ints, pq, self.dtype, f"{parts[0].rsplit('.', 1)[0]}.{name}")
 
-    def _in_features(self, linear: str) -> int:
+    def _features(self, linear: str) -> tuple[int, int]:
+        """A dense layer's linear (`...q_proj` and so on): its output and input features, as the config says."""
         c = self.c
-        return {"o_proj": c.num_heads * c.head_dim, "down_proj": c.intermediate_size}.get(linear.rsplit(".", 1)[1],
-                                                                                         c.hidden_size)
+        q, kv, h, ff = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ff, h),
+                "up_proj": (ff, h), "down_proj": (h, ff)}[linear.rsplit(".", 1)[1]]
 
     @property
     def moe_weights(self) -> str | None:
