@@ -10,6 +10,10 @@
   consecutive columns of x: the words are unpacked in the operand layout of the matrix instruction,
   never reshaped (targets/triton/contraction.py). K is padded with zero codes to a multiple of 128.
   This is the layout the generated W4A16 kernels read.
+- `quantize_w4a8`: 4-bit codes whose products with int8 activations stay exact on int8 tensor cores:
+  w ~ (u - 8) * s_group * s_channel with s_group an integer in 1..16, so that (u - 8) * s_group lies in
+  [-128, 112], an int8, and an int8 x int8 matrix instruction sums it exactly in int32; the fp32
+  per-channel scale applies once, to the sum (gemm_w4a8).
 """
 from __future__ import annotations
 
@@ -67,6 +71,47 @@ def quantize_rtn(w: torch.Tensor, bits: int, group: int | None = None, symmetric
     zero = torch.round(-lo / scale).clamp(0, 15)
     u = torch.round(wg / scale[..., None] + zero[..., None]).clamp(0, 15)
     return QuantizedWeight(u.to(torch.uint8).reshape(n, k), scale.float(), zero.to(torch.uint8), 4, g)
+
+
+W4A8_GROUP_MAX = 16  # (u - 8) * s_group stays within int8 for s_group <= 16
+
+
+@dataclass(frozen=True)
+class W4A8Weight:
+    codes: torch.Tensor                # [N, K] uint8 codes in 0..15 (zero point 8)
+    channel_scales: torch.Tensor       # [N] float32
+    group_scales: torch.Tensor | None  # [N, K // group] int8 in 1..W4A8_GROUP_MAX, or None per channel
+    group: int                         # k per group scale; K for per-channel
+
+    def dequantize(self) -> torch.Tensor:
+        """The float64 weight gemm_w4a8 computes with."""
+        q = self.codes.to(torch.float64) - 8.0
+        if self.group_scales is not None:
+            q = q * self.group_scales.to(torch.float64).repeat_interleave(self.group, dim=1)
+        return q * self.channel_scales.to(torch.float64)[:, None]
+
+
+def quantize_w4a8(w: torch.Tensor, group: int | None = None) -> W4A8Weight:
+    """Round-to-nearest W4A8 weights. Per channel (`group` None or K): u - 8 = round(w / s), s = amax / 7.
+    In groups: s_channel = amax of the row / (7 * 16), each group's integer s_group = ceil(amax of the
+    group / (7 * s_channel)) in 1..16, and u - 8 = round(w / (s_channel * s_group)) in -8..7: a group's
+    step is at most its W4A16 step rounded up to a multiple of s_channel."""
+    if w.dim() != 2:
+        raise FlashgenError(f"a weight must be [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    g = k if group is None else group
+    if g <= 0 or k % g:
+        raise FlashgenError(f"K={k} is not a multiple of the group size {g}")
+    wf = w.to(torch.float64)
+    if g == k:
+        s = wf.abs().amax(-1).clamp_min(1e-12) / wf.new_tensor(7.0)
+        q = torch.round(wf / s[:, None]).clamp(-8, 7)
+        return W4A8Weight((q + 8).to(torch.uint8), s.float(), None, k)
+    wg = wf.reshape(n, k // g, g)
+    s = (wf.abs().amax(-1).clamp_min(1e-12) / wf.new_tensor(7.0 * W4A8_GROUP_MAX)).float().to(torch.float64)
+    sg = torch.ceil(wg.abs().amax(-1) / (7.0 * s[:, None])).clamp(1, W4A8_GROUP_MAX)
+    q = torch.round(wg / (s[:, None, None] * sg[..., None])).clamp(-8, 7)
+    return W4A8Weight((q + 8).to(torch.uint8).reshape(n, k), s.float(), sg.to(torch.int8), g)
 
 
 INT4_PERIOD = 128  # k per block of sixteen interleaved words

@@ -15,7 +15,9 @@ from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 
 W4 = [dict(G=32), dict(G=64, zp="asym"), dict(G=128), dict(G=320, group="channel", zp="asym")]
-CASES = [("gemm", {}), ("gemm_w8a16", {})] + [("gemm_w4a16", kw) for kw in W4] + [("gemm_w8a8", {})]
+W4A8 = [dict(G=32), dict(G=128), dict(G=320, group="channel")]
+CASES = [("gemm", {}), ("gemm_w8a16", {})] + [("gemm_w4a16", kw) for kw in W4] + [("gemm_w8a8", {})] + \
+    [("gemm_w4a8", kw) for kw in W4A8]
 
 # sm_90 SASS budgets of the int4 kernel kinds the tests below build: the k loop's static instructions at
 # most (measured plus about 5%), and opcode families it must hold; what the generated source looks like
@@ -87,7 +89,8 @@ def test_interpreter_numerics(interpreter, op, kw, m):
 
 GEMV = [("gemm_w4a16", dict(G=64), 1, 128), ("gemm_w4a16", dict(G=64, zp="asym"), 2, 256),
         ("gemm_w4a16", dict(G=256, group="channel", zp="asym"), 4, 128), ("gemm_w4a16", dict(G=32), 2, 128),
-        ("gemm_w4a16", dict(G=128), 1, 256), ("gemm", {}, 2, 64), ("gemm_w8a8", {}, 4, 32)]
+        ("gemm_w4a16", dict(G=128), 1, 256), ("gemm", {}, 2, 64), ("gemm_w8a8", {}, 4, 32),
+        ("gemm_w4a8", dict(G=64), 2, 128), ("gemm_w4a8", dict(G=256, group="channel"), 1, 256)]
 
 
 @pytest.mark.parametrize("op, kw, block_m, block_k", GEMV, ids=[f"{o}-{'-'.join(map(str, kw.values()))}-m{bm}-k{bk}" for o, kw, bm, bk in GEMV])
@@ -306,12 +309,13 @@ def test_aot_uses_matrix_instructions(op, kw, target):
         return
     k = flashgen.compile(wl, t)
     assert k.binary[:4] == b"\x7fELF"
+    int8 = op in ("gemm_w8a8", "gemm_w4a8")  # int8 operands: the integer instructions, int32 sums
     if target == "sm_90":
-        assert "wgmma.mma_async" in k.asm["ptx"]
+        assert re.search(r"wgmma\.mma_async\S*" + (r"\.s32\.s8\.s8" if int8 else ""), k.asm["ptx"])
     elif target == "sm_80":
-        assert "mma.sync" in k.asm["ptx"]
+        assert re.search(r"mma\.sync\S*" + (r"\.s32\.s8\.s8" if int8 else ""), k.asm["ptx"])
     else:
-        assert "v_mfma" in k.asm["amdgcn"]
+        assert re.search(r"v_mfma" + (r"_i32_\w*i8" if int8 else ""), k.asm["amdgcn"])
 
 
 def test_contraction_defaults_valid():

@@ -13,6 +13,7 @@ from flashgen.quant import INT4_PERIOD
 if TYPE_CHECKING:
     from flashgen.workload import Workload
 
+FLOAT16 = ("bf16", "fp16")
 MMA_MIN_ROWS = 16  # the fewest rows a matrix instruction takes: fewer rows are summed on the ALUs
 
 
@@ -26,7 +27,11 @@ def extents(wl: Workload) -> tuple[int, int, int, Contract]:
 
 @functools.lru_cache(maxsize=256)
 def int4_affine(wl: Workload) -> tuple | None:
-    """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)."""
+    """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)
+    entering a 16-bit float operand: the tiles' forms for them put codes under a float's exponent.
+    Integer operands (gemm_w4a8) unpack codes in integers."""
+    if operand_dtype(wl) not in FLOAT16:
+        return None
     return prologue.affine_codes(extents(wl)[3].b, wl.dim)
 
 

@@ -22,7 +22,7 @@ from flashgen.oplib._common import M, N, c, f64, r, randn
 from flashgen.oplib.activation import _silu_mul
 from flashgen.oplib.norm import _rms, rms_inverse
 from flashgen.ir.prologue import int4_code
-from flashgen.quant import pack_int4, packed_words, quantize_rtn, unpack_int4
+from flashgen.quant import pack_int4, packed_words, quantize_rtn, quantize_w4a8, unpack_int4
 
 K = Dim("K")
 k = Index("k")
@@ -228,6 +228,45 @@ FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
               "K a multiple of 32", _fp8_check)
 
 
+def _w4a8_prologue(a) -> tuple:
+    """int8 x times the weight's int8 value (u - 8) * s_group, summed exactly in int32; the fp32 scales
+    multiply the sum."""
+    w = int4_code("w_packed") - Const(8)
+    if a["group"] == "group":
+        w = w * Load("w_group", (c, k // Dim("G")))
+    return (Contract("acc", Load("x", (r, k)), w, K, "int8", "int32"),
+            Ref("acc") * Load("x_scale", (r,)) * Load("w_scale", (c,)))
+
+
+def _w4a8_inputs(d, a, g) -> dict:
+    from flashgen.oplib._common import quantize_ref
+    xq, xs = quantize_ref(torch.randn((d["M"], d["K"]), generator=g, dtype=torch.float64), "int8")
+    qw = quantize_w4a8(torch.randn((d["N"], d["K"]), generator=g), group=d["G"] if a["group"] == "group" else None)
+    t = {"x": xq.to(torch.int8), "x_scale": xs.float(), "w_packed": pack_int4(qw.codes), "w_scale": qw.channel_scales}
+    if qw.group_scales is not None:
+        t["w_group"] = qw.group_scales
+    return t
+
+
+def _w4a8_weight_ref(t, d, a) -> torch.Tensor:
+    q = unpack_int4(t["w_packed"], d["K"]).to(torch.float64) - 8.0
+    if a["group"] == "group":
+        q = q * f64(t["w_group"]).repeat_interleave(d["G"], 1)
+    return q * f64(t["w_scale"])[:, None]
+
+
+W4A8 = _contraction_op(
+    "gemm_w4a8", "y = epilogue((x_int8 @ w8.T) * x_scale[m] * w_scale[n]), w8 = (u_int4 - 8) * w_group[n, k // G]: "
+    "4-bit weights (packed as gemm_w4a16's), an int8 second-level group scale in 1..16 (flashgen/quant.py), "
+    "int8 tensor cores summing exactly in int32, per-token and per-channel scales fused", ("M", "N", "K", "G"),
+    (TensorSpec("x", (M, K), "int8"), TensorSpec("x_scale", (M,), "fp32"),
+     TensorSpec("w_packed", (N, packed_words(K)), "int32"), TensorSpec("w_scale", (N,), "fp32"),
+     TensorSpec("w_group", (N, K // Dim("G")), "int8", when=(("group", ("group",)),))),
+    {"dtype": HALF, "group": ("group", "channel"), "pack": ("k128",)}, _w4a8_prologue,
+    lambda t, p, d, a: (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ _w4a8_weight_ref(t, d, a).T,
+    _w4a8_inputs, _w4_dims)
+
+
 def dequant_form(base: Op, weight, weight_ref) -> Op:
     """The weight prologue of `base` (`weight(attrs)`, over (c, k)) as a pointwise op over (N, K)
     that writes the weight in the activation dtype: `base.dequant`'s first op. Schedules with
@@ -332,5 +371,5 @@ def silu_mul_fused(base: Op) -> Op:
                    make_inputs=make_inputs, plain=base.name, dequant=_fused_dequant(base, "silu_mul_"))
 
 
-OPS = (GEMM, W8A16, W4A16, W8A8, FP8, DEQUANT_W8A16, DEQUANT_W4A16) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
+OPS = (GEMM, W8A16, W4A16, W8A8, W4A8, FP8, DEQUANT_W8A16, DEQUANT_W4A16) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
                                              for op in (GEMM, W8A16, W4A16))

@@ -16,23 +16,39 @@ from flashgen.processes import ignore_sigint, sigint_deferred
 from flashgen.workload import Schedule, Workload
 
 
-def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seeds: list[int],
-                    params: dict[str, float] | None) -> list[dict[str, Any]]:
+def _launcher(wl: Workload, schedule: Schedule, target_name: str):
+    """A child's launcher of the workload's kernel(s): run(inputs, outputs, params)."""
     from flashgen.targets import staged
     from flashgen.targets.descriptor import get_target
     from flashgen.targets.kernel import bind_dims
     from flashgen.targets.triton.codegen import generate
     from flashgen.targets.triton.launch import TritonLauncher
 
-    wl = Workload.from_json(wl_json)
     target = get_target(target_name)
     launcher = staged.launcher(wl, schedule, target, lambda w, s: TritonLauncher(generate(w, s), w, target))
 
     def run(inputs, outputs, full_params):
         launcher({**inputs, **outputs}, full_params, bind_dims(wl, inputs))
+    return run
 
+
+def _check_in_child(wl_json: dict, schedule: Schedule, target_name: str, seeds: list[int],
+                    params: dict[str, float] | None) -> list[dict[str, Any]]:
+    wl = Workload.from_json(wl_json)
+    run = _launcher(wl, schedule, target_name)
     # one launcher for every seed: its scratch buffers carry over from call to call, as in the runtime
     return [asdict(c) for seed in seeds for c in check(wl, run, seed, params=params)]
+
+
+def _run_in_child(wl_json: dict, schedule: Schedule, target_name: str, inputs: dict,
+                  params: dict[str, float]) -> dict:
+    from flashgen.check import poisoned
+    from flashgen.targets.kernel import bind_dims
+
+    wl = Workload.from_json(wl_json)
+    outputs = poisoned(wl, bind_dims(wl, inputs), "cpu")
+    _launcher(wl, schedule, target_name)(inputs, outputs, {**wl.op.params, **params})
+    return outputs
 
 
 class InterpreterPool:
@@ -57,6 +73,11 @@ class InterpreterPool:
         seeds = [seed] if isinstance(seed, int) else list(seed)
         rows = self.pool.apply(_check_in_child, (wl.to_json(), schedule, target, seeds, params))
         return [OutputCheck(**r) for r in rows]
+
+    def run(self, wl: Workload, schedule: Schedule, target: str, inputs: dict,
+            params: dict[str, float] | None = None) -> dict:
+        """The kernel's outputs on the given CPU input tensors (the outputs poisoned first, as `check` does)."""
+        return self.pool.apply(_run_in_child, (wl.to_json(), schedule, target, inputs, params or {}))
 
     def close(self) -> None:
         self.pool.terminate()

@@ -2,6 +2,7 @@
 unpacked per element into fp32, its group rows, and operand tiles cast to the operand dtype."""
 from __future__ import annotations
 
+from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.quant import INT4_PERIOD
@@ -29,14 +30,19 @@ def load_words(t: Tile, scope: Scope, word: E.Load) -> str:
 
 
 def _unpack_int4(t: Tile, scope: Scope, word: E.Load, var: str) -> None:
-    """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile in k order
-    (as fp32 values: they only ever meet the float dequantization arithmetic)."""
+    """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile in k order:
+    int32 for an integer operand (the codes stay exact through its integer prologue), else fp32
+    values (they only ever meet the float dequantization arithmetic)."""
     words = load_words(t, scope, word)
+    split = (f"(tl.reshape({words}, [BLOCK_K // {INT4_PERIOD}, 1, {RUN}, BLOCK_N]) "
+             f">> (tl.arange(0, 8) * 4)[None, :, None, None]) & 15")
+    if not dtypes.is_float(t.operand):
+        scope.line(f"{var} = tl.reshape({split}, [BLOCK_K, BLOCK_N])")
+        t.em.named[var] = var
+        return
     # Codes become exact fp32 values without an int-to-float conversion (a quarter-rate instruction):
     # 2^23 + code has the code in its low mantissa bits, so OR in 2^23's exponent and subtract 2^23.
-    scope.line(f"{var} = tl.reshape(((tl.reshape({words}, [BLOCK_K // {INT4_PERIOD}, 1, {RUN}, BLOCK_N]) "
-               f">> (tl.arange(0, 8) * 4)[None, :, None, None]) & 15) | 0x4B000000, [BLOCK_K, BLOCK_N])"
-               f".to(tl.float32, bitcast=True) - {MAGIC}")
+    scope.line(f"{var} = tl.reshape(({split}) | 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True) - {MAGIC}")
     t.em.named[var] = var
 
 
