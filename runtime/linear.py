@@ -2,14 +2,18 @@
 
 Modes: bf16 (the weight as is), w8a16 and w4a16 (weight-only int8 / int4, RTN-quantized at load, int4
 in groups of 128 along K where K allows, else per channel), w8a8 (int8 weights and per-token dynamically
-quantized int8 activations), and mixed: each call picks w4a16 or w8a8 for its row count M from the
-tuning database's measurements of both on this layer's shape (small M is bandwidth-bound and favours
-4-bit weights, large M compute-bound and favours int8 tensor cores), falling back to a crossover of
-M = 64 where nothing is measured. On a GPU each mode runs its generated GEMM; on the CPU torch
-multiplies (reported as a fallback): w8a8 as gemm_w8a8 computes (activations quantized per token by the
-generated dynamic_quant kernel, int8 products summed in int32, scaled per token and per channel), so
-that a CPU run previews the GPU's numerics, and the weight-only modes on the dequantized weight, a
-float32 weight reordered once for oneDNN (`cpu_weight`); mixed picks per call on both.
+quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with integer group scales on int8 tensor
+cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), and mixed: each call picks w4a16,
+w8a8 or w4a8 for its row count M from the tuning database's measurements of each on this layer's shape
+(small M is bandwidth-bound and favours 4-bit weights, large M compute-bound and favours int8 tensor
+cores), falling back to a crossover of M = 64 between w4a16 and w8a8 where fewer than two are measured.
+mixed keeps one 4-bit weight for both 4-bit modes (w4a16's scales are w4a8's two levels multiplied
+out, in the activation dtype) besides the int8 one. On a GPU each mode runs its generated GEMM; on the
+CPU torch multiplies (reported as a fallback): w8a8 and w4a8 as their GEMMs compute (activations
+quantized per token by the generated dynamic_quant kernel, int8 products summed in int32, scaled per
+token and per channel; w4a8's int8 operand is (u - 8) times its group scale), so that a CPU run
+previews the GPU's numerics, and the weight-only modes on the dequantized weight, a float32 weight
+reordered once for oneDNN (`cpu_weight`); mixed picks per call on both.
 
 A linear may take the RMSNorm that feeds it (`norm`), a gated input (`gated`: x = [g | u], the
 linear's input being silu(g) * u) and the residual it adds (`residual`, the GEMM's epilogue). In the
@@ -18,8 +22,8 @@ FUSED_MODES, up to FUSED_MAX_ROWS rows, the norm and the gate run inside the GEM
 first. On the H200 at batch 1 (benchmarks/results/model_fused_*.md), fused norms and gates gave the
 bf16 decoder 238 tokens/s against 233; at 16 rows the matrix tiles' row pass (each program
 normalizes its rows again before its k loop) cost 12%, and the int4 GEMVs, which are issue-bound,
-lost 2% to the norm's extra work on x. w8a8 normalizes and quantizes its activations in one kernel
-(rmsnorm_quant).
+lost 2% to the norm's extra work on x. w8a8 and w4a8 normalize and quantize their activations in one
+kernel (rmsnorm_quant).
 """
 from __future__ import annotations
 
@@ -30,11 +34,14 @@ import torch.nn.functional as F
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
-from flashgen.quant import pack_int4, quantize_rtn
-from flashgen.runtime.buckets import best_records, nearest
+from flashgen.quant import pack_int4, quantize_rtn, quantize_w4a8
+from flashgen.runtime.buckets import best_records
 from flashgen.workload import recorded_workload
 
-MODES = ("bf16", "w8a16", "w4a16", "w8a8", "mixed")
+MODES = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "mixed")
+# The modes `mixed` chooses among, and the op of each whose records decide
+MIXED_OPS = {"w4a16": "gemm_w4a16", "w8a8": "gemm_w8a8", "w4a8": "gemm_w4a8"}
+INT8_ACTIVATIONS = ("w8a8", "w4a8")  # modes whose activations are quantized per token to int8
 DEFAULT_CROSSOVER_M = 64
 FUSED_MODES = ("bf16",)
 FUSED_MAX_ROWS = 1
@@ -51,31 +58,49 @@ class QuantLinear:
     group: int = 0
     w4_zeros: torch.Tensor | None = None  # int8 [N, K / group]: zero points (a pre-quantized checkpoint's)
     perm: torch.Tensor | None = None      # act-order: the k order of the packed codes, x gathered so first
+    w4a8_scale: torch.Tensor | None = None  # fp32 [N]: w4a8's per-channel scale (its codes are w4's)
+    w4a8_group: torch.Tensor | None = None  # int8 [N, K / group] in 1..16: w4a8's group scales (None per channel)
+    w4a8_int8: torch.Tensor | None = None   # int8 [N, K], cpu only: w4a8's operand (u - 8) * group scale
 
 
 def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
     """The layer's weights for `mode`, quantized where the weight lies (a GPU quantizes an 8B model in
     seconds). A GPU keeps only the quantized weights; the CPU, whose weight-only modes torch multiplies
-    dequantized, keeps that copy too (mixed: of the int4 weight; w8a8 multiplies its int8 codes)."""
+    dequantized, keeps that copy too (mixed: of the int4 weight), and w4a8's int8 operand on the CPU
+    (u - 8) * group scale, which it multiplies as w8a8 (`_cpu_int8`)."""
     if mode not in MODES:
         raise FlashgenError(f"unknown quantization mode {mode!r}; valid: {', '.join(MODES)}")
     shape = (w.shape[0], w.shape[1])
     if mode == "bf16":
         return QuantLinear(shape, cpu_weight(w))
     q = QuantLinear(shape, None)
-    torch_path = None  # the quantized weight that the CPU's weight-only path multiplies, dequantized
+    cpu = w.device.type != "cuda"
+    k = w.shape[1]
+    if mode in ("w4a16", "w4a8", "mixed"):
+        q.group = 128 if k % 128 == 0 else k
     if mode in ("w8a16", "w8a8", "mixed"):
         q8 = quantize_rtn(w, bits=8)
         q.w8, q.w8_scale = q8.codes, q8.scales[:, 0].contiguous()
-        torch_path = q8 if mode == "w8a16" else None
-    if mode in ("w4a16", "mixed"):
-        k = w.shape[1]
-        q.group = 128 if k % 128 == 0 else k
+        if cpu and mode == "w8a16":
+            q.weight = cpu_weight(q8.dequantize().to(w.dtype))
+    if mode == "w4a16":
         q4 = quantize_rtn(w, bits=4, group=q.group)
         q.w4, q.w4_scales = pack_int4(q4.codes), q4.scales.to(w.dtype)
-        torch_path = q4
-    if w.device.type != "cuda" and torch_path is not None:
-        q.weight = cpu_weight(torch_path.dequantize().to(w.dtype))
+        if cpu:
+            q.weight = cpu_weight(q4.dequantize().to(w.dtype))
+    if mode in ("w4a8", "mixed"):
+        qa = quantize_w4a8(w, q.group)
+        q.w4, q.w4a8_scale, q.w4a8_group = pack_int4(qa.codes), qa.channel_scales, qa.group_scales
+        if mode == "mixed":  # w4a16 on the same codes: the two scale levels multiplied out
+            levels = qa.channel_scales[:, None] * (qa.group_scales.float() if qa.group_scales is not None else 1.0)
+            q.w4_scales = levels.to(w.dtype)
+            if cpu:
+                q.weight = cpu_weight(qa.dequantize().to(w.dtype))
+        if cpu:  # the CPU multiplies w4a8 as w8a8 does, on its int8 operand (`_cpu_int8`)
+            codes = qa.codes.to(torch.int16) - 8
+            if qa.group_scales is not None:
+                codes = codes * qa.group_scales.to(torch.int16).repeat_interleave(qa.group, 1)
+            q.w4a8_int8 = codes.to(torch.int8)
     return q
 
 
@@ -95,21 +120,36 @@ def torch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
 
 
+def latency_at(measured: dict[int, float], m: int) -> float:
+    """A GEMM's latency at M = m from its latencies at measured M: flat below the smallest (the weight's
+    read bounds it), linear between two measured M, and in proportion to M above the largest (as if
+    compute-bound: an upper bound, so that a mode measured at the call's M is preferred to a guess)."""
+    ms = sorted(measured)
+    if m <= ms[0]:
+        return measured[ms[0]]
+    if m >= ms[-1]:
+        return measured[ms[-1]] * m / ms[-1]
+    hi = next(x for x in ms if x >= m)
+    lo = max(x for x in ms if x < m)
+    return measured[lo] + (measured[hi] - measured[lo]) * (m - lo) / (hi - lo)
+
+
 def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
-    """w4a16 or w8a8 for an M x N x K call, by the fastest measured workload of each at the nearest
-    measured M (`buckets.nearest`: at or above m, else the largest below; records of a workload defined
-    otherwise today are not counted); the M=64 crossover where one is unmeasured. The records are read
-    once per database state (`buckets.best_records`)."""
-    best: dict[str, float] = {}
-    records = best_records(db_path, target_id)
-    for mode, op in (("w4a16", "gemm_w4a16"), ("w8a8", "gemm_w8a8")):
-        pick = nearest([(r.workload["dims"]["M"], 0.0, r) for r in records if r.workload.get("op") == op
-                        and r.workload["dims"].get("N") == n and r.workload["dims"].get("K") == k
-                        and recorded_workload(r.workload, r.workload_key)], m)
-        if pick is not None:
-            best[mode] = pick[1].latency_us
-    if len(best) == 2:
-        return min(best, key=best.get)
+    """The fastest of `MIXED_OPS`' modes for an M x N x K call, each mode's latency at m estimated from
+    its fastest measured workloads of this N x K (`latency_at`; records of a workload defined otherwise
+    today are not counted), so that modes measured at different M are compared at the call's; where
+    fewer than two modes are measured, w4a16 up to the M=64 crossover and w8a8 above it. The records
+    are read once per database state (`buckets.best_records`)."""
+    measured: dict[str, dict[int, float]] = {}
+    ops = {op: mode for mode, op in MIXED_OPS.items()}
+    for r in best_records(db_path, target_id):
+        mode = ops.get(r.workload.get("op"))
+        dims = r.workload["dims"]
+        if mode and dims.get("N") == n and dims.get("K") == k and recorded_workload(r.workload, r.workload_key):
+            at = measured.setdefault(mode, {})
+            at[dims["M"]] = min(at.get(dims["M"], r.latency_us), r.latency_us)
+    if len(measured) >= 2:
+        return min(measured, key=lambda mode: latency_at(measured[mode], m))
     return "w4a16" if m <= DEFAULT_CROSSOVER_M else "w8a8"
 
 
@@ -124,14 +164,14 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
         mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
     fused = gpu and mode in FUSED_MODES and x.shape[0] <= FUSED_MAX_ROWS
     ops = torch.ops.flashgen
-    if norm is not None and not fused and (mode != "w8a8" or not gpu):
+    if norm is not None and not fused and (mode not in INT8_ACTIVATIONS or not gpu):
         x, norm = ops.rmsnorm(x, norm, eps), None
     if gated and not fused:
         x, gated = ops.silu_mul(x), False
     if not gpu:
-        y = _cpu_w8a8(x, q, bias) if mode == "w8a8" else torch_linear(x, q.weight, bias)
+        y = _cpu_int8(x, q, mode, bias) if mode in INT8_ACTIVATIONS else torch_linear(x, q.weight, bias)
         if mode != "bf16":
-            how = "int8 product of per-token int8 activations" if mode == "w8a8" else "the dequantized weight"
+            how = "int8 product of per-token int8 activations" if mode in INT8_ACTIVATIONS else "the dequantized weight"
             fallbacks.add(f"{mode} linear (torch on {how} on cpu)")
         return y if residual is None else y + residual
     epi = {"with_bias": "yes", "bias": bias} if bias is not None else {}
@@ -154,13 +194,19 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
         xq, xs = ops.rmsnorm_quant(x, norm, eps, out_dtype="int8")
     else:
         xq, xs = ops.dynamic_quant(x, out_dtype="int8")
+    if mode == "w4a8":
+        grouped = q.w4a8_group is not None
+        return ops.gemm_w4a8(xq, xs, q.w4, q.w4a8_scale, **({"w_group": q.w4a8_group} if grouped else {}),
+                             group="group" if grouped else "channel", dims=[x.shape[0], n, k, q.group],
+                             dtype=dtypes.of_torch(x.dtype), **epi)
     return ops.gemm_w8a8(xq, xs, q.w8, q.w8_scale, dtype=dtypes.of_torch(x.dtype), **epi)
 
 
-def _cpu_w8a8(x: torch.Tensor, q: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
-    """gemm_w8a8's y = (x_int8 @ w_int8.T) * x_scale[m] * w_scale[n] + bias in torch on the CPU, x
-    quantized per token by the generated dynamic_quant kernel, the sums exact in int32 as on a GPU
-    (torch._int_mm: oneDNN's int8 GEMM)."""
+def _cpu_int8(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """gemm_w8a8's (and gemm_w4a8's) y = (x_int8 @ w_int8.T) * x_scale[m] * w_scale[n] + bias in torch
+    on the CPU, x quantized per token by the generated dynamic_quant kernel, the sums exact in int32 as
+    on a GPU (torch._int_mm: oneDNN's int8 GEMM); w4a8's int8 operand is (u - 8) * group scale."""
     xq, xs = torch.ops.flashgen.dynamic_quant(x, out_dtype="int8")
-    y = torch._int_mm(xq, q.w8.t()) * xs[:, None] * q.w8_scale
+    w8, scale = (q.w4a8_int8, q.w4a8_scale) if mode == "w4a8" else (q.w8, q.w8_scale)
+    y = torch._int_mm(xq, w8.t()) * xs[:, None] * scale
     return (y if bias is None else y + bias).to(x.dtype)

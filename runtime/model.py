@@ -9,7 +9,7 @@ values written into the cache in the same launch) run as `torch.ops.flashgen` op
 in bf16 decode steps of one row on a GPU the norms and SiLU·mul run inside the linears they feed.
 Each residual add is the epilogue of the linear before it. Linears and attention run as generated
 GEMM and attention kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one
-used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8 or mixed; runtime/linear.py).
+used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8, w4a8 or mixed; runtime/linear.py).
 
 An MoE layer's router, unquantized so that weight rounding does not change which experts a token
 gets, gives float32 logits; the generated `moe_route` kernel picks each token's top-k experts and
@@ -19,7 +19,7 @@ grouped GEMMs of the moe class, their weights stacked and quantized as the mode 
 `moe_gemm_down` adds each pair's weighted expert output into its token's row, reading each touched
 expert's weights once. A decode step's kernels find each expert's pairs in the router's ids; a longer
 batch's pairs are first ordered by expert (`moe_align`, torch's sort, no host sync). Such
-steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, w8a8 or mixed experts) each
+steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, w8a8, w4a8 or mixed experts) each
 expert's tokens are gathered and run through its gate|up and down linears in torch (in `quant`, as the
 dense layers'), scaled by their router weights and summed; that routing reads each expert's token
 count on the host, so its decode steps are not captured (`capturable`). Qwen2-MoE adds its shared

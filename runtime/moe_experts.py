@@ -4,7 +4,7 @@ quantization mode, so that the generated grouped GEMMs run them whatever the mod
 Each expert is quantized as a dense linear would be (runtime/linear.py's `prepare`: the same RTN
 codes and scales), then the experts' tensors are stacked along a new first axis: gate|up [E, 2I, H]
 and down [E, H, I] as 16-bit weights, int8 codes with per-row fp32 scales (w8a16), or packed int4
-codes with group-128 scales (w4a16). Modes the moe ops do not take (w8a8, mixed, int4 of a width
+codes with group-128 scales (w4a16). Modes the moe ops do not take (w8a8, w4a8, mixed, int4 of a width
 that is not a multiple of the group) have no stacked form: the decoder runs those experts in torch.
 """
 from __future__ import annotations

@@ -139,7 +139,7 @@ def test_cli_generate_streams_text(checkpoint, tmp_path, capsys):
 
 
 # (mixed picks w4a16 for these few rows, measuring nothing on the cpu: below the M = 64 crossover)
-@pytest.mark.parametrize("quant, tol", [("w8a16", 0.05), ("w4a16", 0.35), ("w8a8", 0.05), ("mixed", 0.35)])
+@pytest.mark.parametrize("quant, tol", [("w8a16", 0.05), ("w4a16", 0.35), ("w8a8", 0.05), ("w4a8", 0.35), ("mixed", 0.35)])
 def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
     """RTN-quantized linears change the logits by about the quantization error, not more."""
     _, _, folder = checkpoint
@@ -163,14 +163,15 @@ def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
 
 def test_mixed_mode_picks_by_measured_latency(tmp_path):
     from flashgen.db import Record
-    from flashgen.runtime.linear import choose
+    from flashgen.runtime.linear import choose, latency_at
     import flashgen
     db = tmp_path / "t.db"
     from flashgen.db import Database
     with Database(db) as d:
-        for op, m, lat in (("gemm_w4a16", 16, 10.0), ("gemm_w8a8", 16, 14.0), ("gemm_w4a16", 256, 40.0),
-                           ("gemm_w8a8", 256, 25.0)):
-            kw = {"G": 128} if op == "gemm_w4a16" else {}
+        for op, m, lat in (("gemm_w4a16", 16, 10.0), ("gemm_w8a8", 16, 14.0), ("gemm_w4a8", 16, 11.0),
+                           ("gemm_w4a16", 256, 40.0), ("gemm_w8a8", 256, 25.0), ("gemm_w4a8", 64, 14.0),
+                           ("gemm_w4a8", 1024, 60.0), ("gemm_w8a8", 4096, 90.0)):
+            kw = {"G": 128} if op in ("gemm_w4a16", "gemm_w4a8") else {}
             wl = flashgen.workload(op, M=m, N=4096, K=4096, dtype="fp16", **kw)
             d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200",
                          schedule={"s": 1}, status="ok", latency_us=lat, device="NVIDIA H200"))
@@ -178,9 +179,12 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
         del old["attrs"]["pack"]  # measured before the interleaved layout: another kernel, not counted
         d.add(Record(workload_key="gemm_w4a16-00000000000000ff", workload=old, target_key="cuda:sm_90/h200",
                      schedule={"s": 1}, status="ok", latency_us=1.0, device="NVIDIA H200"))
-    assert choose(db, 4096, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # bandwidth-bound: 4-bit weights
-    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200") == "w8a8"     # compute-bound: int8 tensor cores
-    assert choose(db, 4096, 4096, 9999, "cuda:sm_90/h200") == "w8a8"
+    # each mode's latency at the call's M, from its records at other M (`latency_at`)
+    assert choose(db, 4096, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # bandwidth-bound: 4-bit weights (10 / 14 / 11)
+    assert choose(db, 4096, 4096, 64, "cuda:sm_90/h200") == "w4a8"      # 16 / 16.2 / 14, measured at M=64
+    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200") == "w4a8"     # 33 / 22.5 / 20.5, between measured M
+    assert choose(db, 4096, 4096, 4096, "cuda:sm_90/h200") == "w8a8"    # 640 / 90 / 240: above w4a8's largest M
+    assert latency_at({16: 10.0, 256: 40.0}, 136) == 25.0 and latency_at({16: 10.0}, 32) == 20.0
     assert choose(db, 1024, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # unmeasured shape: the M crossover
     assert choose(None, 1024, 4096, 512, "cuda:sm_90/h200") == "w8a8"
 

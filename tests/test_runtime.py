@@ -150,10 +150,12 @@ def test_linear_takes_its_norm_gate_and_residual_on_cpu():
         assert out.shape == (m, 77) and rel(out, x7.double() @ w7.double().T + b7.double()) < 1e-5
 
 
-def test_cpu_w8a8_quantizes_activations_and_mixed_picks_per_call():
-    """On the CPU, w8a8 computes as gemm_w8a8 does (x quantized per token, int32 sums scaled per token
-    and per channel), not as w8a16; mixed runs, call by call, the mode its chooser picks for M."""
+def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
+    """On the CPU, w8a8 and w4a8 compute as gemm_w8a8 and gemm_w4a8 do (x quantized per token, int32
+    sums scaled per token and per channel), not as the weight-only modes; mixed runs, call by call, the
+    mode its chooser picks for M."""
     from flashgen.oplib._common import quantize_ref
+    from flashgen.quant import quantize_w4a8
     from flashgen.runtime.linear import apply, prepare
     g = torch.Generator().manual_seed(6)
     w, x, b = torch.randn(40, 96, generator=g), torch.randn(5, 96, generator=g) * 3, torch.randn(40, generator=g)
@@ -165,13 +167,28 @@ def test_cpu_w8a8_quantizes_activations_and_mixed_picks_per_call():
     assert 1e-4 < rel(out, apply(x, prepare(w, "w8a16"), "w8a16", b, set())) < 2e-2  # the activations' rounding
     assert fallbacks == {"w8a8 linear (torch on int8 product of per-token int8 activations on cpu)"}
 
+    # w4a8 (K=96: per channel; K=256: groups of 128) as gemm_w4a8 computes: an int8 operand (u - 8) * s_group
+    for k in (96, 256):
+        wk, xk = torch.randn(40, k, generator=g), torch.randn(5, k, generator=g) * 3
+        q4 = prepare(wk, "w4a8")
+        qa = quantize_w4a8(wk, 128 if k == 256 else None)
+        xq, xs = quantize_ref(xk.double(), "int8")
+        y4 = apply(xk, q4, "w4a8", b, fallbacks)
+        assert rel(y4, (xq * xs[:, None]) @ qa.dequantize().T + b.double()) < 1e-6
+        assert rel(y4, xk.double() @ wk.double().T + b.double()) < 0.2  # 4-bit weights' rounding
+    assert fallbacks == {"w8a8 linear (torch on int8 product of per-token int8 activations on cpu)",
+                         "w4a8 linear (torch on int8 product of per-token int8 activations on cpu)"}
+
     picks, mixed = [], set()
     qm = prepare(w, "mixed")
-    chooser = lambda n, k, m: picks.append((n, k, m)) or ("w8a8" if m > 2 else "w4a16")  # noqa: E731
+    modes = {5: "w8a8", 1: "w4a16", 3: "w4a8"}
+    chooser = lambda n, k, m: picks.append((n, k, m)) or modes[m]  # noqa: E731
     assert torch.equal(apply(x, qm, "mixed", b, mixed, chooser), out)
-    w4a16 = apply(x[:1], prepare(w, "w4a16"), "w4a16", b, set())
-    assert torch.equal(apply(x[:1], qm, "mixed", b, mixed, chooser), w4a16)
-    assert picks == [(40, 96, 5), (40, 96, 1)]
+    # both 4-bit modes share one weight, w4a8's: w4a16 multiplies it dequantized, w4a8 as its GEMM does
+    qa = quantize_w4a8(w, None)
+    assert rel(apply(x[:1], qm, "mixed", b, mixed, chooser), x[:1].double() @ qa.dequantize().T + b.double()) < 1e-6
+    assert torch.equal(apply(x[:3], qm, "mixed", b, mixed, chooser), apply(x[:3], prepare(w, "w4a8"), "w4a8", b, set()))
+    assert picks == [(40, 96, 5), (40, 96, 1), (40, 96, 3)]
     assert mixed == fallbacks | {"w4a16 linear (torch on the dequantized weight on cpu)"}
 
 
