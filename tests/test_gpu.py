@@ -134,7 +134,8 @@ GEMM_CASES = [flashgen.workload(op, M=m, N=320, K=512, dtype=dt, **kw)
               for op, kw in (("gemm", {}), ("gemm_w8a16", {}), ("gemm_w4a16", {"G": 128}),
                              ("gemm_w4a16", {"G": 512, "group": "channel", "zp": "asym"}),
                              ("gemm_w4a16", {"G": 64, "zp": "asym"}), ("gemm_w8a8", {}),
-                             ("gemm_fp8", {}), ("gemm", {"with_bias": "yes", "act": "silu", "with_residual": "yes"}))
+                             ("gemm_fp8", {}), ("gemm", {"with_bias": "yes", "act": "silu", "with_residual": "yes"}),
+                             ("gemm_w4a8", {"G": 128}), ("gemm_w4a8", {"G": 512, "group": "channel", "with_bias": "yes"}))
               if op != "gemm_fp8" or "fp8e4m3" in TARGET.dtypes]
 
 
@@ -238,15 +239,16 @@ def test_int4_ptx_unpack_on_gpu(wl, block_k, oscale):
 
 
 SPLIT_CASES = [(flashgen.workload(op, M=m, N=330, K=2048, dtype="bf16", **kw), bm, split)
-               for op, kw in (("gemm", {"with_bias": "yes", "act": "silu"}), ("gemm_w4a16", {"G": 128}), ("gemm_w8a8", {}))
-               for m, bm, split in ((1, 1, 4), (17, 16, 2), (256, 64, 8)) if op != "gemm_w8a8" or bm >= 16]
+               for op, kw in (("gemm", {"with_bias": "yes", "act": "silu"}), ("gemm_w4a16", {"G": 128}), ("gemm_w8a8", {}),
+                              ("gemm_w4a8", {"G": 64}))
+               for m, bm, split in ((1, 1, 4), (17, 16, 2), (256, 64, 8)) if op not in ("gemm_w8a8", "gemm_w4a8") or bm >= 16]
 
 
 @pytest.mark.parametrize("wl, block_m, split_k", SPLIT_CASES, ids=lambda v: case_id(v) if hasattr(v, "op") else str(v))
 def test_split_k_on_gpu(wl, block_m, split_k):
     """Split-K tiles, run twice with the same kernel: the last split of each tile merges and resets
     its counter, so the second call starts clean."""
-    s = {"block_m": block_m, "block_n": 32, "block_k": 128 if wl.op_name == "gemm_w4a16" else 64,
+    s = {"block_m": block_m, "block_n": 32, "block_k": 128 if wl.op_name in ("gemm_w4a16", "gemm_w4a8") else 64,
          "num_warps": 4 if block_m >= 16 else 2, "num_stages": 3, "group_m": 8, "split_k": split_k}
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for seed in (4, 5):
@@ -522,7 +524,7 @@ def test_decoder_cuda_graphs_match_eager():
     assert [o[:len(s)] for o, s in zip(whole[0], stopped[0])] == stopped[0] and len(stopped[0][1]) <= 5
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w4a16", "w8a8", "mixed"])
+@pytest.mark.parametrize("mode", ["w8a16", "w4a16", "w8a8", "w4a8", "mixed"])
 def test_quantized_linear_on_gpu(mode):
     """A layer quantized on the GPU (no dequantized copy kept there) against the same weight quantized
     on the CPU and multiplied by torch: the same codes and scales, products within the dtype's error."""
@@ -534,12 +536,14 @@ def test_quantized_linear_on_gpu(mode):
     x = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
     dev, cpu = prepare(w.to(DEVICE), mode), prepare(w, mode)
     assert dev.weight is None and dev.shape == (384, 512)
-    for name in ("w4", "w4_scales", "w8", "w8_scale"):
+    for name in ("w4", "w4_scales", "w8", "w8_scale", "w4a8_scale", "w4a8_group"):
         a, b = getattr(dev, name), getattr(cpu, name)
         assert (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b)), name
-    # mixed mode keeps the int8 weight's dequantized copy on the CPU: compare its int8 path
-    out = apply(x.to(DEVICE), dev, mode, None, set(), chooser=lambda n, k, m: "w8a8").float().cpu()
-    ref = torch.nn.functional.linear(x.float(), cpu.weight.float())
+    # w4a8 on the CPU keeps its int8 operand; mixed the 4-bit weight's dequantized copy: mixed runs w4a8
+    out = apply(x.to(DEVICE), dev, mode, None, set(), chooser=lambda n, k, m: "w4a8").float().cpu()
+    weight = (cpu.weight.float() if cpu.weight is not None else cpu.w4a8_int8.float() * cpu.w4a8_scale[:, None]
+              if mode == "w4a8" else cpu.w8.float() * cpu.w8_scale[:, None])
+    ref = torch.nn.functional.linear(x.float(), weight)
     assert torch.allclose(out, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item()), (out - ref).abs().max()
 
 
