@@ -335,10 +335,10 @@ def test_contraction_defaults_valid():
     assert (tiny["block_k"], tiny["num_warps"], tiny["num_stages"]) == (128, 2, 3), tiny
     big = ScheduleSpace(flashgen.workload("rmsnorm_gemm_w4a16", M=1024, N=6144, K=4096, G=128), get_target("h200")).default()
     assert (big["block_m"], big["block_n"], big["num_warps"], big["dequant_first"]) == (128, 128, 8, 0), big
-    for op in ("gemm_w4a16", "rmsnorm_gemm_w4a16", "gemm_w8a16"):
+    for op in ("gemm_w4a16", "rmsnorm_gemm_w4a16", "gemm_w8a16", "gemm_w4a8"):
         wl = flashgen.workload(op, M=4096, N=6144, K=4096, **({"G": 128} if "w4" in op else {}))
-        dense = ScheduleSpace(flashgen.workload(op.replace("_w4a16", "").replace("_w8a16", ""), M=4096, N=6144, K=4096),
-                              get_target("h200")).default()
+        dense_op = "gemm_w8a8" if op == "gemm_w4a8" else op.replace("_w4a16", "").replace("_w8a16", "")
+        dense = ScheduleSpace(flashgen.workload(dense_op, M=4096, N=6144, K=4096), get_target("h200")).default()
         assert ScheduleSpace(wl, get_target("h200")).default() == {**dense, "dequant_first": 1, "dequant_chunks": 2}, op
 
 
@@ -652,7 +652,9 @@ STAGED = [("gemm_w4a16", dict(G=64, zp="asym"), 40, 320, 1, 1), ("gemm_w4a16", d
           ("gemm_w8a16", dict(with_residual="yes"), 40, 200, 0, 1), ("rmsnorm_gemm_w4a16", dict(G=128), 40, 256, 0, 1),
           ("gemm_w4a16", dict(G=32, zp="asym", with_bias="yes", with_residual="yes"), 128, 320, 1, 4),
           ("gemm_w8a16", dict(out="int8"), 128, 200, 0, 2), ("rmsnorm_gemm_w4a16", dict(G=128), 96, 256, 0, 2),
-          ("gemm_w4a16", dict(G=128), 128, 256, 1, 8)]
+          ("gemm_w4a16", dict(G=128), 128, 256, 1, 8),
+          # w4a8's int8 operand written first, then gemm_w8a8's tiles (TMA where K allows) with the channel scale
+          ("gemm_w4a8", dict(G=64), 40, 320, 1, 1), ("gemm_w4a8", dict(G=256, group="channel", with_bias="yes"), 128, 256, 1, 4)]
 
 
 @pytest.mark.parametrize("op, kw, n, k, tma, chunks", STAGED,

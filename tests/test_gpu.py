@@ -55,7 +55,7 @@ def test_default_schedule_on_gpu(wl):
             assert c.ok, (c, kernel.schedule)
 
 
-@pytest.mark.parametrize("wl", [w for w in CASES if w.op.kclass == "rowwise" and w.dim["N"] > 300],
+@pytest.mark.parametrize("wl", [w for w in CASES if w.op.kclass == "rowwise" and w.dim.get("N", 0) > 300],
                          ids=case_id)
 def test_multi_pass_schedule_on_gpu(wl):
     schedule = {"block_r": min(2, wl.dim["M"]), "block_c": 256, "num_warps": 2}
@@ -299,7 +299,8 @@ def test_tma_tiles_on_gpu(op, kw):
 
 
 STAGED_CASES = [("gemm_w4a16", {"G": 128}, 1152, 1), ("gemm_w4a16", {"G": 80, "zp": "asym", "with_residual": "yes"}, 1040, 0),
-                ("gemm_w4a16", {"G": 1040, "group": "channel"}, 1040, 1), ("gemm_w8a16", {"with_bias": "yes"}, 1040, 1)]
+                ("gemm_w4a16", {"G": 1040, "group": "channel"}, 1040, 1), ("gemm_w8a16", {"with_bias": "yes"}, 1040, 1),
+                ("gemm_w4a8", {"G": 128}, 1152, 1)]
 
 
 @pytest.mark.parametrize("op, kw, k, tma", STAGED_CASES, ids=[f"{o}-{len(kw)}-tma{t}" for o, kw, _, t in STAGED_CASES])

@@ -8,6 +8,7 @@ the way in, fused into the linear they feed.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from flashgen.lazy import lazy
@@ -228,13 +229,16 @@ FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
               "K a multiple of 32", _fp8_check)
 
 
+def _w4a8_weight(a) -> E.Expr:
+    """The int8 operand at (c, k): (u - 8) * s_group (u - 8 per channel)."""
+    w = int4_code("w_packed") - Const(8)
+    return w * Load("w_group", (c, k // Dim("G"))) if a["group"] == "group" else w
+
+
 def _w4a8_prologue(a) -> tuple:
     """int8 x times the weight's int8 value (u - 8) * s_group, summed exactly in int32; the fp32 scales
     multiply the sum."""
-    w = int4_code("w_packed") - Const(8)
-    if a["group"] == "group":
-        w = w * Load("w_group", (c, k // Dim("G")))
-    return (Contract("acc", Load("x", (r, k)), w, K, "int8", "int32"),
+    return (Contract("acc", Load("x", (r, k)), _w4a8_weight(a), K, "int8", "int32"),
             Ref("acc") * Load("x_scale", (r,)) * Load("w_scale", (c,)))
 
 
@@ -248,11 +252,13 @@ def _w4a8_inputs(d, a, g) -> dict:
     return t
 
 
-def _w4a8_weight_ref(t, d, a) -> torch.Tensor:
+def _w4a8_operand_ref(t, d, a) -> torch.Tensor:
     q = unpack_int4(t["w_packed"], d["K"]).to(torch.float64) - 8.0
-    if a["group"] == "group":
-        q = q * f64(t["w_group"]).repeat_interleave(d["G"], 1)
-    return q * f64(t["w_scale"])[:, None]
+    return q * f64(t["w_group"]).repeat_interleave(d["G"], 1) if a["group"] == "group" else q
+
+
+def _w4a8_weight_ref(t, d, a) -> torch.Tensor:
+    return _w4a8_operand_ref(t, d, a) * f64(t["w_scale"])[:, None]
 
 
 W4A8 = _contraction_op(
@@ -264,18 +270,21 @@ W4A8 = _contraction_op(
      TensorSpec("w_group", (N, K // Dim("G")), "int8", when=(("group", ("group",)),))),
     {"dtype": HALF, "group": ("group", "channel"), "pack": ("k128",)}, _w4a8_prologue,
     lambda t, p, d, a: (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ _w4a8_weight_ref(t, d, a).T,
-    _w4a8_inputs, _w4_dims)
+    _w4a8_inputs, _w4_dims, dequant=("dequant_w4a8", "gemm_w8a8"))
 
 
-def dequant_form(base: Op, weight, weight_ref) -> Op:
+def dequant_form(base: Op, weight, weight_ref, out_dtype: str = DTYPE) -> Op:
     """The weight prologue of `base` (`weight(attrs)`, over (c, k)) as a pointwise op over (N, K)
-    that writes the weight in the activation dtype: `base.dequant`'s first op. Schedules with
-    `dequant_first` run it and then the dense GEMM on its output; at thousands of rows the matrix
-    tiles then do no unpacking, and the weight's round trip through memory costs a few percent of
-    their time (schedules/contraction_space.py)."""
+    that writes the weight in `out_dtype` (the activation dtype, or int8 for an int8 operand):
+    `base.dequant`'s first op. Schedules with `dequant_first` run it and then the dense GEMM on its
+    output; at thousands of rows the matrix tiles then do no unpacking, and the weight's round trip
+    through memory costs a few percent of their time (schedules/contraction_space.py). Its inputs are
+    the tensors the weight loads under some attrs."""
     axes = {"c": r, "k": c}  # the weight's (column of y, k) are this op's (row, column)
-    weight_in = tuple(t for t in base.inputs if t.name != "x" and t not in EPILOGUE_INPUTS)
     attrs = {a: v for a, v in base.attrs.items() if a not in EPILOGUE}
+    loaded = {n.tensor for values in itertools.product(*attrs.values())
+              for n in E.walk(weight(dict(zip(attrs, values)))) if isinstance(n, Load)}
+    weight_in = tuple(t for t in base.inputs if t.name in loaded)
     plain = {a: v[0] for a, v in EPILOGUE.items()}
 
     def build(a) -> tuple:
@@ -286,15 +295,18 @@ def dequant_form(base: Op, weight, weight_ref) -> Op:
         t = base.make_inputs({**d, "M": 1}, {**a, **plain}, g)
         return {n: v for n, v in t.items() if n in {s.name for s in weight_in}}
 
-    return Op(name=base.dequant[0], kclass="pointwise", doc=f"the weight of {base.name}, dequantized to the activation dtype",
+    return Op(name=base.dequant[0], kclass="pointwise", doc=f"the weight of {base.name}, " + ("dequantized to the activation dtype" if out_dtype == DTYPE
+                                                   else f"as the {out_dtype} operand of {base.dequant[1]}"),
               dims=tuple(d for d in base.dims if d != "M"), row_dims=("N",), inputs=weight_in,
-              outputs=(TensorSpec("weight", (N, K), DTYPE),), domain=(N, K), attrs=attrs, build=build,
+              outputs=(TensorSpec("weight", (N, K), out_dtype),), domain=(N, K), attrs=attrs, build=build,
               reference=lambda t, p, d, a: {"weight": weight_ref(t, d, a)}, make_inputs=make_inputs,
               check_dims=base.check_dims)
 
 
 DEQUANT_W8A16 = dequant_form(W8A16, lambda a: Load("w", (c, k)) * Load("w_scale", (c,)), _w8_weight_ref)
 DEQUANT_W4A16 = dequant_form(W4A16, _w4_weight, _w4_weight_ref)
+# w4a8's int8 operand, for gemm_w8a8 (its per-channel scale is the dense op's w_scale)
+DEQUANT_W4A8 = dequant_form(W4A8, _w4a8_weight, _w4a8_operand_ref, out_dtype="int8")
 
 PARAMS = {"eps": 1e-6}  # the fused norm's
 
@@ -371,5 +383,5 @@ def silu_mul_fused(base: Op) -> Op:
                    make_inputs=make_inputs, plain=base.name, dequant=_fused_dequant(base, "silu_mul_"))
 
 
-OPS = (GEMM, W8A16, W4A16, W8A8, W4A8, FP8, DEQUANT_W8A16, DEQUANT_W4A16) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
+OPS = (GEMM, W8A16, W4A16, W8A8, W4A8, FP8, DEQUANT_W8A16, DEQUANT_W4A16, DEQUANT_W4A8) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
                                              for op in (GEMM, W8A16, W4A16))
