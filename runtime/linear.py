@@ -134,10 +134,12 @@ def latency_at(measured: dict[int, float], m: int) -> float:
     return measured[lo] + (measured[hi] - measured[lo]) * (m - lo) / (hi - lo)
 
 
-def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
+def choose(db_path, n: int, k: int, m: int, target_id: str, dtype: str | None = None) -> str:
     """The fastest of `MIXED_OPS`' modes for an M x N x K call, each mode's latency at m estimated from
-    its fastest measured workloads of this N x K (`latency_at`; records of a workload defined otherwise
-    today are not counted), so that modes measured at different M are compared at the call's; where
+    its fastest measured workloads of this N x K in the call's activation `dtype` (all dtypes when None;
+    records of a workload defined otherwise today are not counted: a record of another dtype times
+    another kernel than the call runs), so that modes measured at different M are compared at the call's
+    (`latency_at`); where
     fewer than two modes are measured, w4a16 up to the M=64 crossover and w8a8 above it. The records
     are read once per database state (`buckets.best_records`)."""
     measured: dict[str, dict[int, float]] = {}
@@ -145,7 +147,8 @@ def choose(db_path, n: int, k: int, m: int, target_id: str) -> str:
     for r in best_records(db_path, target_id):
         mode = ops.get(r.workload.get("op"))
         dims = r.workload["dims"]
-        if mode and dims.get("N") == n and dims.get("K") == k and recorded_workload(r.workload, r.workload_key):
+        same_dtype = dtype is None or r.workload.get("attrs", {}).get("dtype") == dtype
+        if mode and same_dtype and dims.get("N") == n and dims.get("K") == k and recorded_workload(r.workload, r.workload_key):
             at = measured.setdefault(mode, {})
             at[dims["M"]] = min(at.get(dims["M"], r.latency_us), r.latency_us)
     if len(measured) >= 2:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from flashgen.errors import FlashgenError
+from flashgen.ir import dtypes
 from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, moe_align
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
@@ -243,7 +244,7 @@ class Decoder:
 
     def _choose(self, n: int, k: int, m: int) -> str:
         target = dispatcher().target_for(self.device)
-        return choose(dispatcher().db_path, n, k, m, target.id)
+        return choose(dispatcher().db_path, n, k, m, target.id, dtypes.of_torch(self.dtype))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
                   batch: Batch,

@@ -185,6 +185,11 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
     assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200") == "w4a8"     # 33 / 22.5 / 20.5, between measured M
     assert choose(db, 4096, 4096, 4096, "cuda:sm_90/h200") == "w8a8"    # 640 / 90 / 240: above w4a8's largest M
     assert latency_at({16: 10.0, 256: 40.0}, 136) == 25.0 and latency_at({16: 10.0}, 32) == 20.0
+    # records of another activation dtype time other kernels: a bf16 call counts bf16 records only
+    # (none here: the M=64 crossover)
+    assert choose(db, 4096, 4096, 64, "cuda:sm_90/h200", "bf16") == "w4a16"
+    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200", "bf16") == "w8a8"
+    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200", "fp16") == "w4a8"
     assert choose(db, 1024, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # unmeasured shape: the M crossover
     assert choose(None, 1024, 4096, 512, "cuda:sm_90/h200") == "w8a8"
 
