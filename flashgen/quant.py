@@ -83,12 +83,16 @@ class W4A8Weight:
     group_scales: torch.Tensor | None  # [N, K // group] int8 in 1..W4A8_GROUP_MAX, or None per channel
     group: int                         # k per group scale; K for per-channel
 
+    def operand(self) -> torch.Tensor:
+        """The int8 operand [N, K] of the matrix instruction: (u - 8) * s_group."""
+        q = self.codes.to(torch.int16) - 8
+        if self.group_scales is not None:
+            q = q * self.group_scales.to(torch.int16).repeat_interleave(self.group, dim=1)
+        return q.to(torch.int8)
+
     def dequantize(self) -> torch.Tensor:
         """The float64 weight gemm_w4a8 computes with."""
-        q = self.codes.to(torch.float64) - 8.0
-        if self.group_scales is not None:
-            q = q * self.group_scales.to(torch.float64).repeat_interleave(self.group, dim=1)
-        return q * self.channel_scales.to(torch.float64)[:, None]
+        return self.operand().to(torch.float64) * self.channel_scales.to(torch.float64)[:, None]
 
 
 def quantize_w4a8(w: torch.Tensor, group: int | None = None) -> W4A8Weight:

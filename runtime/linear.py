@@ -97,10 +97,7 @@ def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
             if cpu:
                 q.weight = cpu_weight(qa.dequantize().to(w.dtype))
         if cpu:  # the CPU multiplies w4a8 as w8a8 does, on its int8 operand (`_cpu_int8`)
-            codes = qa.codes.to(torch.int16) - 8
-            if qa.group_scales is not None:
-                codes = codes * qa.group_scales.to(torch.int16).repeat_interleave(qa.group, 1)
-            q.w4a8_int8 = codes.to(torch.int8)
+            q.w4a8_int8 = qa.operand()
     return q
 
 

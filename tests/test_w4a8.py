@@ -39,6 +39,7 @@ def test_codes_stay_int8_and_within_half_a_step(group):
     assert sg.min() >= 1 and sg.max() <= W4A8_GROUP_MAX
     w8 = (q.codes.to(torch.int32) - 8) * sg.repeat_interleave(group, 1)
     assert w8.min() >= -128 and w8.max() <= 127  # the int8 operand of the matrix instruction
+    assert torch.equal(q.operand().to(torch.int32), w8)
     # a group's step is its W4A16 step (amax / 7) rounded up to a multiple of the channel scale
     rtn = quantize_rtn(w, 4, group).scales.double().repeat_interleave(group, 1)
     assert (step <= rtn + q.channel_scales.double()[:, None] * (1 + 1e-6)).all()
