@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "first, with its estimate.")
     bm.add_argument("--config", help="llama3-8b, mixtral-2l, smollm2-135m or tiny (default: llama3-8b on a GPU, else smollm2-135m)")
     bm.add_argument("--batch", help="batch sizes, comma-separated (default: 1,16,64 on a GPU, else 1,8)")
-    bm.add_argument("--quant", default="bf16", choices=("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "mixed"))
+    bm.add_argument("--quant", default="bf16", choices=("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed"))
     bm.add_argument("--prompt-len", type=_checked(int, at_least(1), "an integer of at least 1"),
                     help="prompt tokens (default: 2000 on a GPU, else 64)")
     bm.add_argument("--new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"),

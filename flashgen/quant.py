@@ -14,6 +14,8 @@
   w ~ (u - 8) * s_group * s_channel with s_group an integer in 1..16, so that (u - 8) * s_group lies in
   [-128, 112], an int8, and an int8 x int8 matrix instruction sums it exactly in int32; the fp32
   per-channel scale applies once, to the sum (gemm_w4a8).
+- `quantize_fp8`: e4m3 values with one fp32 scale per output channel (amax / 448), the weights of
+  gemm_fp8.
 """
 from __future__ import annotations
 
@@ -116,6 +118,26 @@ def quantize_w4a8(w: torch.Tensor, group: int | None = None) -> W4A8Weight:
     sg = torch.ceil(wg.abs().amax(-1) / (7.0 * s[:, None])).clamp(1, W4A8_GROUP_MAX)
     q = torch.round(wg / (s[:, None, None] * sg[..., None])).clamp(-8, 7)
     return W4A8Weight((q + 8).to(torch.uint8).reshape(n, k), s.float(), sg.to(torch.int8), g)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    values: torch.Tensor  # [N, K] float8_e4m3fn
+    scales: torch.Tensor  # [N] float32
+
+    def dequantize(self) -> torch.Tensor:
+        """The float64 weight gemm_fp8 computes with."""
+        return self.values.to(torch.float64) * self.scales.to(torch.float64)[:, None]
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """Per-channel e4m3 weights: s = amax of the row / 448 (e4m3's largest finite value), values w / s
+    rounded to nearest by the cast."""
+    if w.dim() != 2:
+        raise FlashgenError(f"a weight must be [N, K], got shape {tuple(w.shape)}")
+    wf = w.to(torch.float64)
+    s = (wf.abs().amax(-1).clamp_min(1e-12) / wf.new_tensor(448.0)).float().to(torch.float64)
+    return Fp8Weight((wf / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), s.float())
 
 
 INT4_PERIOD = 128  # k per block of sixteen interleaved words

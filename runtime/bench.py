@@ -69,7 +69,7 @@ def weight_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int | None
         else:
             linear += attention + 3 * h * c.intermediate_size
     per = {"bf16": dtype_bytes, "w8a16": 1, "w8a8": 1, "w4a16": 0.5 + dtype_bytes / 128,
-           "w4a8": 0.5 + 1 / 128, "mixed": 0.5 + dtype_bytes / 128}
+           "w4a8": 0.5 + 1 / 128, "fp8": 1, "mixed": 0.5 + dtype_bytes / 128}
     routers = sum(c.layer_moe(i) for i in range(c.num_layers)) * c.num_experts * h * dtype_bytes
     return linear * per[quant] + routers + c.vocab_size * h * dtype_bytes  # the lm_head stays in dtype
 

@@ -3,7 +3,8 @@
 Modes: bf16 (the weight as is), w8a16 and w4a16 (weight-only int8 / int4, RTN-quantized at load, int4
 in groups of 128 along K where K allows, else per channel), w8a8 (int8 weights and per-token dynamically
 quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with integer group scales on int8 tensor
-cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), and mixed: each call picks w4a16,
+cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), fp8 (e4m3 weights with per-channel scales
+and per-token dynamically quantized e4m3 activations: gemm_fp8, sm_90), and mixed: each call picks w4a16,
 w8a8 or w4a8 for its row count M from the tuning database's measurements of each on this layer's shape
 (small M is bandwidth-bound and favours 4-bit weights, large M compute-bound and favours int8 tensor
 cores), falling back to a crossover of M = 64 between w4a16 and w8a8 where fewer than two are measured.
@@ -11,7 +12,8 @@ mixed keeps one 4-bit weight for both 4-bit modes (w4a16's scales are w4a8's two
 out, in the activation dtype) besides the int8 one. On a GPU each mode runs its generated GEMM; on the
 CPU torch multiplies (reported as a fallback): w8a8 and w4a8 as their GEMMs compute (activations
 quantized per token by the generated dynamic_quant kernel, int8 products summed in int32, scaled per
-token and per channel; w4a8's int8 operand is (u - 8) times its group scale), so that a CPU run
+token and per channel; w4a8's int8 operand is (u - 8) times its group scale; fp8's activations
+quantized per token to e4m3 by the op's reference, as the cpu target has no fp8), so that a CPU run
 previews the GPU's numerics, and the weight-only modes on the dequantized weight, a float32 weight
 reordered once for oneDNN (`cpu_weight`); mixed picks per call on both.
 
@@ -34,14 +36,16 @@ import torch.nn.functional as F
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
-from flashgen.quant import pack_int4, quantize_rtn, quantize_w4a8
+from flashgen.oplib._common import quantize_ref
+from flashgen.quant import pack_int4, quantize_fp8, quantize_rtn, quantize_w4a8
 from flashgen.runtime.buckets import best_records
 from flashgen.workload import recorded_workload
 
-MODES = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "mixed")
+MODES = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed")
 # The modes `mixed` chooses among, and the op of each whose records decide
 MIXED_OPS = {"w4a16": "gemm_w4a16", "w8a8": "gemm_w8a8", "w4a8": "gemm_w4a8"}
-INT8_ACTIVATIONS = ("w8a8", "w4a8")  # modes whose activations are quantized per token to int8
+# The modes whose activations are quantized per token, and to what
+QUANTIZED_ACTIVATIONS = {"w8a8": "int8", "w4a8": "int8", "fp8": "fp8e4m3"}
 DEFAULT_CROSSOVER_M = 64
 FUSED_MODES = ("bf16",)
 FUSED_MAX_ROWS = 1
@@ -61,13 +65,15 @@ class QuantLinear:
     w4a8_scale: torch.Tensor | None = None  # fp32 [N]: w4a8's per-channel scale (its codes are w4's)
     w4a8_group: torch.Tensor | None = None  # int8 [N, K / group] in 1..16: w4a8's group scales (None per channel)
     w4a8_int8: torch.Tensor | None = None   # int8 [N, K], cpu only: w4a8's operand (u - 8) * group scale
+    f8: torch.Tensor | None = None          # float8_e4m3fn [N, K]: fp8's weight
+    f8_scale: torch.Tensor | None = None    # fp32 [N]
 
 
 def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
     """The layer's weights for `mode`, quantized where the weight lies (a GPU quantizes an 8B model in
     seconds). A GPU keeps only the quantized weights; the CPU, whose weight-only modes torch multiplies
     dequantized, keeps that copy too (mixed: of the int4 weight), and w4a8's int8 operand on the CPU
-    (u - 8) * group scale, which it multiplies as w8a8 (`_cpu_int8`)."""
+    (u - 8) * group scale, which it multiplies as w8a8 (`_cpu_quantized`)."""
     if mode not in MODES:
         raise FlashgenError(f"unknown quantization mode {mode!r}; valid: {', '.join(MODES)}")
     shape = (w.shape[0], w.shape[1])
@@ -96,8 +102,13 @@ def prepare(w: torch.Tensor, mode: str) -> QuantLinear:
             q.w4_scales = levels.to(w.dtype)
             if cpu:
                 q.weight = cpu_weight(qa.dequantize().to(w.dtype))
-        if cpu:  # the CPU multiplies w4a8 as w8a8 does, on its int8 operand (`_cpu_int8`)
+        if cpu:  # the CPU multiplies w4a8 as w8a8 does, on its int8 operand (`_cpu_quantized`)
             q.w4a8_int8 = qa.operand()
+    if mode == "fp8":
+        qf = quantize_fp8(w)
+        q.f8, q.f8_scale = qf.values, qf.scales
+        if cpu:
+            q.weight = cpu_weight(qf.dequantize().to(w.dtype))
     return q
 
 
@@ -164,14 +175,15 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
         mode = chooser(n, k, x.shape[0]) if chooser else "w4a16"
     fused = gpu and mode in FUSED_MODES and x.shape[0] <= FUSED_MAX_ROWS
     ops = torch.ops.flashgen
-    if norm is not None and not fused and (mode not in INT8_ACTIVATIONS or not gpu):
+    if norm is not None and not fused and (mode not in QUANTIZED_ACTIVATIONS or not gpu):
         x, norm = ops.rmsnorm(x, norm, eps), None
     if gated and not fused:
         x, gated = ops.silu_mul(x), False
     if not gpu:
-        y = _cpu_int8(x, q, mode, bias) if mode in INT8_ACTIVATIONS else torch_linear(x, q.weight, bias)
+        quantized = QUANTIZED_ACTIVATIONS.get(mode)
+        y = _cpu_quantized(x, q, mode, bias) if quantized else torch_linear(x, q.weight, bias)
         if mode != "bf16":
-            how = "int8 product of per-token int8 activations" if mode in INT8_ACTIVATIONS else "the dequantized weight"
+            how = f"{quantized} product of per-token {quantized} activations" if quantized else "the dequantized weight"
             fallbacks.add(f"{mode} linear (torch on {how} on cpu)")
         return y if residual is None else y + residual
     epi = {"with_bias": "yes", "bias": bias} if bias is not None else {}
@@ -190,10 +202,13 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
         return getattr(ops, pre + "gemm_w4a16")(w_packed=q.w4, scales=q.w4_scales,
                                                  group="group" if q.group != k else "channel",
                                                  dims=[x.shape[0], n, k, q.group], **zp, **args)
+    qdtype = QUANTIZED_ACTIVATIONS[mode]
     if norm is not None:
-        xq, xs = ops.rmsnorm_quant(x, norm, eps, out_dtype="int8")
+        xq, xs = ops.rmsnorm_quant(x, norm, eps, out_dtype=qdtype)
     else:
-        xq, xs = ops.dynamic_quant(x, out_dtype="int8")
+        xq, xs = ops.dynamic_quant(x, out_dtype=qdtype)
+    if mode == "fp8":
+        return ops.gemm_fp8(xq, xs, q.f8, q.f8_scale, dtype=dtypes.of_torch(x.dtype), **epi)
     if mode == "w4a8":
         grouped = q.w4a8_group is not None
         return ops.gemm_w4a8(xq, xs, q.w4, q.w4a8_scale, **({"w_group": q.w4a8_group} if grouped else {}),
@@ -202,10 +217,15 @@ def apply(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None,
     return ops.gemm_w8a8(xq, xs, q.w8, q.w8_scale, dtype=dtypes.of_torch(x.dtype), **epi)
 
 
-def _cpu_int8(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None) -> torch.Tensor:
+def _cpu_quantized(x: torch.Tensor, q: QuantLinear, mode: str, bias: torch.Tensor | None) -> torch.Tensor:
     """gemm_w8a8's (and gemm_w4a8's) y = (x_int8 @ w_int8.T) * x_scale[m] * w_scale[n] + bias in torch
     on the CPU, x quantized per token by the generated dynamic_quant kernel, the sums exact in int32 as
-    on a GPU (torch._int_mm: oneDNN's int8 GEMM); w4a8's int8 operand is (u - 8) * group scale."""
+    on a GPU (torch._int_mm: oneDNN's int8 GEMM); w4a8's int8 operand is (u - 8) * group scale. fp8:
+    x quantized per token to e4m3 by dynamic_quant's reference (the cpu target has no fp8), times the
+    dequantized weight in float32."""
+    if mode == "fp8":
+        xq, xs = quantize_ref(x.float(), "fp8e4m3")
+        return torch_linear((xq * xs[:, None]).to(x.dtype), q.weight, bias)
     xq, xs = torch.ops.flashgen.dynamic_quant(x, out_dtype="int8")
     w8, scale = (q.w4a8_int8, q.w4a8_scale) if mode == "w4a8" else (q.w8, q.w8_scale)
     y = torch._int_mm(xq, w8.t()) * xs[:, None] * scale

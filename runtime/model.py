@@ -41,7 +41,7 @@ from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prep
 from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.model_config import ModelConfig
 from flashgen.runtime.moe_experts import Stacked, stack_experts, stacked_format
-from flashgen.runtime.prequant import mode_of, quant_linear, read_linear
+from flashgen.runtime.prequant import mode_of, quant_linear, quantized_tensor, read_linear
 from flashgen.runtime.rope_scaling import rope_table
 from flashgen.runtime.weights import moe_names
 
@@ -93,7 +93,9 @@ class Decoder:
                 raise FlashgenError(f"a {config.prequant.method} checkpoint computes as {mode_of(config.prequant)}, "
                                     f"not {quant}: its weights are quantized already")
             self.quant = quant = mode_of(config.prequant)
-        w = {k: v.to(self.device, dtype if v.is_floating_point() else None) for k, v in weights.items()}
+        keep = config.prequant is not None  # (a pre-quantized linear's tensors keep their dtypes: e4m3, fp32 scales)
+        w = {k: v.to(self.device, dtype if v.is_floating_point() and not (keep and quantized_tensor(k)) else None)
+             for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         # (on the CPU a tied head is a second copy of the embedding, in oneDNN's form: runtime/linear.py)
         self.lm_head = cpu_weight(self.embed if config.tie_word_embeddings else w["lm_head.weight"])

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.prequant import PrequantConfig, parse_config
+from flashgen.runtime.compressed_tensors import CompressedConfig, ignored
+from flashgen.runtime.prequant import LINEARS, PrequantConfig, parse_config
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")  # per-head RMSNorm of q and k before RoPE
@@ -55,7 +56,7 @@ class ModelConfig:
     norm_topk_prob: bool = False              # whether the top-k router weights are renormalised to sum to 1
     moe_layers: tuple[bool, ...] = ()         # per layer, whether its MLP is the MoE block; (): none is
     qk_norm: bool = False                     # Qwen3: q and k RMS-normalised per head (q_norm, k_norm) before RoPE
-    prequant: PrequantConfig | None = None    # a GPTQ / AWQ checkpoint's quantization_config (runtime/prequant.py)
+    prequant: PrequantConfig | CompressedConfig | None = None  # a pre-quantized checkpoint's quantization_config (runtime/prequant.py)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention, None for full attention."""
@@ -251,16 +252,24 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
         qk_norm=kind in QK_NORM, prequant=_prequant(c, path), **_moe(c, kind, layers, path))
 
 
-def _prequant(c: dict, path: Path) -> PrequantConfig | None:
+def _prequant(c: dict, path: Path) -> PrequantConfig | CompressedConfig | None:
     """A pre-quantized checkpoint's format, where the decoder computes it: dense models' linears, 4-bit
-    codes, or 8-bit ones that are per-channel and symmetric (w8a16's int8 GEMM)."""
+    codes, or 8-bit ones that are per-channel and symmetric (w8a16's int8 GEMM); compressed-tensors
+    with every decoder linear in its one scheme."""
     if c.get("quantization_config") is None:
         return None
     q = parse_config(c["quantization_config"], path)
     if c.get("model_type") in MOE_TYPES:
         raise _fail(path, "quantization_config", f"is {q.method}: pre-quantized MoE experts are not loaded; give a "
                                                  "float checkpoint and choose --quant")
-    if q.bits == 8 and (q.group != -1 or not q.sym):
+    if q.method == "gptq" and q.bits == 8 and (q.group != -1 or not q.sym):
         raise _fail(path, "quantization_config", "is 8-bit GPTQ with group scales or zero points: the int8 GEMM "
                                                  "takes per-channel symmetric weights only (group_size -1, sym true)")
+    if q.method == "compressed-tensors":
+        kept = [f"model.layers.{i}.{lin}" for i in range(_int(c, "num_hidden_layers", path)) for lin in LINEARS
+                if ignored(f"model.layers.{i}.{lin}", q.ignore)]
+        if kept:
+            more = f" and {len(kept) - 1} more" if len(kept) > 1 else ""
+            raise _fail(path, "quantization_config.ignore", f"keeps {kept[0]}{more} in float: the decoder "
+                                                            "computes every linear in the checkpoint's scheme")
     return q

@@ -1,6 +1,9 @@
-"""Pre-quantized checkpoints: a config.json's `quantization_config` (GPTQ, AWQ) read into one form,
-integer codes [N, K] with per-group scales and zero points, from which flashgen repacks its own
-layouts once at load (flashgen/quant.py's `pack_int4`; gemm_w4a16's `zp=asym` zeros).
+"""Pre-quantized checkpoints: a config.json's `quantization_config` (GPTQ, AWQ, compressed-tensors)
+read into one form, integer codes [N, K] with per-group scales and zero points (runtime/int_weight.py),
+from which flashgen repacks its own layouts once at load (flashgen/quant.py's `pack_int4`; gemm_w4a16's
+`zp=asym` zeros), or int8 / e4m3 values with per-channel scales (compressed-tensors' int- and
+float-quantized formats, runtime/compressed_tensors.py). This module is the one entry point: each
+function below dispatches on the config's kind.
 
 The formats, as their projects document them (a linear of N outputs over K inputs, groups of G
 along K; w[n, k] = (q[n, k] - z[n, g]) * s[n, g] with g the group of k):
@@ -24,9 +27,15 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.quant import pack_int4
+from flashgen.runtime import compressed_tensors as ct
+from flashgen.runtime.compressed_tensors import CompressedConfig
+from flashgen.runtime.int_weight import IntWeight, act_order, check_stored, unpack_cols, unpack_rows
 from flashgen.runtime.linear import QuantLinear, cpu_weight
 
-METHODS = ("gptq", "awq")
+METHODS = ("gptq", "awq", "compressed-tensors")
+# The linears a pre-quantized checkpoint stores quantized (the embeddings, norms and head stay float)
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds
 
 
@@ -46,7 +55,7 @@ def _fail(path: Path, key: str, why: str) -> FlashgenError:
     return FlashgenError(f"{path}: quantization_config.{key} {why}")
 
 
-def parse_config(qc: object, path: Path) -> PrequantConfig:
+def parse_config(qc: object, path: Path) -> "PrequantConfig | CompressedConfig":
     """`quantization_config` checked: an unknown method, bits or group size is refused, naming the key."""
     if not isinstance(qc, dict):
         raise FlashgenError(f"{path}: quantization_config must be an object, got {qc!r}")
@@ -54,6 +63,8 @@ def parse_config(qc: object, path: Path) -> PrequantConfig:
     if method not in METHODS:
         raise _fail(path, "quant_method", f"is {method!r}: the decoder loads {', '.join(METHODS)} checkpoints "
                                           "(or give a float checkpoint and choose --quant)")
+    if method == "compressed-tensors":
+        return ct.parse_config(qc, path)
     bits_key = "bits" if method == "gptq" else ("bits" if "bits" in qc else "w_bit")
     bits = qc.get(bits_key)
     if bits not in ((4, 8) if method == "gptq" else (4,)):
@@ -80,110 +91,73 @@ def parse_config(qc: object, path: Path) -> PrequantConfig:
     return PrequantConfig("gptq", bits, group, sym, fmt == "gptq")
 
 
-@dataclass
-class IntWeight:
-    """A linear's integer codes [N, K] (0 .. 2^bits - 1), and per group of k its scales and zero points
-    [N, K / G]; `perm` (act-order) lists the k in group order, so that codes[:, perm] has contiguous
-    groups (the linear then reads x[:, perm])."""
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    group: int
-    perm: torch.Tensor | None = None
-
-    def dequantize(self) -> torch.Tensor:
-        """The float weight [N, K] in the checkpoint's k order (float32)."""
-        groups = torch.arange(self.codes.shape[1], device=self.codes.device) // self.group
-        if self.perm is not None:
-            groups = torch.empty_like(groups).scatter_(0, self.perm, groups)
-        return (self.codes.float() - self.zeros.float()[:, groups]) * self.scales.float()[:, groups]
+def quantized_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor (`model.layers.3.mlp.down_proj.qweight`) is one of a quantized linear's."""
+    parts = name.rsplit(".", 1)[0].split(".", 3)
+    return len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LINEARS
 
 
-def _unpack_along_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] holding 32 / bits values of consecutive rows each, lowest bits first -> [R * 32 / bits, C]."""
-    per = 32 // bits
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, device=words.device) * bits
-    vals = (w[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)  # [R, per, C]
-    return vals.reshape(-1, words.shape[1])
+# name suffix -> (shape, the safetensors dtypes it may be stored in)
+Stored = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
+FLOATS = ("F32", "F16", "BF16")
 
 
-def _unpack_along_cols(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C] holding 32 / bits values of consecutive columns each -> [R, C * 32 / bits]; value j
-    of a word is column `order[j]` of its run (in order when None)."""
-    per = 32 // bits
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, device=words.device) * bits
-    vals = (w[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)  # [R, C, per]: value j
-    if order is not None:
-        vals = vals[:, :, torch.tensor([order.index(c) for c in range(per)], device=words.device)]
-    return vals.reshape(words.shape[0], -1)
-
-
-def packed_shapes(cfg: PrequantConfig, n: int, k: int) -> dict[str, tuple[int, ...]]:
-    """A linear's packed tensors (name suffix -> shape) of N outputs over K inputs in `cfg`'s format."""
+def stored_tensors(cfg: "PrequantConfig | CompressedConfig", n: int, k: int) -> Stored:
+    """A linear's stored tensors (name suffix -> shape and dtypes) of N outputs over K inputs in `cfg`'s format."""
+    if isinstance(cfg, CompressedConfig):
+        return ct.stored_tensors(cfg, n, k)
     g, per = cfg.group_of(k), 32 // cfg.bits
     if cfg.method == "gptq":
-        return {"qweight": (k // per, n), "qzeros": (k // g, n // per), "scales": (k // g, n), "g_idx": (k,)}
-    return {"qweight": (k, n // per), "qzeros": (k // g, n // per), "scales": (k // g, n)}
+        return {"qweight": ((k // per, n), ("I32",)), "qzeros": ((k // g, n // per), ("I32",)),
+                "scales": ((k // g, n), FLOATS), "g_idx": ((k,), ("I32",))}
+    return {"qweight": ((k, n // per), ("I32",)), "qzeros": ((k // g, n // per), ("I32",)), "scales": ((k // g, n), FLOATS)}
 
 
-def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], source: str) -> None:
-    if tuple(t.shape) != shape:
-        raise FlashgenError(f"{source}: tensor {name} has shape {list(t.shape)}, the quantization_config "
-                            f"implies {list(shape)}")
-
-
-def read_linear(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: PrequantConfig, n: int, k: int,
-                source: str) -> IntWeight:
+def read_linear(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: "PrequantConfig | CompressedConfig", n: int,
+                k: int, source: str) -> "IntWeight | ct.ScaledWeight":
     """The linear `prefix` (e.g. `model.layers.0.mlp.down_proj.`) of N outputs over K inputs, read from
-    its packed tensors; a tensor missing or of a shape the config does not imply is refused by name."""
+    its stored tensors; a tensor missing or of a shape the config does not imply is refused by name."""
+    if isinstance(cfg, CompressedConfig):
+        return ct.read_linear(tensors, prefix, cfg, n, k, source)
     g = cfg.group_of(k)
     if k % g:
         raise FlashgenError(f"{source}: group size {g} does not divide {prefix}'s {k} inputs")
     per = 32 // cfg.bits
     if n % per or (cfg.method == "gptq" and k % per):
         raise FlashgenError(f"{source}: {prefix} has {n} outputs and {k} inputs, which {per}-value words do not pack")
-    for name, shape in packed_shapes(cfg, n, k).items():
-        if prefix + name not in tensors:
-            raise FlashgenError(f"{source}: tensor {prefix}{name} is missing")
-        _expect(prefix + name, tensors[prefix + name], shape, source)
+    check_stored(tensors, prefix, {x: shape for x, (shape, _) in stored_tensors(cfg, n, k).items()}, source)
     qweight, qzeros, scales = (tensors[prefix + x] for x in ("qweight", "qzeros", "scales"))
     if cfg.method == "gptq":
-        codes = _unpack_along_rows(qweight, cfg.bits).T
-        zeros = _unpack_along_cols(qzeros, cfg.bits).T + (1 if cfg.zeros_less_one else 0)
-        perm = _act_order(tensors[prefix + "g_idx"], prefix, k, g, source)
+        codes = unpack_rows(qweight, cfg.bits).T
+        zeros = unpack_cols(qzeros, cfg.bits).T + (1 if cfg.zeros_less_one else 0)
+        perm = act_order(tensors[prefix + "g_idx"], prefix, k, g, source)
     else:
-        codes = _unpack_along_cols(qweight, 4, AWQ_ORDER).T
-        zeros = _unpack_along_cols(qzeros, 4, AWQ_ORDER).T
+        codes = unpack_cols(qweight, 4, AWQ_ORDER).T
+        zeros = unpack_cols(qzeros, 4, AWQ_ORDER).T
         perm = None
     return IntWeight(codes.to(torch.uint8).contiguous(), scales.T.contiguous(), zeros.to(torch.uint8).contiguous(),
                      g, perm)
 
 
-def _act_order(g_idx: torch.Tensor, prefix: str, k: int, g: int, source: str) -> torch.Tensor | None:
-    """act-order's k permutation into contiguous groups, or None where g_idx is the plain k // G."""
-    idx = g_idx.to(torch.int64)
-    counts = torch.bincount(idx, minlength=k // g) if idx.numel() and idx.min() >= 0 else None
-    if counts is None or counts.numel() != k // g or bool((counts != g).any()):
-        raise FlashgenError(f"{source}: tensor {prefix}g_idx does not give each of the {k // g} groups {g} inputs")
-    if torch.equal(idx, torch.arange(k, device=idx.device) // g):
-        return None
-    return torch.argsort(idx, stable=True)
-
-
-def mode_of(cfg: PrequantConfig) -> str:
-    """The decoder's linear mode for a pre-quantized checkpoint: int4 codes run as w4a16 (zero points
-    and act-order included); 8-bit GPTQ only as w8a16, whose int8 GEMM takes per-channel symmetric
-    weights (model_config refuses other 8-bit checkpoints)."""
+def mode_of(cfg: "PrequantConfig | CompressedConfig") -> str:
+    """The decoder's linear mode for a pre-quantized checkpoint: GPTQ's and AWQ's int4 codes run as
+    w4a16 (zero points and act-order included); 8-bit GPTQ only as w8a16, whose int8 GEMM takes
+    per-channel symmetric weights (model_config refuses other 8-bit checkpoints); compressed-tensors as
+    its scheme says (runtime/compressed_tensors.py)."""
+    if isinstance(cfg, CompressedConfig):
+        return cfg.mode
     return "w4a16" if cfg.bits == 4 else "w8a16"
 
 
-def quant_linear(parts: list[IntWeight], cfg: PrequantConfig, dtype: torch.dtype, name: str) -> QuantLinear:
+def quant_linear(parts: list, cfg: "PrequantConfig | CompressedConfig", dtype: torch.dtype, name: str) -> QuantLinear:
     """One decoder linear (q|k|v, gate|up or alone) from the checkpoint's linears stacked along N, in
     flashgen's layouts: int4 codes repacked (`pack_int4`, in act-order's group order), scales in the
-    decoder's dtype, zero points as int8; 8-bit codes less 128 as int8 with per-channel scales. Stacked
-    linears must share the act-order permutation (they read the same x)."""
+    decoder's dtype, zero points as int8 (w4a16), or with fp32 per-channel scales and no zero points
+    (w4a8: the codes' zero points are 8); 8-bit codes less 128 as int8 with per-channel scales. Stacked
+    linears must share the act-order permutation (they read the same x). compressed-tensors' int8 and
+    e4m3 values as they are (`compressed_tensors.scaled_linear`)."""
+    if isinstance(parts[0], ct.ScaledWeight):
+        return ct.scaled_linear(parts, mode_of(cfg), dtype)
     perms = [p.perm for p in parts]
     if any((a is None) != (perms[0] is None) or (a is not None and not torch.equal(a, perms[0])) for a in perms):
         raise FlashgenError(f"{name}: the linears stacked here have different act-order permutations (g_idx); "
@@ -197,9 +171,16 @@ def quant_linear(parts: list[IntWeight], cfg: PrequantConfig, dtype: torch.dtype
         if bool((zeros != 128).any()):
             raise FlashgenError(f"{name}: 8-bit zero points other than 128: w8a16 takes symmetric weights only")
         q.w8, q.w8_scale = (codes.to(torch.int16) - 128).to(torch.int8), scales[:, 0].float().contiguous()
+    elif mode_of(cfg) == "w4a8":  # (per channel, symmetric: compressed_tensors.parse_config)
+        q.w4, q.w4a8_scale = pack_int4(codes), scales[:, 0].float().contiguous()
+        if codes.device.type != "cuda":
+            q.w4a8_int8 = (codes.to(torch.int16) - 8).to(torch.int8)
     else:
         ordered = codes if perms[0] is None else codes[:, perms[0]]
-        q.w4, q.w4_scales, q.w4_zeros = pack_int4(ordered), scales.to(dtype), zeros.to(torch.int8)
-    if codes.device.type != "cuda":  # the CPU multiplies the dequantized weight, in the checkpoint's k order
+        q.w4, q.w4_scales = pack_int4(ordered), scales.to(dtype)
+        if bool((zeros != 8).any()):  # (all 8: the symmetric kernel, which reads no zero points)
+            q.w4_zeros = zeros.to(torch.int8)
+    if codes.device.type != "cuda" and q.w4a8_int8 is None:  # the CPU multiplies the dequantized weight,
+        # in the checkpoint's k order
         q.weight = cpu_weight(torch.cat([p.dequantize() for p in parts]).to(dtype))
     return q

@@ -17,7 +17,8 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.prequant import packed_shapes
+from flashgen.runtime.int_weight import shape_fits
+from flashgen.runtime.prequant import LINEARS, stored_tensors
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; the decoder derives them
@@ -46,11 +47,8 @@ def moe_names(c: ModelConfig, layer: int) -> MoeNames:
                     p + "shared_expert_gate.weight")
 
 
-# The linears a pre-quantized checkpoint stores packed (the embeddings, norms and head stay float),
-# and the names of its int32 tensors.
-PREQUANT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-PACKED_SUFFIXES = (".qweight", ".qzeros", ".g_idx")
+DTYPE_WORDS = {"I32": "the packed int32 (I32)", "I64": "int64 (I64)", "I8": "int8 (I8)",
+               "F8_E4M3": "float8 e4m3 (F8_E4M3)"}
 
 
 def _mlp_shapes(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -76,6 +74,12 @@ def _mlp_shapes(c: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the decoder reads for `c`, by checkpoint name."""
+    return {name: shape for name, (shape, _) in expected_tensors(c).items()}
+
+
+def expected_tensors(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Every tensor the decoder reads for `c`, by checkpoint name: its shape and the safetensors
+    dtypes it may be stored in (float, but for a pre-quantized checkpoint's linears)."""
     h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     out = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -93,11 +97,14 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.o_proj.bias"] = (h,)
         if c.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
-        if c.prequant is not None:  # each linear's weight as its packed tensors (runtime/prequant.py)
-            for lin in PREQUANT_LINEARS:
-                n, k = out.pop(p + lin + ".weight")
-                out.update({f"{p}{lin}.{x}": shape for x, shape in packed_shapes(c.prequant, n, k).items()})
-    return out
+    tensors = {name: (shape, FLOAT_DTYPES) for name, shape in out.items()}
+    if c.prequant is not None:  # each linear's weight as its stored tensors (runtime/prequant.py)
+        for i in range(c.num_layers):
+            for lin in LINEARS:
+                name = f"model.layers.{i}.{lin}"
+                n, k = tensors.pop(name + ".weight")[0]
+                tensors.update({f"{name}.{x}": form for x, form in stored_tensors(c.prequant, n, k).items()})
+    return tensors
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -140,18 +147,17 @@ def _headers(shards: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]
 def check_weights(folder: str | Path, c: ModelConfig) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """The checkpoint's tensors, each checked against what `c` implies (module docstring)."""
     found = _headers(_shards(Path(folder)))
-    want = expected_shapes(c)
-    for name, shape in want.items():
+    want = expected_tensors(c)
+    for name, (shape, dtypes) in want.items():
         if name not in found:
             raise FlashgenError(f"{folder}: tensor {name} (shape {list(shape)}) is missing")
         path, dtype, got = found[name]
-        if got != shape:
+        if not shape_fits(got, shape):
             raise FlashgenError(f"{path.name}: tensor {name} has shape {list(got)}, the config implies {list(shape)}")
-        if name.endswith(PACKED_SUFFIXES):
-            if dtype != "I32":
-                raise FlashgenError(f"{path.name}: tensor {name} is {dtype}, not the packed int32 (I32) its format stores")
-        elif dtype not in FLOAT_DTYPES:
-            raise FlashgenError(f"{path.name}: tensor {name} is {dtype}, not a float tensor (F32, F16, BF16)")
+        if dtype not in dtypes:
+            words = "a float tensor (F32, F16, BF16)" if dtypes == FLOAT_DTYPES else \
+                " or ".join(DTYPE_WORDS[d] for d in dtypes) + " as its format stores"
+            raise FlashgenError(f"{path.name}: tensor {name} is {dtype}, not {words}")
     extra = sorted(n for n in found if n not in want and not n.endswith(IGNORED_SUFFIXES)
                    and not (c.tie_word_embeddings and n == "lm_head.weight"))
     if extra:
@@ -159,9 +165,10 @@ def check_weights(folder: str | Path, c: ModelConfig) -> dict[str, tuple[Path, s
         raise FlashgenError(f"{found[extra[0]][0].name}: tensor {', '.join(extra[:3])}{more} is not in the model "
                             f"its config describes ({c.num_layers} layers, biases: qkv={c.qkv_bias}, o={c.o_bias}, "
                             f"mlp={c.mlp_bias}): the decoder would ignore it")
-    if c.tie_word_embeddings and "lm_head.weight" in found and found["lm_head.weight"][2] != want["model.embed_tokens.weight"]:
+    embed = want["model.embed_tokens.weight"][0]
+    if c.tie_word_embeddings and "lm_head.weight" in found and found["lm_head.weight"][2] != embed:
         raise FlashgenError(f"{found['lm_head.weight'][0].name}: tensor lm_head.weight has shape "
-                            f"{list(found['lm_head.weight'][2])}, the config implies {list(want['model.embed_tokens.weight'])}")
+                            f"{list(found['lm_head.weight'][2])}, the config implies {list(embed)}")
     return found
 
 

@@ -1,8 +1,10 @@
 """Pre-quantized checkpoints end to end: a tiny random Llama's linears quantized here (asymmetric int4
 in groups of 32, or 8-bit per channel), packed as GPTQ (with and without act-order) and AWQ store
-them, written as a Hugging Face folder with its quantization_config; the decoder's logits against
-transformers running the same model with the dequantized weights, and the refusals of malformed
-folders, each naming the tensor."""
+them, or stored as compressed-tensors does (int8 W8A8 and W8A16, e4m3 FP8, packed W4A16 with
+act-order, W4A8), written as a Hugging Face folder with its quantization_config; the decoder's logits
+against transformers running the same model with the dequantized weights (and, for schemes that
+quantize activations, each linear's input quantized per token as the scheme says), and the refusals
+of malformed folders, each naming the tensor."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,9 @@ from flashgen.runtime.weights import ModelConfig, load_weights  # noqa: E402
 from flashgen.runtime.prequant import AWQ_ORDER  # noqa: E402
 from tests.prefill import prefill_logits  # noqa: E402
 from tests.test_decoder import COMMON, PROMPTS  # noqa: E402
+from tests.test_compressed_tensors import FP8, INT8, scheme, weights  # noqa: E402
 from tests.test_prequant import pack_cols, pack_rows  # noqa: E402
+from flashgen.oplib._common import quantize_ref  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -29,12 +33,44 @@ FORMATS = {  # name -> quantization_config
     "gptq-8bit": {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True, "desc_act": False,
                   "checkpoint_format": "gptq_v2"},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True},
+    "ct-w8a8": scheme("int-quantized", weights(8, "channel"), INT8),
+    "ct-w8a16-tensor": scheme("int-quantized", weights(8, "tensor"), None),
+    "ct-fp8": scheme("float-quantized", weights(8, "channel", "float"), FP8),
+    "ct-w4a16-act-order": scheme("pack-quantized", weights(4, "group", group=32, actorder="group")),
+    "ct-w4a8": scheme("pack-quantized", weights(4, "channel"), INT8),
 }
+MODE = {"gptq-8bit": "w8a16", "ct-w8a8": "w8a8", "ct-w8a16-tensor": "w8a16", "ct-fp8": "fp8", "ct-w4a8": "w4a8"}
+ACTIVATIONS = {"ct-w8a8": "int8", "ct-fp8": "fp8e4m3", "ct-w4a8": "int8"}  # per-token quantized inputs
+
+
+def ct_quantize(w: torch.Tensor, qc: dict, order: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A [N, K] weight's tensors as compressed-tensors stores them in `qc`'s scheme (module docstring of
+    runtime/compressed_tensors.py), and the float weight they stand for."""
+    fmt, args = qc["format"], qc["config_groups"]["group_0"]["weights"]
+    n, k, wd = *w.shape, w.double()
+    if fmt != "pack-quantized":
+        qmax = 448.0 if fmt == "float-quantized" else 127.0
+        amax = wd.abs().amax(1, keepdim=True) if args["strategy"] == "channel" else wd.abs().amax().reshape(1)
+        s = (amax / qmax).to(torch.bfloat16)
+        v = wd / s.double().reshape(-1, 1)
+        v = v.to(torch.float8_e4m3fn) if fmt == "float-quantized" else torch.round(v).clamp(-128, 127).to(torch.int8)
+        return {"weight": v, "weight_scale": s}, (v.double() * s.double().reshape(-1, 1)).float()
+    g = args["group_size"] or k
+    g_idx = order // g if args["actorder"] == "group" else torch.arange(k) // g
+    s = torch.stack([wd[:, g_idx == j].abs().amax(1) for j in range(k // g)], 1) / 7  # [N, K/G]
+    s = s.half()
+    q = torch.round(wd / s.double()[:, g_idx]).clamp(-8, 7).long()
+    out = {"weight_packed": pack_cols(q + 8, 4), "weight_scale": s, "weight_shape": torch.tensor([n, k])}
+    if args["actorder"] == "group":
+        out["weight_g_idx"] = g_idx.to(torch.int32)
+    return out, (q.double() * s.double()[:, g_idx]).float()
 
 
 def quantize(w: torch.Tensor, qc: dict, order: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A [N, K] weight's packed tensors in `qc`'s format, and the float weight they stand for; act-order
     takes the k in `order` into groups (GPTQ orders by its Hessian: one order for the linears of one x)."""
+    if qc["quant_method"] == "compressed-tensors":
+        return ct_quantize(w, qc, order)
     bits, n, k = qc["bits"], *w.shape
     g = k if qc["group_size"] == -1 else qc["group_size"]
     g_idx = (order // g if qc.get("desc_act") else torch.arange(k) // g)
@@ -88,20 +124,33 @@ def quantized(request, tmp_path_factory):
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval()
     hf.config._attn_implementation = "eager"
     folder = write_quantized(hf, FORMATS[request.param], tmp_path_factory.mktemp(request.param))
+    if request.param in ACTIVATIONS:  # the reference quantizes each linear's input per token, as the scheme says
+        qdtype = ACTIVATIONS[request.param]
+        for i in range(hf.config.num_hidden_layers):
+            for lin in LINEARS:
+                hf.get_submodule(f"model.layers.{i}.{lin}").register_forward_pre_hook(
+                    lambda mod, args: tuple(_fake_quant(a, qdtype) for a in args))
     return request.param, hf, folder
+
+
+def _fake_quant(x: torch.Tensor, qdtype: str) -> torch.Tensor:
+    q, s = quantize_ref(x.double(), qdtype)
+    return (q * s[..., None]).to(x.dtype)
 
 
 def test_logits_match_the_dequantized_model(quantized):
     kind, hf, folder = quantized
     c = ModelConfig.from_folder(folder)
     model = Decoder(c, load_weights(folder))
-    assert model.quant == ("w8a16" if kind == "gptq-8bit" else "w4a16")
+    mode = MODE.get(kind, "w4a16")
+    assert model.quant == mode
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0]
     got = prefill_logits(model, PROMPTS[1])
-    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4, kind
-    with pytest.raises(FlashgenError, match=r"checkpoint computes as w(4|8)a16, not w8a8"):
-        Decoder(c, load_weights(folder), quant="w8a8")
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4, kind  # (the unquantized inputs: 7e-3 or more off)
+    other = "w4a8" if mode != "w4a8" else "w8a8"
+    with pytest.raises(FlashgenError, match=rf"checkpoint computes as {mode}, not {other}"):
+        Decoder(c, load_weights(folder), quant=other)
 
 
 @pytest.mark.gpu
@@ -120,10 +169,13 @@ def test_malformed_folders_are_refused_by_name(quantized, tmp_path):
     from safetensors.torch import load_file, save_file
     kind, _, folder = quantized
     t = load_file(str(folder / "model.safetensors"))
-    name = "model.layers.1.mlp.down_proj.qweight"
+    name = next(f"model.layers.1.mlp.down_proj.{x}" for x in ("qweight", "weight_packed", "weight")
+                if f"model.layers.1.mlp.down_proj.{x}" in t)
+    stored = {"I32": "the packed int32", "I8": "int8", "F8_E4M3": "float8 e4m3"}
+    dtype = {torch.int32: "I32", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}[t[name].dtype]
     for edit, match in ((lambda d: d.pop(name), rf"tensor {name} \(shape \[\d+, \d+\]\) is missing"),
                         (lambda d: d.update({name: d[name][:, :4].contiguous()}), rf"tensor {name} has shape"),
-                        (lambda d: d.update({name: d[name].float()}), rf"tensor {name} is F32, not the packed int32")):
+                        (lambda d: d.update({name: d[name].float()}), rf"tensor {name} is F32, not {stored[dtype]}")):
         d = dict(t)
         edit(d)
         bad = tmp_path / "bad"

@@ -151,8 +151,8 @@ def test_linear_takes_its_norm_gate_and_residual_on_cpu():
 
 
 def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
-    """On the CPU, w8a8 and w4a8 compute as gemm_w8a8 and gemm_w4a8 do (x quantized per token, int32
-    sums scaled per token and per channel), not as the weight-only modes; mixed runs, call by call, the
+    """On the CPU, w8a8, w4a8 and fp8 compute as gemm_w8a8, gemm_w4a8 and gemm_fp8 do (x quantized per
+    token, the sums scaled per token and per channel), not as the weight-only modes; mixed runs, call by call, the
     mode its chooser picks for M."""
     from flashgen.oplib._common import quantize_ref
     from flashgen.quant import quantize_w4a8
@@ -178,6 +178,16 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
         assert rel(y4, xk.double() @ wk.double().T + b.double()) < 0.2  # 4-bit weights' rounding
     assert fallbacks == {"w8a8 linear (torch on int8 product of per-token int8 activations on cpu)",
                          "w4a8 linear (torch on int8 product of per-token int8 activations on cpu)"}
+
+    # fp8 as gemm_fp8 computes: e4m3 activations per token times e4m3 weights per channel
+    from flashgen.quant import quantize_fp8
+    for m in (1, 5):
+        xm, f8 = x[:m], set()
+        xq, xs = quantize_ref(xm.double(), "fp8e4m3")
+        y8 = apply(xm, prepare(w, "fp8"), "fp8", b, f8)
+        assert rel(y8, (xq * xs[:, None]) @ quantize_fp8(w).dequantize().T + b.double()) < 1e-5
+        assert 1e-3 < rel(y8, xm.double() @ w.double().T + b.double()) < 0.1  # e4m3's 3-bit mantissas
+        assert f8 == {"fp8 linear (torch on fp8e4m3 product of per-token fp8e4m3 activations on cpu)"}
 
     picks, mixed = [], set()
     qm = prepare(w, "mixed")
