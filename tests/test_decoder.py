@@ -139,7 +139,7 @@ def test_cli_generate_streams_text(checkpoint, tmp_path, capsys):
 
 
 # (mixed picks w4a16 for these few rows, measuring nothing on the cpu: below the M = 64 crossover)
-@pytest.mark.parametrize("quant, tol", [("w8a16", 0.05), ("w4a16", 0.35), ("w8a8", 0.05), ("w4a8", 0.35), ("mixed", 0.35)])
+@pytest.mark.parametrize("quant, tol", [("w8a16", 0.05), ("w4a16", 0.35), ("w8a8", 0.05), ("w4a8", 0.35), ("fp8", 0.1), ("mixed", 0.35)])
 def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
     """RTN-quantized linears change the logits by about the quantization error, not more."""
     _, _, folder = checkpoint

@@ -525,7 +525,7 @@ def test_decoder_cuda_graphs_match_eager():
     assert [o[:len(s)] for o, s in zip(whole[0], stopped[0])] == stopped[0] and len(stopped[0][1]) <= 5
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w4a16", "w8a8", "w4a8", "mixed"])
+@pytest.mark.parametrize("mode", ["w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed"])
 def test_quantized_linear_on_gpu(mode):
     """A layer quantized on the GPU (no dequantized copy kept there) against the same weight quantized
     on the CPU and multiplied by torch: the same codes and scales, products within the dtype's error."""
@@ -537,9 +537,10 @@ def test_quantized_linear_on_gpu(mode):
     x = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
     dev, cpu = prepare(w.to(DEVICE), mode), prepare(w, mode)
     assert dev.weight is None and dev.shape == (384, 512)
-    for name in ("w4", "w4_scales", "w8", "w8_scale", "w4a8_scale", "w4a8_group"):
+    for name in ("w4", "w4_scales", "w8", "w8_scale", "w4a8_scale", "w4a8_group", "f8", "f8_scale"):
         a, b = getattr(dev, name), getattr(cpu, name)
-        assert (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b)), name
+        bits = (lambda t: t.view(torch.uint8)) if name == "f8" else (lambda t: t)  # (torch.equal has no fp8)
+        assert (a is None) == (b is None) and (a is None or torch.equal(bits(a.cpu()), bits(b))), name
     # w4a8 on the CPU keeps its int8 operand; mixed the 4-bit weight's dequantized copy: mixed runs w4a8
     out = apply(x.to(DEVICE), dev, mode, None, set(), chooser=lambda n, k, m: "w4a8").float().cpu()
     weight = (cpu.weight.float() if cpu.weight is not None else cpu.w4a8_int8.float() * cpu.w4a8_scale[:, None]
