@@ -55,7 +55,7 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
         why = space.why_invalid(schedule)
         if why:
             raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: {why}")
-        return dict(schedule), "given"
+        return space.complete(schedule), "given"
     path = db.path if isinstance(db, Database) else Path(db) if db is not None else default_db_path()
     database = db if isinstance(db, Database) else Database(path, readonly=True) if path.exists() else None
     try:
@@ -65,7 +65,7 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
             database.close()
     if found is not None:
         rec, origin = found
-        return dict(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin})"
+        return space.complete(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin})"
     return space.default(), "analytic default"
 
 
