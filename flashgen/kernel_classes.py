@@ -21,7 +21,8 @@ Interfaces a record's modules provide (see docs/adding-a-kernel-class.md):
 - features: `FEATURE_NAMES` and `columns(wl, schedules, target) -> {name: array}`, including
   "_latency_us", the analytic latency estimate the search ranks by before any data exists;
 - generators: backend name ("triton", "tvm") -> "module:function", `function(wl, schedule)` returning
-  that backend's kernel source.
+  that backend's kernel source. A build may have more than one generator: the Triton build also
+  compiles Gluon sources, and a schedule's `backend` knob (SCHEDULE_BACKENDS) picks which writes it.
 """
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ from types import ModuleType
 from typing import Any, Callable, Mapping
 
 from flashgen.errors import FlashgenError
+
+
+# A schedule's `backend` knob: the generator of the Triton build that writes its kernel, by index.
+SCHEDULE_BACKENDS = ("triton", "gluon")
+
+
+def schedule_backend(schedule: Mapping[str, Any]) -> str:
+    """The generator a schedule asks for ("triton" where it has no `backend` knob)."""
+    return SCHEDULE_BACKENDS[int(schedule.get("backend", 0))]
 
 
 @dataclass(frozen=True)
@@ -67,7 +77,8 @@ CLASSES: dict[str, KernelClass] = {k.name: k for k in (
     KernelClass("pointwise", "flashgen.schedules.row_space", "flashgen.schedules.row_features", _ROW_GENERATORS,
                 reduces=False, tiles_cols=True),
     KernelClass("contraction", "flashgen.schedules.contraction_space", "flashgen.schedules.contraction_features",
-                {"triton": "flashgen.targets.triton.contraction:generate_contraction"}),
+                {"triton": "flashgen.targets.triton.contraction:generate_contraction",
+                 "gluon": "flashgen.targets.gluon.contraction:generate_contraction"}),
     KernelClass("attention", "flashgen.schedules.attention_space", "flashgen.schedules.attention_features",
                 {"triton": "flashgen.targets.triton.attention:generate_attention"}),
     KernelClass("moe", "flashgen.schedules.moe_space", "flashgen.schedules.moe_features",

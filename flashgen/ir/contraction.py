@@ -1,13 +1,14 @@
 """Analyses of a contraction workload's IR that both its schedule space and its code generators read:
-the Contract's extents, the operand dtype, int4 code forms and TMA-copyable operands."""
+the Contract's extents, the operand dtype, int4 code forms, TMA-copyable operands and outputs."""
 from __future__ import annotations
 
 import functools
 from typing import TYPE_CHECKING
 
+from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
-from flashgen.ir.op import Contract, eval_int
+from flashgen.ir.op import Contract, Store, eval_int
 from flashgen.quant import INT4_PERIOD
 
 if TYPE_CHECKING:
@@ -65,6 +66,20 @@ def tma_operands(wl: Workload) -> tuple[str, str] | None:
              and a.indices == (E.Index("r"), E.Index("k")) and b.indices == (E.Index("c"), E.Index("k"))
              and wl.tensor_dtype(a.tensor) == operand == wl.tensor_dtype(b.tensor))
     return (a.tensor, b.tensor) if plain and k % 16 == 0 else None
+
+
+def tma_output(wl: Workload) -> str | None:
+    """The output a TMA copy can write a whole tile of: the epilogue's one Store, of every (r, c) of a
+    2-D tensor, unmasked, overwriting, whose rows lie a multiple of 16 bytes apart (TMA clips the tile
+    at the tensor's edges); None where there is no such store."""
+    stores = [st for st in wl.op.body(wl.attr) if isinstance(st, Store)]
+    if len(stores) != 1:
+        return None
+    [st] = stores
+    if st.mask is not None or st.combine or st.indices != (E.Index("r"), E.Index("c")):
+        return None
+    n = eval_int(wl.op.tensors[st.tensor].shape[1], wl.dim)
+    return st.tensor if n * dtypes.BYTES[wl.tensor_dtype(st.tensor)] % 16 == 0 else None
 
 
 def operand_dtype(wl: Workload) -> str:

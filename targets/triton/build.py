@@ -67,7 +67,8 @@ def stride_hints(ks: KernelSource, wl: Workload) -> dict[str, bool]:
 
 
 def ast_source(ks: KernelSource, wl: Workload):
-    """Triton's description of what to compile: signature, baked constants, alignment promises."""
+    """Triton's description of what to compile: signature, baked constants, alignment promises (a
+    Gluon kernel's the same, in Gluon's source class, which `triton.compile` lowers from its layouts)."""
     import triton
 
     fn = load_function(ks)
@@ -85,6 +86,10 @@ def ast_source(ks: KernelSource, wl: Workload):
         else:
             signature[a.name] = "constexpr"
             constexprs[a.name] = a.value
+    if ks.dialect == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 

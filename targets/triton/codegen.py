@@ -15,7 +15,7 @@ from typing import Mapping
 
 from flashgen.ir import expr as E
 from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, refs
-from flashgen.kernel_classes import generator, kernel_class
+from flashgen.kernel_classes import generator, kernel_class, schedule_backend
 from flashgen.targets.triton.emit import (COMBINE, IDENTITY, REDUCE_FN, Emitter, KernelSource, Scope, grid_dependency, kernel_args,
                                           module_header)
 from flashgen.workload import Schedule, Workload, domain
@@ -126,8 +126,9 @@ def generate_rows(wl: Workload, schedule: Schedule) -> KernelSource:
 
 
 def generate(wl: Workload, schedule: Schedule) -> KernelSource:
-    """The Triton source of `wl` under `schedule`, by its class's generator."""
-    return generator(wl.op.kclass, "triton")(wl, schedule)
+    """The source of `wl` under `schedule`, by its class's generator: Triton's, or Gluon's where the
+    schedule's `backend` knob asks for it (targets/gluon)."""
+    return generator(wl.op.kclass, schedule_backend(schedule))(wl, schedule)
 
 
 def grid(ks: KernelSource, wl: Workload, rows: int | None = None, sm_count: int = 0,

@@ -61,7 +61,7 @@ class KernelSource:
     `tiles` rows x cols per program; cols tiled only when `tile_cols`; `flat` numbers every tile
     along one grid axis (the kernel maps program ids to tiles itself); `grid_z` programs more along
     the third grid axis (splits of one tile's work); a `persistent` kernel launches at most that many
-    programs per SM, each walking tiles until none are left."""
+    programs per SM, each walking tiles until none are left. Both dialects build and launch alike."""
     name: str
     source: str
     args: list[Arg]
@@ -73,6 +73,7 @@ class KernelSource:
     persistent: int = 0  # programs per SM when the kernel walks the tiles itself (0: one program per tile)
     seq_tiles: str = ""  # packed sequences: one more row tile per sequence of this dim (each may end in a part tile)
     slots: str = ""  # the row tiles repeated for each of min(this dim, rows) slots (moe's ids routing)
+    dialect: str = "triton"  # the source's language: "triton" (@triton.jit) or "gluon" (@gluon.jit, targets/gluon)
 
 
 @dataclass
@@ -94,7 +95,10 @@ class Scope:
 class Emitter:
     """Writes IR expressions as Triton: every non-trivial node becomes a temporary, emitted once. A
     temporary that holds a named IR value (a Let, a reduction) takes that name in the finished source
-    (`finish`), so the generated kernel reads like the op's description."""
+    (`finish`), so the generated kernel reads like the op's description. `unary` is the form of each
+    elementwise function (a dialect lacking one of Triton's writes it out)."""
+
+    unary: Mapping[str, str] = UNARY
 
     def __init__(self, op: Op, attrs: Mapping[str, str], lets: Mapping[str, E.Expr]):
         self.op, self.attrs, self.lets = op, attrs, lets
@@ -151,7 +155,7 @@ class Emitter:
         elif isinstance(e, E.Load):
             v = self.temp(scope, self.load(e, scope, raw))
         elif isinstance(e, E.Unary):
-            v = self.temp(scope, UNARY[e.fn].format(self.emit(e.x, scope)))
+            v = self.temp(scope, self.unary[e.fn].format(self.emit(e.x, scope)))
         elif isinstance(e, E.Binary):
             v = self.temp(scope, BINARY[e.op].format(self.emit(e.a, scope), self.emit(e.b, scope)))
         elif isinstance(e, E.Where):

@@ -21,14 +21,20 @@ from flashgen.targets.triton.emit import (Emitter, KernelSource, Scope, grid_dep
 from flashgen.workload import Schedule, Workload
 
 
-def _tile_walk(top: Scope, rows: str, cols: str, cmask: str | None) -> None:
-    """Tile pid's row and column tiles, `group_m` row tiles at a time along the grid's one axis (so
-    that programs running together share weight tiles in the L2), and its rows and columns."""
+def tile_order(top: Scope, ns: str = "tl") -> None:
+    """Tile pid's row and column tiles (`pid_m`, `pid_n`), `group_m` row tiles at a time along the
+    grid's one axis, so that programs running together share weight tiles in the L2; `ns` is the
+    language module's name in the generated source."""
     top.line("group = pid // (GROUP_M * tiles_n)")
     top.line("first_m = group * GROUP_M")
-    top.line("size_m = tl.minimum(tiles_m - first_m, GROUP_M)")
+    top.line(f"size_m = {ns}.minimum(tiles_m - first_m, GROUP_M)")
     top.line("pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m")
     top.line("pid_n = (pid % (GROUP_M * tiles_n)) // size_m")
+
+
+def _tile_walk(top: Scope, rows: str, cols: str, cmask: str | None) -> None:
+    """Tile pid's row and column tiles (`tile_order`), and its rows and columns."""
+    tile_order(top)
     top.line("r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
     top.line(f"rmask = r < {rows}")
     top.line("c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")

@@ -1,0 +1,148 @@
+"""The Gluon generator on a machine with no GPU: which schedules the space offers it, the source it
+writes, and ahead-of-time builds for sm_90 whose PTX holds what the kernel is made of (its numerics
+run on the device: tests/test_gpu.py `test_gluon_tiles_on_gpu`)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import flashgen
+from flashgen.errors import FlashgenError
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.targets import get_target
+
+SM90 = get_target("sm_90")
+
+
+def _schedule(wl, **over):
+    space = ScheduleSpace(wl, SM90)
+    s = {**space.default(), "split_k": 1, "persistent": 0, "tma": 0, "early_load": 0, "group_m": 8, "backend": 1,
+         **over}
+    assert space.is_valid(s), space.why_invalid(s)
+    return s
+
+
+@pytest.mark.parametrize("target", ["sm_80", "gfx942", "cpu"])
+def test_offered_on_sm90_only(target):
+    wl = flashgen.workload("gemm", M=256, N=4096, K=4096, dtype="bf16")
+    assert ScheduleSpace(wl, SM90).knobs()["backend"] == (0, 1)
+    if target != "cpu":
+        assert ScheduleSpace(wl, get_target(target)).knobs()["backend"] == (0,)
+
+
+def test_offered_for_plain_operands_only():
+    """A prologue on W (int4 codes) has no Gluon tile; the same weight dequantized first does."""
+    w4 = flashgen.workload("gemm_w4a16", M=4096, N=4096, K=4096, G=128, dtype="bf16")
+    space = ScheduleSpace(w4, SM90)
+    base = {**space.default(), "backend": 1, "ptx_unpack": 0, "operand_scale": 0, "persistent": 0, "tma": 0}
+    assert "no prologue" in space.why_invalid({**base, "dequant_first": 0, "dequant_chunks": 1})
+    staged = {**base, "dequant_first": 1, "block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8,
+              "num_stages": 3}
+    assert space.why_invalid(staged) is None
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"num_warps": 2, "block_m": 64}, "whole warpgroups"),
+    ({"num_warps": 8, "block_m": 64}, "whole warpgroups"),
+    ({"block_k": 128}, "128 bytes"),
+    ({"split_k": 2}, "unsplit"),
+    ({"persistent": 1, "producer_warps": 0}, "with a producer warp"),
+    ({"tma": 1}, "own TMA copies"),
+    ({"backend": 0, "producer_warps": 1}, "serve Gluon tiles"),
+    ({"backend": 0, "tma_store": 1}, "serve Gluon tiles"),
+])
+def test_rules_name_what_is_wrong(over, why):
+    wl = flashgen.workload("gemm", M=256, N=4096, K=4096, dtype="bf16")
+    space = ScheduleSpace(wl, SM90)
+    s = {**space.default(), "block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3,
+         "split_k": 1, "persistent": 0, "tma": 0, "backend": 1, **over}
+    assert why in (space.why_invalid(s) or ""), space.why_invalid(s)
+
+
+def test_int8_tiles_at_most_128_columns():
+    wl = flashgen.workload("gemm_w8a8", M=256, N=4096, K=4096, dtype="bf16")
+    space = ScheduleSpace(wl, SM90)
+    s = {**space.default(), "block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3,
+         "split_k": 1, "persistent": 0, "tma": 0, "backend": 1}
+    assert "at most 128 columns" in space.why_invalid(s)
+    assert space.why_invalid({**s, "block_n": 128}) is None
+
+
+def test_persistent_programs_walk_the_tiles():
+    """A persistent Gluon kernel launches at most `persistent` programs per SM, each looping over tiles."""
+    from flashgen.targets.triton.codegen import generate, grid
+
+    wl = flashgen.workload("gemm", M=4096, N=4096, K=4096, dtype="bf16")
+    s = _schedule(wl, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, producer_warps=1, persistent=1)
+    ks = generate(wl, s)
+    assert grid(ks, wl, sm_count=SM90.sm_count) == (SM90.sm_count, 1, 1)
+    assert grid(ks, wl, rows=128, sm_count=SM90.sm_count) == (16, 1, 1)  # fewer tiles than SMs: one each
+    assert "for pid in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):" in ks.source
+
+
+def test_sampled_space_holds_both_generators():
+    """Drawn at random as the search draws, valid schedules of both generators come out."""
+    wl = flashgen.workload("gemm", M=4096, N=6144, K=4096, dtype="bf16")
+    space = ScheduleSpace(wl, SM90)
+    rng, knobs = random.Random(0), space.knobs()
+    draws = ({name: rng.choice(values) for name, values in knobs.items()} for _ in range(20000))
+    points = [p for p in draws if space.is_valid(p)]
+    assert {p["backend"] for p in points} == {0, 1}
+    assert {p["producer_warps"] for p in points if p["backend"]} == {0, 1}
+
+
+@pytest.mark.parametrize("op, kw, tile", [
+    ("gemm", {"dtype": "bf16", "with_bias": "yes", "act": "silu"}, (128, 256, 64, 8, 3, 1)),
+    ("gemm", {"dtype": "fp16", "with_residual": "yes", "act": "gelu"}, (64, 128, 64, 4, 4, 0)),
+    ("gemm_w8a8", {"dtype": "bf16"}, (128, 128, 128, 8, 4, 1)),
+    ("gemm", {"dtype": "bf16"}, (128, 256, 64, 8, 3, 2)),
+    ("gemm_fp8", {"dtype": "bf16"}, (64, 256, 128, 4, 3, 0)),
+])
+def test_aot_build_for_sm90(op, kw, tile):
+    bm, bn, bk, warps, stages, walk = tile  # walk: 0 no producer warp, 1 one, 2 one with persistent programs
+    wl = flashgen.workload(op, M=300, N=1000, K=1024, **kw)
+    producer = int(walk > 0)
+    s = _schedule(wl, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, producer_warps=producer,
+                  persistent=int(walk == 2))
+    k = flashgen.compile(wl, SM90, schedule=s)
+    ptx = k.asm["ptx"]
+    assert k.binary[:4] == b"\x7fELF" and k.binary_kind == "cubin" and ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
+    mma = {"gemm": kw["dtype"].replace("fp16", "f16"), "gemm_w8a8": "s8", "gemm_fp8": "e4m3"}[op]
+    assert f".{mma}" in ptx.split("wgmma.mma_async", 1)[1].splitlines()[0]
+    assert ("setmaxnreg" in ptx) == bool(producer)  # a copy warp of few registers, MMA warps of many
+    assert "griddepcontrol.wait" in ptx  # programmatic dependent launch, as the Triton kernels
+    assert k.metadata["backend"] == "triton" and k.schedule["backend"] == 1
+    src = k.source
+    assert "@gluon.jit" in src and "tl." not in src
+    assert ("gl.warp_specialize" in src) == bool(producer)
+
+
+def test_tma_store_stages_the_output_tile():
+    """The output tile goes to shared memory (counted against it) and out by a TMA copy."""
+    wl = flashgen.workload("gemm", M=300, N=1000, K=1024, dtype="bf16", with_residual="yes")
+    s = _schedule(wl, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, producer_warps=1, tma_store=1)
+    k = flashgen.compile(wl, SM90, schedule=s)
+    assert "tma.async_copy_shared_to_global(y_desc" in k.source
+    assert k.asm["ptx"].count("cp.async.bulk.tensor") == 3  # A and W in, the output tile out
+    space = ScheduleSpace(wl, SM90)
+    assert "shared memory" in space.why_invalid({**s, "num_stages": 4})  # 4 x 48 KiB ring + 64 KiB tile
+    assert space.why_invalid({**s, "num_stages": 4, "tma_store": 0}) is None
+    odd = flashgen.workload("gemm", M=300, N=1001, K=1024, dtype="bf16")  # rows 2002 bytes apart
+    assert ScheduleSpace(odd, SM90).knobs()["tma_store"] == (0,)
+
+
+def test_gluon_and_triton_sources_are_different_artifacts():
+    wl = flashgen.workload("gemm", M=256, N=1024, K=1024, dtype="bf16")
+    tiles = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+    g = flashgen.compile(wl, SM90, schedule=_schedule(wl, **tiles))
+    t = flashgen.compile(wl, SM90, schedule=_schedule(wl, **tiles, backend=0))
+    assert g.metadata["cache_key"] != t.metadata["cache_key"] and "@triton.jit" in t.source
+
+
+def test_gluon_schedule_refused_where_it_cannot_build():
+    wl = flashgen.workload("gemm", M=256, N=1024, K=1024, dtype="bf16")
+    s = {**ScheduleSpace(wl, get_target("sm_80")).default(), "backend": 1}
+    with pytest.raises(FlashgenError, match="backend"):
+        flashgen.compile(wl, "sm_80", schedule=s)
