@@ -298,6 +298,34 @@ def test_tma_tiles_on_gpu(op, kw):
     _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 12)
 
 
+GLUON_CASES = [("gemm", {"with_bias": "yes", "act": "silu"}, "bf16"), ("gemm", {"with_residual": "yes", "act": "gelu"}, "fp16"),
+               ("gemm_w8a8", {}, "bf16"), ("gemm_fp8", {}, "bf16")]
+GLUON_TILES = [(64, 128, 64, 4, 3, 0, 0), (64, 128, 64, 4, 4, 1, 1), (128, 256, 64, 8, 3, 2, 1), (128, 128, 64, 8, 2, 0, 1),
+               (128, 256, 64, 8, 3, 1, 0)]
+
+
+@pytest.mark.parametrize("op, kw, dt", GLUON_CASES, ids=["gemm-bias-silu", "gemm-residual-gelu", "w8a8", "fp8"])
+@pytest.mark.parametrize("tile", GLUON_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("m", [100, 300])
+def test_gluon_tiles_on_gpu(op, kw, dt, tile, m):
+    """Gluon tiles (TMA ring, mbarriers, warpgroup MMA; with no producer warp, with one, with one and
+    persistent programs; one and two warpgroups; stores per thread or by TMA): tails on every side
+    (N=1000, K=1040 under 64- and 128-deep steps, M=100 and 300), twice; then replayed from a CUDA
+    graph captured with a different input."""
+    wl = flashgen.workload(op, M=m, N=1000, K=1024 if op == "gemm_fp8" else 1040, dtype=dt, **kw)
+    space = ScheduleSpace(wl, TARGET)
+    if space.knobs()["backend"] == (0,):
+        pytest.skip("the Gluon tiles build for sm_90")
+    bm, bn, bk, warps, stages, walk, tma_store = tile
+    bk = 128 if op != "gemm" else bk  # 1-byte operands: 128 bytes per row of a k step too
+    bn = min(bn, 128) if op == "gemm_w8a8" else bn  # (int8 tiles: at most 128 columns)
+    s = {**space.default(), "block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
+         "group_m": 8, "split_k": 1, "persistent": int(walk == 2), "tma": 0, "early_load": 0, "backend": 1,
+         "producer_warps": int(walk > 0), "tma_store": tma_store}
+    assert space.is_valid(s), space.why_invalid(s)
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 17)
+
+
 STAGED_CASES = [("gemm_w4a16", {"G": 128}, 1152, 1), ("gemm_w4a16", {"G": 80, "zp": "asym", "with_residual": "yes"}, 1040, 0),
                 ("gemm_w4a16", {"G": 1040, "group": "channel"}, 1040, 1), ("gemm_w8a16", {"with_bias": "yes"}, 1040, 1),
                 ("gemm_w4a8", {"G": 128}, 1152, 1)]
