@@ -21,7 +21,8 @@ from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
 KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k", "persistent", "tma",
-         "ptx_unpack", "early_load", "operand_scale", "dequant_first", "dequant_chunks", "backend", "producer_warps", "tma_store")
+         "ptx_unpack", "early_load", "operand_scale", "dequant_first", "dequant_chunks", "backend", "producer_warps", "tma_store",
+         "consumers")
 SIZES = KNOBS[:7]  # the knobs that are sizes or counts, never 0: also given as log2
 FEATURE_NAMES: tuple[str, ...] = (
     *KNOBS, *(f"log2_{k}" for k in SIZES),

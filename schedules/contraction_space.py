@@ -19,8 +19,10 @@ rows in 2, 4 or 8 chunks, each chunk's dequant overlapping the previous chunk's 
 Triton generator; 1: the Gluon one, targets/gluon: NVIDIA sm_90, operands TMA copies, a ring of
 num_stages mbarrier-guarded slots, asynchronous warpgroup MMA), producer_warps (Gluon: 1, a warp of
 its own issues the copies while the num_warps warps only issue MMAs and the epilogues, persistent or
-not; 0, the same warps do both, one tile per program), tma_store (Gluon, an output TMA can write:
-each tile's result goes to shared memory and a TMA copy writes it, while the next tile computes).
+not; 0, the same warps do both, one tile per program), consumers (Gluon, persistent, producer warp:
+2, two warpgroups of num_warps = 4 warps take turns at the program's tiles, so that one's epilogue
+runs while the other's MMAs do), tma_store (Gluon, an output TMA can write: each tile's result goes
+to shared memory and a TMA copy writes it, while the next tile computes).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split of a pipelined tile gets at least
@@ -41,7 +43,7 @@ from typing import Any
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
-from flashgen.ir.contraction import (MMA_MIN_ROWS, extents, int4_affine, operand_dtype,
+from flashgen.ir.contraction import (MMA_MIN_ROWS, WARPGROUP, WARPGROUP_ROWS, extents, int4_affine, operand_dtype,
                                      symmetric_block_groups, tma_operands, tma_output, whole_block_groups)
 from flashgen.ir.op import Let
 from flashgen.quant import INT4_PERIOD
@@ -56,7 +58,8 @@ GEMV_INT4_DEFAULT_M = 4  # int4 GEMV tiles cost ~4 instructions per code and row
 SPLIT_K_MIN_STEPS = 2  # k steps per split of a pipelined tile, at least: fewer leaves its pipeline empty
 # Knobs added after records existed, and the value a record without them was measured with.
 ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0,
-               "dequant_first": 0, "dequant_chunks": 1, "backend": 0, "producer_warps": 0, "tma_store": 0}
+               "dequant_first": 0, "dequant_chunks": 1, "backend": 0, "producer_warps": 0, "tma_store": 0,
+               "consumers": 1}
 MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 # From this M, a weight may be dequantized first (`dequant_first`): its round trip through memory (a
@@ -67,7 +70,6 @@ DEQUANT_FIRST_MIN_M = 512
 CHUNK_MIN_WAVES = 1.9  # tiles per SM that each chunk of a weight dequantized first keeps, by default
 DEQUANT_FIRST_DEFAULT_M = 2048  # and the default from here (measured: 5% of the staged 8192² GEMM at M = 4096)
 GLUON_ARCH = 90  # warpgroup MMA is sm_90's (sm_90a): the Gluon tiles build for it alone
-WARPGROUP_ROWS = 16  # rows of a warpgroup MMA per warp: a Gluon tile has 16 x num_warps rows or a multiple
 SWIZZLE_BYTES = 128  # a TMA copy into swizzled shared memory takes rows of at most this many bytes
 GLUON_INT8_MAX_N = 128  # Triton 3.6 lowers int8 warpgroup MMAs of at most 128 columns (256 fails to build)
 
@@ -96,7 +98,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
           "operand_scale": (0, 1) if target.vendor == "nvidia" and symmetric_block_groups(wl) else (0,),
           "backend": (0, 1) if gluon_target(target) and tma_operands(wl) else (0,),
           "producer_warps": (0, 1) if gluon_target(target) and tma_operands(wl) else (0,),
-          "tma_store": (0, 1) if gluon_target(target) and tma_operands(wl) and tma_output(wl) else (0,)}
+          "tma_store": (0, 1) if gluon_target(target) and tma_operands(wl) and tma_output(wl) else (0,),
+          "consumers": (1, 2) if gluon_target(target) and tma_operands(wl) else (1,)}
     dense = dequant_first_form(wl)
     if dense is None:
         return {**kn, "dequant_first": (0,), "dequant_chunks": (1,)}
@@ -119,8 +122,11 @@ def gluon_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
         return "Gluon tiles are unsplit, with their own TMA copies"
     if s["persistent"] and not s["producer_warps"]:
         return "persistent Gluon programs walk their tiles with a producer warp"
-    if s["num_warps"] % 4 or s["block_m"] % (WARPGROUP_ROWS * s["num_warps"]):
-        return (f"a Gluon tile is whole warpgroups (4 warps) of {WARPGROUP_ROWS} rows per warp: "
+    if s["consumers"] > 1 and not (s["producer_warps"] and s["persistent"] and s["num_warps"] == WARPGROUP):
+        return (f"{s['consumers']} consumers take turns at a persistent program's tiles, fed by a producer warp, "
+                f"one warpgroup ({WARPGROUP} warps) each")
+    if s["num_warps"] % WARPGROUP or s["block_m"] % (WARPGROUP_ROWS * s["num_warps"]):
+        return (f"a Gluon tile is whole warpgroups ({WARPGROUP} warps) of {WARPGROUP_ROWS} rows per warp: "
                 f"block_m={s['block_m']} with {s['num_warps']} warps")
     if s["block_k"] * operand_bytes(wl) > SWIZZLE_BYTES:
         return f"a Gluon k step copies rows of at most {SWIZZLE_BYTES} bytes"
@@ -203,8 +209,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         if chunks > 1 and n % (chunks * 16):  # (16 rows: every chunk's slices start on 16-byte boundaries)
             return f"N={n} does not split into {chunks} chunks of a multiple of 16 rows"
         return why_invalid(dequant_forms(wl, chunks)[1], target, {**s, "dequant_first": 0, "dequant_chunks": 1})
-    if (s["producer_warps"] or s["tma_store"]) and not s["backend"]:
-        return "producer warps and TMA stores serve Gluon tiles (backend 1)"
+    if (s["producer_warps"] or s["tma_store"] or s["consumers"] > 1) and not s["backend"]:
+        return "producer warps, consumer warpgroups and TMA stores serve Gluon tiles (backend 1)"
     if s["backend"]:
         why = gluon_invalid(wl, target, s)
         if why:
@@ -217,8 +223,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
     a_bytes, b_bytes = load_bytes(wl, s["block_k"])
     smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
-    if s["tma_store"]:  # the output tile, staged for its copy
-        smem += s["block_m"] * s["block_n"] * dtypes.BYTES[wl.tensor_dtype(tma_output(wl))]
+    if s["tma_store"]:  # the output tile, staged for its copy (one per consumer)
+        smem += s["consumers"] * s["block_m"] * s["block_n"] * dtypes.BYTES[wl.tensor_dtype(tma_output(wl))]
     limit = int(target.get("smem_per_block", 0))
     if smem > limit:
         return f"{smem} bytes of pipelined tiles exceed the {limit} bytes of shared memory"

@@ -51,6 +51,9 @@ def test_offered_for_plain_operands_only():
     ({"tma": 1}, "own TMA copies"),
     ({"backend": 0, "producer_warps": 1}, "serve Gluon tiles"),
     ({"backend": 0, "tma_store": 1}, "serve Gluon tiles"),
+    ({"backend": 0, "consumers": 2}, "serve Gluon tiles"),
+    ({"consumers": 2, "producer_warps": 1, "persistent": 0}, "take turns at a persistent program's tiles"),
+    ({"consumers": 2, "producer_warps": 1, "persistent": 1, "num_warps": 8, "block_m": 128}, "one warpgroup"),
 ])
 def test_rules_name_what_is_wrong(over, why):
     wl = flashgen.workload("gemm", M=256, N=4096, K=4096, dtype="bf16")
@@ -90,6 +93,7 @@ def test_sampled_space_holds_both_generators():
     points = [p for p in draws if space.is_valid(p)]
     assert {p["backend"] for p in points} == {0, 1}
     assert {p["producer_warps"] for p in points if p["backend"]} == {0, 1}
+    assert {p["consumers"] for p in points if p["backend"]} == {1, 2}
 
 
 @pytest.mark.parametrize("op, kw, tile", [
@@ -131,6 +135,26 @@ def test_tma_store_stages_the_output_tile():
     assert space.why_invalid({**s, "num_stages": 4, "tma_store": 0}) is None
     odd = flashgen.workload("gemm", M=300, N=1001, K=1024, dtype="bf16")  # rows 2002 bytes apart
     assert ScheduleSpace(odd, SM90).knobs()["tma_store"] == (0,)
+
+
+def test_two_consumers_take_turns():
+    """Two consumer warpgroups, each with its own output tile, alternate at a persistent program's
+    tiles: both issue warpgroup MMAs, a turn barrier orders their k loops, the copy warp feeds both."""
+    wl = flashgen.workload("gemm", M=2500, N=1000, K=1040, dtype="bf16", with_bias="yes")
+    tiles = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4, "producer_warps": 1,
+             "persistent": 1, "tma_store": 1}
+    one = flashgen.compile(wl, SM90, schedule=_schedule(wl, **tiles))
+    two = flashgen.compile(wl, SM90, schedule=_schedule(wl, **tiles, consumers=2))
+    src = two.source
+    assert "for q in range(first, tiles, 2):" in src and "mbarrier.wait(turn.index(first)" in src
+    assert src.count("(_mma_tiles, (") == 2 and "y_tile.index(1), turn, 1)" in src
+    # 2 m64 halves x 4 k16 steps per k step, in each consumer
+    assert two.asm["ptx"].count("wgmma.mma_async") == 2 * one.asm["ptx"].count("wgmma.mma_async") == 16
+    space = ScheduleSpace(wl, SM90)
+    s = _schedule(wl, **tiles, consumers=2)
+    wide = {**s, "block_m": 64, "block_n": 256, "num_stages": 5}
+    assert "shared memory" in space.why_invalid(wide)  # a 5 x 40 KiB ring + 2 x 32 KiB output tiles
+    assert space.why_invalid({**wide, "tma_store": 0}) is None
 
 
 def test_gluon_and_triton_sources_are_different_artifacts():

@@ -326,6 +326,29 @@ def test_gluon_tiles_on_gpu(op, kw, dt, tile, m):
     _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 17)
 
 
+PINGPONG_TILES = [(64, 128, 64, 4, 0), (64, 256, 64, 3, 1), (128, 128, 64, 4, 1)]
+
+
+@pytest.mark.parametrize("op, kw, dt", GLUON_CASES, ids=["gemm-bias-silu", "gemm-residual-gelu", "w8a8", "fp8"])
+@pytest.mark.parametrize("tile", PINGPONG_TILES, ids=lambda t: "x".join(map(str, t)))
+def test_gluon_consumers_take_turns_on_gpu(op, kw, dt, tile):
+    """Two consumer warpgroups taking turns at a persistent program's tiles (M=2500: more tiles than
+    programs, so every program has tiles for both, with a row tail; k steps beyond the ring's stages,
+    so the turns decide which phase of a slot each consumer awaits)."""
+    wl = flashgen.workload(op, M=2500, N=1000, K=1024 if op == "gemm_fp8" else 1040, dtype=dt, **kw)
+    space = ScheduleSpace(wl, TARGET)
+    if space.knobs()["backend"] == (0,):
+        pytest.skip("the Gluon tiles build for sm_90")
+    bm, bn, bk, stages, tma_store = tile
+    bk = 128 if op != "gemm" else bk
+    bn = min(bn, 128) if op == "gemm_w8a8" else bn
+    s = {**space.default(), "block_m": bm, "block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": stages,
+         "group_m": 8, "split_k": 1, "persistent": 1, "tma": 0, "early_load": 0, "backend": 1, "producer_warps": 1,
+         "tma_store": tma_store, "consumers": 2}
+    assert space.is_valid(s), space.why_invalid(s)
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 17)
+
+
 STAGED_CASES = [("gemm_w4a16", {"G": 128}, 1152, 1), ("gemm_w4a16", {"G": 80, "zp": "asym", "with_residual": "yes"}, 1040, 0),
                 ("gemm_w4a16", {"G": 1040, "group": "channel"}, 1040, 1), ("gemm_w8a16", {"with_bias": "yes"}, 1040, 1),
                 ("gemm_w4a8", {"G": 128}, 1152, 1)]

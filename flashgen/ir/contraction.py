@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 FLOAT16 = ("bf16", "fp16")
 MMA_MIN_ROWS = 16  # the fewest rows a matrix instruction takes: fewer rows are summed on the ALUs
+WARPGROUP = 4  # warps of a Hopper warpgroup, which issues one warpgroup MMA together
+WARPGROUP_ROWS = 16  # rows of a warpgroup MMA's tile per warp
 
 
 @functools.lru_cache(maxsize=256)

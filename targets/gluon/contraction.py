@@ -14,7 +14,7 @@ retired one step later (`warpgroup_mma_wait(1)`), so each overlaps the next step
 from __future__ import annotations
 
 from flashgen.ir import dtypes
-from flashgen.ir.contraction import operand_dtype, tma_operands, tma_output
+from flashgen.ir.contraction import WARPGROUP, WARPGROUP_ROWS, operand_dtype, tma_operands, tma_output
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
 from flashgen.targets.triton.contraction.kernel import tile_order
@@ -22,9 +22,8 @@ from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
 from flashgen.workload import Schedule, Workload
 
 GL = {"fp32": "gl.float32", "int32": "gl.int32"}
-MMA_ROWS_PER_WARP = 16  # a warpgroup MMA gives each of its four warps 16 rows of the tile
-WARPGROUP = 4
 PRODUCER_REGS = 40  # registers per thread of the copy warp (it holds only addresses and loop state)
+CONSUMER_REGS = 224  # and of a second consumer warpgroup: with the default one's 256 and the copy warp's 40, in 64K
 
 _MMA_STEP = ["s = it % STAGES",
              "mbarrier.wait(ready.index(s), (it // STAGES) & 1)",
@@ -45,12 +44,21 @@ def _block(indent: str, lines: list[str]) -> list[str]:
     return [indent + line for line in lines]
 
 
-def _tile_loop(scope: Scope) -> Scope:
+def _tile_loop(scope: Scope, consumers: int = 1) -> Scope:
     """The loop over the program's tiles (one, unless the program is persistent: then every
-    num_programs-th tile), their row and column offsets, and the ring's step count `it` across them."""
-    scope.line("it = 0  # k steps through the ring so far: its slot and phase")
-    scope.line(f"for pid in range({NS}.program_id(0), tiles_m * tiles_n, {NS}.num_programs(0)):")
-    inner = scope.child(scope.indent + "    ")
+    num_programs-th tile), their row and column offsets, and the ring's step count `it` across them.
+    With two consumers, consumer `first` takes every other tile of the program's sequence; the ring
+    position of its tile is where the copy warp, walking every tile, put it."""
+    if consumers == 1:
+        scope.line("it = 0  # k steps through the ring so far: its slot and phase")
+        scope.line(f"for pid in range({NS}.program_id(0), tiles_m * tiles_n, {NS}.num_programs(0)):")
+        inner = scope.child(scope.indent + "    ")
+    else:
+        scope.line(f"tiles = {NS}.cdiv(tiles_m * tiles_n - {NS}.program_id(0), {NS}.num_programs(0))  # the program's")
+        scope.line(f"for q in range(first, tiles, {consumers}):")
+        inner = scope.child(scope.indent + "    ")
+        inner.line(f"pid = {NS}.program_id(0) + q * {NS}.num_programs(0)")
+        inner.line("it = q * k_steps  # the ring steps of the program's tiles before this one")
     tile_order(inner, NS)
     inner.line("off_m = pid_m * BLOCK_M")
     inner.line("off_n = pid_n * BLOCK_N")
@@ -138,9 +146,10 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     operand = dtypes.TL[operand_dtype(wl)].replace("tl.", f"{NS}.")
     k_per_instr = 32 // dtypes.BYTES[operand_dtype(wl)]  # a warpgroup MMA reads 32 bytes of k per row
     acc_layout = (f"acc_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
-                  f"warps_per_cta=[{s['num_warps']}, 1], instr_shape=[{MMA_ROWS_PER_WARP}, BLOCK_N, {k_per_instr}])")
+                  f"warps_per_cta=[{s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_N, {k_per_instr}])")
     acc_dtype = GL[con.acc]
     sync = s["num_warps"] > WARPGROUP
+    consumers = s["consumers"]
     a, w = pair
 
     grid_dependency(top)
@@ -160,13 +169,20 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         top.line(f"{staged}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], {out_dt})")
         top.line(f"{staged}_desc = tma.make_tensor_descriptor({staged}_ptr, shape=[{shape}], strides=[{staged}_s0, 1], "
                  f"block_shape=[BLOCK_M, BLOCK_N], layout={staged}_layout)")
-        top.line(f"{staged}_tile = {NS}.allocate_shared_memory({out_dt}, [BLOCK_M, BLOCK_N], {staged}_layout)")
+        tiles = f"{consumers}, " if consumers > 1 else ""  # a tile per consumer
+        top.line(f"{staged}_tile = {NS}.allocate_shared_memory({out_dt}, [{tiles}BLOCK_M, BLOCK_N], {staged}_layout)")
     barriers = ("ready", "free") if s["producer_warps"] else ("ready",)
     for bar in barriers:
         top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [STAGES, 1], mbarrier.MBarrierLayout())")
     top.line(f"for i in {NS}.static_range(STAGES):")
     for bar in barriers:
         top.line(f"    mbarrier.init({bar}.index(i), count=1)")
+    if consumers > 1:
+        # A consumer's k loop starts once the other's has issued its waits: a ring slot's ready barrier
+        # is then never awaited more than one phase ahead.
+        top.line(f"turn = {NS}.allocate_shared_memory({NS}.int64, [{consumers}, 1], mbarrier.MBarrierLayout())")
+        top.line(f"for i in {NS}.static_range({consumers}):")
+        top.line("    mbarrier.init(turn.index(i), count=1)")
     top.line("fence_async_shared()  # the barriers are initialized before any copy signals them")
     helpers: list[str] = []
     if s["producer_warps"]:
@@ -176,15 +192,20 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         params = [x.name + (f": {NS}.constexpr" if x.kind == "constexpr" else "") for x in args]
         ring = ["a_ring", "w_ring", "ready", "free", "tiles_m", "tiles_n", "k_steps",
                 *([f"{staged}_desc", f"{staged}_tile"] if staged else [])]
-        helpers += ["@gluon.jit", f"def _mma_tiles({', '.join(params + ring)}):",
+        pingpong = ["turn", "first"] if consumers > 1 else []
+        helpers += ["@gluon.jit", f"def _mma_tiles({', '.join(params + ring + pingpong)}):",
                     "    # the MMA warps: each step's MMA runs while the next step's copy is awaited", f"    {acc_layout}"]
-        tile = _tile_loop(Scope(helpers, "    ", dict(top.axes)))
+        tile = _tile_loop(Scope(helpers, "    ", dict(top.axes)), consumers)
         tile.line(f"acc = {NS}.zeros([BLOCK_M, BLOCK_N], {acc_dtype}, acc_layout)")
+        if consumers > 1:
+            tile.line("mbarrier.wait(turn.index(first), ((q // 2) & 1) ^ (1 - first))  # the other's k loop is issued")
         tile.line("for ki in range(k_steps):")
         for line in [*_MMA_STEP, *(_SYNC if sync else []),
                      "mbarrier.arrive(free.index((it + STAGES - 1) % STAGES), pred=ki > 0)  # hand that slot back",
                      "it += 1"]:
             tile.line("    " + line)
+        if consumers > 1:
+            tile.line("mbarrier.arrive(turn.index(1 - first))  # its turn: this epilogue overlaps its MMAs")
         tile.line("acc = warpgroup_mma_wait(0, deps=[acc])")
         if sync:
             tile.line(_SYNC[0])
@@ -194,10 +215,15 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
             helpers.append("    tma.store_wait(0)  # the last tile's copy is done before the program ends")
         helpers += ["", ""]
         top.line(f"{NS}.warp_specialize([")
-        top.line(f"    (_mma_tiles, ({', '.join([x.name for x in args] + ring)})),")
+        mma_args = [x.name for x in args] + ring
+        for first in range(consumers):  # the default partition first; a second consumer is a worker
+            call = [a.replace(f"{staged}_tile", f"{staged}_tile.index({first})") for a in mma_args] if consumers > 1 else mma_args
+            top.line(f"    (_mma_tiles, ({', '.join(call + (['turn', str(first)] if consumers > 1 else []))})),")
         top.line("    (_load_tiles, (a_desc, w_desc, a_ring, w_ring, ready, free, tiles_m, tiles_n, k_steps, BLOCK_M, BLOCK_N,")
         top.line("                   BLOCK_K, GROUP_M, STAGES)),")
-        top.line(f"], [{s['producer_warps']}], [{PRODUCER_REGS}])")
+        warps = [s["num_warps"]] * (consumers - 1) + [s["producer_warps"]]
+        regs = [CONSUMER_REGS] * (consumers - 1) + [PRODUCER_REGS]
+        top.line(f"], {warps}, {regs})")
     else:
         helpers = _pipelined_tiles(sync)
         top.line(f"pid = {NS}.program_id(0)")
