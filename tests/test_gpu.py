@@ -370,6 +370,21 @@ def test_dequant_first_on_gpu(op, kw, k, tma, dt, chunks):
     _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 41)
 
 
+@pytest.mark.parametrize("op, kw, k, tma", STAGED_CASES, ids=[f"{o}-{len(kw)}-tma{t}" for o, kw, _, t in STAGED_CASES])
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_dequant_first_gluon_on_gpu(op, kw, k, tma, consumers):
+    """The dense GEMM on a weight dequantized first, as a Gluon tile (one persistent consumer with a
+    producer warp, or two taking turns), in 4 overlapped chunks; the same tails and replay."""
+    wl = flashgen.workload(op, M=600, N=960, K=k, dtype="fp16", **kw)
+    space = ScheduleSpace(wl, TARGET)
+    if space.knobs()["backend"] == (0,):
+        pytest.skip("the Gluon tiles build for sm_90")
+    s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4, "group_m": 8, "backend": 1,
+         "producer_warps": 1, "persistent": 1, "consumers": consumers, "dequant_first": 1, "dequant_chunks": 4}
+    assert space.is_valid(s), space.why_invalid(s)
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 43)
+
+
 ATTN_CASES = [flashgen.workload("paged_decode_attention", B=b, Hq=hq, Hkv=hkv, D=d, BS=16, NB=512, MAXB=64,
                                 L=length, dtype=dt, mod=mod)
               for b, length in ((1, 1000), (7, 333)) for hq, hkv, d in ((32, 8, 128), (8, 8, 64), (16, 2, 256))
