@@ -7,6 +7,7 @@ every knob holds one of its values, iteration over the valid points and the anal
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -37,6 +38,12 @@ class ScheduleSpace:
         return kernel_class(self.kclass).space_rules()
 
     def knobs(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._knobs)
+
+    @functools.cached_property
+    def _knobs(self) -> dict[str, tuple[int, ...]]:
+        """Computed once per space: every validity check reads them, and a search checks hundreds of
+        thousands of random draws."""
         knobs = dict(self.rules.knobs(self.workload, self.target))
         for name, value in self.fixed:
             if name not in knobs:
