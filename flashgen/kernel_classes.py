@@ -80,7 +80,8 @@ CLASSES: dict[str, KernelClass] = {k.name: k for k in (
                 {"triton": "flashgen.targets.triton.contraction:generate_contraction",
                  "gluon": "flashgen.targets.gluon.contraction:generate_contraction"}),
     KernelClass("attention", "flashgen.schedules.attention_space", "flashgen.schedules.attention_features",
-                {"triton": "flashgen.targets.triton.attention:generate_attention"}),
+                {"triton": "flashgen.targets.triton.attention:generate_attention",
+                 "gluon": "flashgen.targets.gluon.attention:generate_attention"}),
     KernelClass("moe", "flashgen.schedules.moe_space", "flashgen.schedules.moe_features",
                 {"triton": "flashgen.targets.triton.moe:generate_moe"}),
 )}

@@ -170,3 +170,83 @@ def test_gluon_schedule_refused_where_it_cannot_build():
     s = {**ScheduleSpace(wl, get_target("sm_80")).default(), "backend": 1}
     with pytest.raises(FlashgenError, match="backend"):
         flashgen.compile(wl, "sm_80", schedule=s)
+
+
+PREFILL = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "tma": 0, "backend": 1, "consumers": 2,
+           "pingpong": 1}
+
+
+def _prefill(d=128, dtype="bf16", mod="none", hq=32, hkv=8):
+    return flashgen.workload("flash_prefill_attention", T=1000, B=3, Hq=hq, Hkv=hkv, D=d, dtype=dtype, mod=mod)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "gfx942"])
+def test_prefill_offered_on_sm90_packed_only(target):
+    """The Gluon prefill serves packed sequences on sm_90; a prefix in a paged cache stays Triton's."""
+    knobs = ScheduleSpace(_prefill(), SM90).knobs()
+    assert knobs["backend"] == (0, 1) and knobs["consumers"] == (1, 2) and knobs["pingpong"] == (0, 1)
+    assert ScheduleSpace(_prefill(), get_target(target)).knobs()["backend"] == (0,)
+    chunked = flashgen.workload("chunked_prefill_attention", T=2000, B=5, Hq=32, Hkv=8, D=128, BS=16, NB=1024,
+                                MAXB=128, dtype="bf16")
+    assert ScheduleSpace(chunked, SM90).knobs()["backend"] == (0,)
+
+
+@pytest.mark.parametrize("wl, over, why", [
+    (_prefill(), {"block_m": 64}, "block_m = 64 x consumers"),
+    (_prefill(), {"num_warps": 8}, "one warpgroup"),
+    (_prefill(), {"tma": 1}, "own TMA copies"),
+    (_prefill(), {"consumers": 1, "block_m": 64}, "ping-pong takes two consumers"),
+    (_prefill(), {"num_stages": 1}, "num_stages >= 2"),
+    (_prefill(d=96), {}, "power-of-two head dims"),
+    (_prefill(d=256), {}, "registers"),
+    (_prefill(), {"backend": 0}, "serve the Gluon prefill"),
+])
+def test_prefill_rules_name_what_is_wrong(wl, over, why):
+    space = ScheduleSpace(wl, SM90)
+    assert why in (space.why_invalid({**PREFILL, **over}) or ""), space.why_invalid({**PREFILL, **over})
+
+
+def test_sampled_prefill_space_holds_both_generators():
+    space = ScheduleSpace(_prefill(), SM90)
+    rng, knobs = random.Random(0), space.knobs()
+    points = [p for p in ({k: rng.choice(v) for k, v in knobs.items()} for _ in range(5000)) if space.is_valid(p)]
+    assert {p["backend"] for p in points} == {0, 1}
+    assert {(p["consumers"], p["pingpong"]) for p in points if p["backend"]} == {(1, 0), (2, 0), (2, 1)}
+
+
+@pytest.mark.parametrize("d, dtype, mod, over", [
+    (128, "bf16", "none", {}),
+    (128, "fp16", "softcap", {"pingpong": 0}),
+    (64, "bf16", "alibi", {"block_n": 128}),
+    (128, "bf16", "window", {"consumers": 1, "block_m": 64, "pingpong": 0, "num_stages": 2, "block_n": 128}),
+])
+def test_prefill_aot_build_for_sm90(d, dtype, mod, over):
+    """The consumers' logits and weighted values are warpgroup MMAs on TMA-copied tiles, fed by a copy
+    warp of few registers; masks only where a key tile reaches the diagonal under the plain causal mask."""
+    wl = _prefill(d, dtype, mod)
+    s = {**PREFILL, **over}
+    assert ScheduleSpace(wl, SM90).why_invalid(s) is None
+    k = flashgen.compile(wl, SM90, schedule=s)
+    ptx, src = k.asm["ptx"], k.source
+    assert k.binary[:4] == b"\x7fELF" and ".target sm_90a" in ptx and "tl." not in src
+    assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    # per consumer: the first tile's logits, then each step's logits and values, then the last values;
+    # a [64, BLOCK_N] x D logits MMA is D / 16 instructions, a [64, D] x BLOCK_N values MMA BLOCK_N / 16
+    per = 2 * d // 16 + 2 * s["block_n"] // 16
+    assert len(mma) == s["consumers"] * per and all(f".{dtype.replace('fp16', 'f16')}" in x for x in mma)
+    assert src.count("(_attend_rows, (") == s["consumers"]
+    assert ("mbarrier.wait(turn.index(first)" in src) == bool(s["pingpong"])
+    assert ("if j * BLOCK_N + BLOCK_N > r0:" in src) == (mod != "window")
+    assert ("/ softcap)" in src) == (mod == "softcap")
+
+
+def test_prefill_programs_as_tritons():
+    """The Gluon prefill numbers its query tiles as the Triton kernel does: a grid over packed tiles."""
+    from flashgen.targets.triton.codegen import generate, grid
+
+    wl = _prefill()
+    g = generate(wl, PREFILL)
+    t = generate(wl, {**PREFILL, "backend": 0, "consumers": 1, "pingpong": 0, "num_warps": 8})
+    assert g.dialect == "gluon" and t.dialect == "triton"
+    assert grid(g, wl) == grid(t, wl) == (-(-1000 // 128) + 3, 32, 1)
