@@ -2,12 +2,14 @@
 enable_gqa) and the bandwidth / compute rooflines, side by side in one run on the current GPU.
 Each workload is tuned briefly first (analytic default, then the prior's best few).
 
-    python benchmarks/attention.py --db DB [--trials 6] [--part decode,prefill] [--rerank 4]
+    python benchmarks/attention.py --db DB [--trials 6] [--part decode,prefill] [--rerank 4] [--fix backend=1]
 
 Decode: Hq=32 Hkv=8 D=128, cache blocks of 16 tokens scattered at random, full contexts:
 B=32 L=4096, B=8 L=32768, B=1 L=131072 (the peer reads the same keys from a contiguous cache).
 Prefill, causal, H=32 D=128: B=4 S=4096, B=1 S=16384, and 8 sequences of 1k-16k tokens packed
-(the peer runs SDPA once per sequence).
+(the peer runs SDPA once on the [B, H, S, D] batch where the lengths are equal, else once per sequence).
+Where the space has more than one generator (sm_90 prefill: Triton and Gluon, the `backend` knob), the
+fastest recorded schedule of each is timed in the same run, and the row reports both.
 
 The tuner measures each candidate on the op's own random inputs (decode: contexts drawn from 1..L;
 prefill: random sequence lengths), which are not the inputs timed here (full contexts, the lengths
@@ -25,11 +27,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, bench_side_by_side, tuning_session, copy_gbs, environment, print_table, write_results  # noqa: E402
+from common import (RESULTS, bench_side_by_side, copy_gbs, environment, knob_values, print_table,  # noqa: E402
+                    tuning_session, write_results)
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.db.record import schedule_key  # noqa: E402
+from flashgen.kernel_classes import SCHEDULE_BACKENDS, schedule_backend  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.schedules.tuner import tune  # noqa: E402
@@ -68,8 +72,12 @@ def prefill_case(lengths: list[int], dev):
     v = torch.randn_like(k)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device=dev, dtype=torch.int32)
     ins = {"q": q, "k": k, "v": v, "cu_seqlens": cu}
-    seqs = [(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None])
-            for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    if len(set(lengths)) == 1:  # one batched call: [B, H, S, D] views of the packed tensors
+        b, n = len(lengths), lengths[0]
+        seqs = [tuple(x.view(b, n, x.shape[1], D).transpose(1, 2) for x in (q, k, v))]
+    else:
+        seqs = [(q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None])
+                for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
 
     def peer():
         for qq, kk, vv in seqs:
@@ -77,14 +85,15 @@ def prefill_case(lengths: list[int], dev):
     return wl, ins, peer
 
 
-def fastest_recorded(db: Database, wl: Workload, target: Target, space: ScheduleSpace, k: int) -> list[dict]:
+def fastest_recorded(db: Database, wl: Workload, target: Target, space: ScheduleSpace, k: int,
+                     backend: int | None = None) -> list[dict]:
     """The k fastest distinct valid schedules the database holds for the workload (a record older than a
-    knob read with its neutral value), fastest first."""
+    knob read with its neutral value), fastest first; only those of one generator, given `backend`."""
     seen, out = set(), []
     for r in sorted(db.records(wl.key, target.id, status="ok"), key=lambda r: r.latency_us):
         s = space.complete(r.schedule)
         key = schedule_key(s)
-        if key not in seen and space.is_valid(s):
+        if key not in seen and space.is_valid(s) and backend in (None, s.get("backend", 0)):
             seen.add(key)
             out.append(s)
     return out[:k]
@@ -110,7 +119,10 @@ def main() -> None:
                     "benchmark's inputs (1: the database's best as is)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="attention", help="result files: <out-dir>/<name>.json and .md")
+    ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
+                    help="tune only schedules with this knob value (repeatable); every generator's best is timed")
     args = ap.parse_args()
+    fixed = knob_values(args.fix)
     dev = torch.device("cuda")
     target = device_target(dev)
     bw = copy_gbs()
@@ -124,13 +136,19 @@ def main() -> None:
     rows = []
     with Database(args.db) as db, tuning_session(target) as session:
         for kind, name, wl, ins, peer in cases:
-            tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, **session)
-            candidates = (fastest_recorded(db, wl, target, ScheduleSpace(wl, target), max(1, args.rerank))
-                          or [flashgen.compile(wl, target, db=db).schedule])
-            kern, place = rerank([flashgen.compile(wl, target, schedule=c) for c in candidates], ins,
-                                 bytes_moved(wl), target.get("l2_bytes"))
-            out = kern.run(ins)
-            fns = {"flashgen": lambda: kern.run(ins, out)}
+            space = ScheduleSpace(wl, target)
+            tune(wl, target, db, args.trials, strategy="evolutionary", progress=None,
+                 fixed={k: v for k, v in fixed.items() if k in space.knobs()}, **session)
+            best = {}  # generator -> (its kernel fastest on these inputs, that kernel's place in the db's order)
+            for backend in space.knobs().get("backend", (0,)):
+                candidates = fastest_recorded(db, wl, target, space, max(1, args.rerank), backend)
+                if candidates:
+                    best[SCHEDULE_BACKENDS[backend]] = rerank([flashgen.compile(wl, target, schedule=c) for c in candidates],
+                                                              ins, bytes_moved(wl), target.get("l2_bytes"))
+            if not best:
+                kern = flashgen.compile(wl, target, db=db)
+                best[schedule_backend(kern.schedule)] = kern, 0
+            fns = {gen: (lambda k=k, o=k.run(ins): k.run(ins, o)) for gen, (k, _) in best.items()}
             for be in BACKENDS:
                 def run_peer(be=be):
                     with sdpa_kernel([be]):
@@ -141,24 +159,33 @@ def main() -> None:
                 except RuntimeError as e:
                     print(f"  {be.name} refused: {str(e).splitlines()[0][:80]}")
             t = bench_side_by_side(fns, bytes_moved(wl), target.get("l2_bytes"), rounds=2)
-            best_peer = min((v, k) for k, v in t.items() if k != "flashgen")
+            gen = min(best, key=lambda g: t[g])
+            kern, place = best[gen]
+            t["flashgen"] = t[gen]
+            best_peer = min((v, k) for k, v in t.items() if k not in ("flashgen", *best))
             if kind == "decode":
                 roof = bytes_moved(wl) / (bw * 1e3)
             else:
                 flops = sum(4.0 * HQ * D * n * n / 2 for n in torch.diff(ins["cu_seqlens"]).tolist())
                 roof = flops / (target.peak_tflops["bf16"] * 1e6)
-            rows.append([kind, name, t["flashgen"], best_peer[1], best_peer[0], best_peer[0] / t["flashgen"], roof,
+            ratio = lambda peer: t[peer] / t["flashgen"] if peer in t else None  # noqa: E731
+            rows.append([kind, name, t["flashgen"], gen, t.get("triton"), t.get("gluon"), best_peer[1], best_peer[0],
+                         best_peer[0] / t["flashgen"], ratio("flash_attention"), ratio("cudnn_attention"), roof,
                          roof / t["flashgen"], place + 1, str(kern.schedule)])
             print(f"{kind:8s} {name:18s} flashgen {t['flashgen']:9.1f} us  {best_peer[1]} {best_peer[0]:9.1f}  "
                   f"roof {roof:8.1f}", flush=True)
-            write_results(args.name, ("kind", "shape", "flashgen_us", "best_sdpa", "sdpa_us", "vs_sdpa",
-                                        "roofline_us", "of_roofline", "db_rank", "schedule"), rows,
+            write_results(args.name, ("kind", "shape", "flashgen_us", "generator", "triton_us", "gluon_us", "best_sdpa",
+                                      "sdpa_us", "vs_sdpa", "vs_flash", "vs_cudnn", "roofline_us", "of_roofline",
+                                      "db_rank", "schedule"), rows,
                           {**environment(), "target": target.id, "copy_gbs": bw}, args.out_dir,
-                          "vs_sdpa = fastest SDPA backend's time / flashgen time. Decode roofline: KV bytes / "
+                          "flashgen = the faster of the generators' fastest kernels (triton_us, gluon_us: each timed "
+                          "in the same run). vs_sdpa = fastest SDPA backend's time / flashgen time; vs_flash, "
+                          "vs_cudnn: SDPA's flash and cuDNN backends'. Decode roofline: KV bytes / "
                           f"measured copy bandwidth ({bw:.0f} GB/s); prefill: causal FLOPs / datasheet bf16 peak. "
                           f"db_rank: the schedule's place among the database's {args.rerank} fastest (measured on "
                           "the tuner's inputs) that were re-timed on these inputs.")
-    print_table(("kind", "shape", "us", "vs_sdpa", "of_roof"), [(r[0], r[1], r[2], r[5], r[7]) for r in rows])
+    print_table(("kind", "shape", "us", "generator", "vs_flash", "vs_cudnn", "of_roof"),
+                [(r[0], r[1], r[2], r[3], r[9], r[10], r[12]) for r in rows])
 
 
 if __name__ == "__main__":

@@ -66,6 +66,17 @@ def bench_side_by_side(fns: dict[str, Callable[[], Any]], nbytes: int, l2_bytes:
     return best
 
 
+def knob_values(pairs: Sequence[str]) -> dict[str, int]:
+    """KNOB=VALUE command-line pairs as a schedule's knob values."""
+    out = {}
+    for pair in pairs:
+        knob, sep, value = pair.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise SystemExit(f"expected KNOB=VALUE with an integer value, got {pair!r}")
+        out[knob] = int(value)
+    return out
+
+
 def copy_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate, counting bytes read plus written: the memory ceiling."""
     from flashgen.schedules.timing import gpu_time

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, bench_side_by_side, tuning_session, copy_gbs, environment, print_table, write_results  # noqa: E402
+from common import (RESULTS, bench_side_by_side, copy_gbs, environment, knob_values, print_table,  # noqa: E402
+                    tuning_session, write_results)
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
@@ -104,9 +105,9 @@ def main() -> None:
     ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
                     help="tune only schedules with this knob value (repeatable); the database's best is timed")
     args = ap.parse_args()
-    fixed = {k: int(v) for k, _, v in (f.partition("=") for f in args.fix)}
-    variants = [(k, int(v)) for k, _, v in (f.partition("=") for f in args.variant)]
-    best_with = [(k, int(v)) for k, _, v in (f.partition("=") for f in args.best_with)]
+    fixed = knob_values(args.fix)
+    variants = [pair for arg in args.variant for pair in knob_values([arg]).items()]
+    best_with = [pair for arg in args.best_with for pair in knob_values([arg]).items()]
     dev = torch.device("cuda")
     target = device_target(dev)
     bw = copy_gbs()
