@@ -43,8 +43,9 @@ from typing import Any
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
-from flashgen.ir.contraction import (MMA_MIN_ROWS, WARPGROUP, WARPGROUP_ROWS, extents, int4_affine, operand_dtype,
-                                     symmetric_block_groups, tma_operands, tma_output, whole_block_groups)
+from flashgen.ir.contraction import (MMA_MIN_ROWS, WARPGROUP, WARPGROUP_ROWS, extents, gluon_int4_operands,
+                                     int4_affine, operand_dtype, symmetric_block_groups, tma_operands, tma_output,
+                                     whole_block_groups)
 from flashgen.ir.op import Let
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.descriptor import Target
@@ -71,6 +72,9 @@ CHUNK_MIN_WAVES = 1.9  # tiles per SM that each chunk of a weight dequantized fi
 DEQUANT_FIRST_DEFAULT_M = 2048  # and the default from here (measured: 5% of the staged 8192² GEMM at M = 4096)
 GLUON_ARCH = 90  # warpgroup MMA is sm_90's (sm_90a): the Gluon tiles build for it alone
 SWIZZLE_BYTES = 128  # a TMA copy into swizzled shared memory takes rows of at most this many bytes
+# Shared memory Triton 3.6 takes to turn a Gluon int4 tile's fp32 accumulator into the epilogue's layout:
+# the whole tile, up to 64 KiB (measured on AOT builds: 4 KiB for 16 x 64, 64 KiB for 128 x 128 and 256 x 128).
+GLUON_EPILOGUE_SCRATCH = 65536
 GLUON_INT8_MAX_N = 128  # Triton 3.6 lowers int8 warpgroup MMAs of at most 128 columns (256 fails to build)
 
 
@@ -96,8 +100,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
                         if target.vendor == "nvidia" and int4_affine(wl) else (0,),
           "early_load": (0, 1) if gemv_rows and target.pdl else (0,),
           "operand_scale": (0, 1) if target.vendor == "nvidia" and symmetric_block_groups(wl) else (0,),
-          "backend": (0, 1) if gluon_target(target) and tma_operands(wl) else (0,),
-          "producer_warps": (0, 1) if gluon_target(target) and tma_operands(wl) else (0,),
+          "backend": (0, 1) if gluon_target(target) and gluon_operands(wl) else (0,),
+          "producer_warps": (0, 1) if gluon_target(target) and gluon_operands(wl) else (0,),
           "tma_store": (0, 1) if gluon_target(target) and tma_operands(wl) and tma_output(wl) else (0,),
           "consumers": (1, 2) if gluon_target(target) and tma_operands(wl) else (1,)}
     dense = dequant_first_form(wl)
@@ -114,10 +118,18 @@ def gluon_target(target: Target) -> bool:
     return target.vendor == "nvidia" and target.capability == GLUON_ARCH
 
 
+def gluon_operands(wl: Workload) -> bool:
+    """Whether a Gluon tile takes the workload's operands: plain TMA copies, or symmetric int4 codes."""
+    return bool(tma_operands(wl) or gluon_int4_operands(wl))
+
+
 def gluon_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     """The Gluon tile's own rules (targets/gluon/contraction.py), or None."""
-    if not gluon_target(target) or not tma_operands(wl):
-        return "Gluon tiles build for NVIDIA sm_90, on operands TMA copies (no prologue)"
+    if not gluon_target(target) or not gluon_operands(wl):
+        return ("Gluon tiles build for NVIDIA sm_90, on operands TMA copies (no prologue) or symmetric int4 codes "
+                f"in whole blocks of {INT4_PERIOD} k")
+    if not tma_operands(wl):
+        return _gluon_int4_invalid(wl, target, s)
     if s["split_k"] > 1 or s["tma"] or s["ptx_unpack"] or s["early_load"] or s["operand_scale"]:
         return "Gluon tiles are unsplit, with their own TMA copies"
     if s["persistent"] and not s["producer_warps"]:
@@ -132,6 +144,32 @@ def gluon_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
         return f"a Gluon k step copies rows of at most {SWIZZLE_BYTES} bytes"
     if operand_dtype(wl) == "int8" and s["block_n"] > GLUON_INT8_MAX_N:
         return f"Gluon int8 tiles are at most {GLUON_INT8_MAX_N} columns wide"
+    return None
+
+
+def _gluon_int4_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    """The Gluon int4 tile's rules (targets/gluon/int4.py): acc^T, weight rows on the MMA's 64-row
+    side, a producer warp, one block of packed words per k step, code pairs unpacked in PTX."""
+    if s["persistent"] or s["tma"] or s["early_load"] or s["consumers"] > 1 or s["tma_store"]:
+        return "Gluon int4 tiles are one program per tile (or per split of K), one consumer, with their own TMA copies"
+    if not s["producer_warps"]:
+        return "Gluon int4 tiles are fed by a producer warp"
+    if s["ptx_unpack"] != 1:
+        return "Gluon int4 tiles unpack code pairs in PTX (ptx_unpack 1)"
+    if s["operand_scale"] != int(int4_affine(wl)[2] is not None):
+        return "Gluon int4 tiles multiply group scales into the codes (operand_scale 1), per-channel ones into the sum (0)"
+    if s["block_k"] != INT4_PERIOD:
+        return f"a Gluon int4 k step is one block of {INT4_PERIOD} k"
+    if s["block_m"] < MMA_MIN_ROWS:
+        return f"a Gluon int4 tile takes at least {MMA_MIN_ROWS} activation rows (the MMA's narrow side)"
+    if s["num_warps"] % WARPGROUP or s["block_n"] % (WARPGROUP_ROWS * s["num_warps"]):
+        return (f"a Gluon int4 tile's weight rows are whole warpgroups ({WARPGROUP} warps) of {WARPGROUP_ROWS} rows "
+                f"per warp: block_n={s['block_n']} with {s['num_warps']} warps")
+    ring = s["num_stages"] * (s["block_m"] * operand_bytes(wl) + s["block_n"] // 2) * s["block_k"]
+    turn = min(s["block_m"] * s["block_n"] * 4, GLUON_EPILOGUE_SCRATCH)  # the accumulator turned for the epilogue
+    limit = int(target.get("smem_per_block", 0))
+    if ring + turn > limit:
+        return f"{ring} bytes of ring slots and {turn} of epilogue scratch exceed the {limit} bytes of shared memory"
     return None
 
 

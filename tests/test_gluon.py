@@ -9,6 +9,7 @@ import pytest
 
 import flashgen
 from flashgen.errors import FlashgenError
+from flashgen.schedules.contraction_space import gluon_invalid
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 
@@ -31,15 +32,21 @@ def test_offered_on_sm90_only(target):
         assert ScheduleSpace(wl, get_target(target)).knobs()["backend"] == (0,)
 
 
-def test_offered_for_plain_operands_only():
-    """A prologue on W (int4 codes) has no Gluon tile; the same weight dequantized first does."""
+def test_offered_for_plain_operands_and_symmetric_int4():
+    """A weight prologue of symmetric int4 codes in whole 128-k blocks has a Gluon tile of its own;
+    other prologues (zero points, groups of 80 k) only as the weight dequantized first."""
     w4 = flashgen.workload("gemm_w4a16", M=4096, N=4096, K=4096, G=128, dtype="bf16")
     space = ScheduleSpace(w4, SM90)
+    assert space.knobs()["backend"] == (0, 1)
     base = {**space.default(), "backend": 1, "ptx_unpack": 0, "operand_scale": 0, "persistent": 0, "tma": 0}
-    assert "no prologue" in space.why_invalid({**base, "dequant_first": 0, "dequant_chunks": 1})
+    assert "PTX" in space.why_invalid({**base, "producer_warps": 1, "dequant_first": 0, "dequant_chunks": 1})
     staged = {**base, "dequant_first": 1, "block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8,
               "num_stages": 3}
     assert space.why_invalid(staged) is None
+    for kw in ({"G": 128, "zp": "asym"}, {"G": 80}):
+        other = flashgen.workload("gemm_w4a16", M=256, N=4096, K=4000 if kw["G"] == 80 else 4096, dtype="bf16", **kw)
+        assert ScheduleSpace(other, SM90).knobs()["backend"] == (0,)
+        assert "symmetric int4" in gluon_invalid(other, SM90, base)
 
 
 @pytest.mark.parametrize("over, why", [
@@ -250,3 +257,82 @@ def test_prefill_programs_as_tritons():
     t = generate(wl, {**PREFILL, "backend": 0, "consumers": 1, "pingpong": 0, "num_warps": 8})
     assert g.dialect == "gluon" and t.dialect == "triton"
     assert grid(g, wl) == grid(t, wl) == (-(-1000 // 128) + 3, 32, 1)
+
+
+INT4 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 8, "split_k": 1,
+        "persistent": 0, "tma": 0, "early_load": 0, "backend": 1, "producer_warps": 1, "ptx_unpack": 1,
+        "operand_scale": 1, "consumers": 1, "tma_store": 0, "dequant_first": 0, "dequant_chunks": 1}
+
+
+def _w4(m=19, n=1000, k=1152, **kw):
+    return flashgen.workload("gemm_w4a16", **{"M": m, "N": n, "K": k, "G": 128, "dtype": "bf16", **kw})
+
+
+@pytest.mark.parametrize("m, over, why", [
+    (300, {"producer_warps": 0}, "producer warp"),
+    (300, {"persistent": 1}, "one program per tile"),
+    (300, {"ptx_unpack": 0, "operand_scale": 0}, "PTX"),
+    (300, {"operand_scale": 0}, "operand_scale 1"),
+    (300, {"block_k": 256}, "one block of 128 k"),
+    (16, {"block_m": 8}, "at least 16 activation rows"),
+    (300, {"block_n": 64, "num_warps": 8}, "whole warpgroups"),
+    (300, {"num_stages": 3, "block_m": 256, "block_n": 128, "num_warps": 8}, "epilogue scratch"),  # 280 KiB on an H200
+])
+def test_int4_rules_name_what_is_wrong(m, over, why):
+    space = ScheduleSpace(_w4(m=m), SM90)
+    assert space.why_invalid(INT4) is None
+    assert why in (space.why_invalid({**INT4, **over}) or ""), space.why_invalid({**INT4, **over})
+
+
+def test_int4_per_channel_scales_apply_to_the_sum():
+    wl = _w4(G=1152, group="channel")
+    space = ScheduleSpace(wl, SM90)
+    assert space.why_invalid({**INT4, "operand_scale": 0}) is None
+    assert "operand_scale" in space.why_invalid(INT4)
+
+
+@pytest.mark.parametrize("kw, over", [
+    ({}, {}),
+    ({"dtype": "fp16", "with_residual": "yes", "M": 64}, {"split_k": 4, "block_m": 64}),
+    ({"G": 1152, "group": "channel", "with_bias": "yes"}, {"operand_scale": 0, "split_k": 2}),
+    ({"G": 256, "M": 300, "K": 1280}, {"block_n": 128, "num_warps": 8, "block_m": 128, "num_stages": 3}),
+])
+def test_int4_aot_build_for_sm90(kw, over):
+    """The unpacked codes are the warpgroup MMA's register operand (16-deep MMAs, one per code
+    position), shared memory holds the packed words and activations copied by TMA, each pair of codes
+    is one PRMT and one LOP3 in PTX, and a copy warp of few registers issues the copies."""
+    wl = _w4(**kw)
+    s = {**INT4, **over}
+    assert ScheduleSpace(wl, SM90).why_invalid(s) is None
+    k = flashgen.compile(wl, SM90, schedule=s)
+    ptx, src = k.asm["ptx"], k.source
+    assert k.binary[:4] == b"\x7fELF" and ".target sm_90a" in ptx and "tl." not in src
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    # each warpgroup's 64 weight rows: 8 code positions of one 128-k block per k step
+    assert len(mma) == 8 * s["block_n"] // (16 * s["num_warps"])
+    operand = kw.get("dtype", "bf16").replace("fp16", "f16")
+    assert all(f"m64n{s['block_m']}k16.f32.{operand}.{operand} {{" in x and "}, {%r" in x for x in mma)  # A in registers
+    assert ptx.count("cp.async.bulk.tensor") == 3  # the words and two 64-k halves of the activations
+    assert "setmaxnreg" in ptx and "prmt.b32" in ptx and "lop3.b32" in ptx
+    assert ("_scaled(words, sc_w)" in src) == bool(s["operand_scale"])
+    assert ("atomic_add(done_ptr" in src) == (s["split_k"] > 1)
+    assert k.metadata["backend"] == "triton" and k.schedule["backend"] == 1
+    # a k step's MMAs are issued together and awaited one step later
+    assert ptx.count("wgmma.wait_group.sync.aligned 8;") == 1 and ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
+    assert "C7515" not in _ptxas_info(ptx)  # ptxas keeps them asynchronous (no serialized warpgroup MMAs)
+
+
+def _ptxas_info(ptx: str) -> str:
+    """What Triton's own ptxas says of a PTX module for sm_90a (-v): registers, and any performance loss."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return run.stderr

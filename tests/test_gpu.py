@@ -385,6 +385,34 @@ def test_dequant_first_gluon_on_gpu(op, kw, k, tma, consumers):
     _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 43)
 
 
+INT4_GLUON_CASES = [  # (M, K, the op's attrs, block_m, block_n, warps, stages, split_k)
+    (1, 1152, {"G": 128, "dtype": "bf16"}, 16, 64, 4, 4, 1),
+    (19, 1152, {"G": 128, "dtype": "fp16", "with_residual": "yes"}, 16, 64, 4, 4, 4),  # 9 k steps in 4 splits
+    (64, 1152, {"G": 128, "dtype": "bf16", "with_bias": "yes", "act": "silu"}, 64, 128, 8, 3, 2),
+    (300, 1280, {"G": 256, "dtype": "bf16"}, 128, 128, 8, 3, 1),
+    (300, 1152, {"G": 1152, "group": "channel", "dtype": "fp16", "with_bias": "yes"}, 256, 64, 4, 2, 1),
+    (1000, 1152, {"G": 128, "dtype": "fp16"}, 256, 128, 8, 2, 1),
+]
+
+
+@pytest.mark.parametrize("case", INT4_GLUON_CASES, ids=lambda c: f"M{c[0]}-" + "x".join(map(str, c[3:])))
+def test_gluon_int4_tiles_on_gpu(case):
+    """Gluon int4 tiles (packed words and activations by TMA, codes unpacked into the warpgroup
+    MMA's register operand, group scales in the operand or per-channel scales on the sum, split K):
+    one row, tails on every side (N=1000 under 64- and 128-row weight tiles), twice; then replayed
+    from a CUDA graph captured with a different input."""
+    m, k, kw, bm, bn, warps, stages, split = case
+    wl = flashgen.workload("gemm_w4a16", M=m, N=1000, K=k, **kw)
+    space = ScheduleSpace(wl, TARGET)
+    if space.knobs()["backend"] == (0,):
+        pytest.skip("the Gluon tiles build for sm_90")
+    s = {"block_m": bm, "block_n": bn, "block_k": 128, "num_warps": warps, "num_stages": stages, "group_m": 8,
+         "split_k": split, "backend": 1, "producer_warps": 1, "ptx_unpack": 1,
+         "operand_scale": int(kw.get("group") != "channel")}
+    assert space.is_valid(s), space.why_invalid(s)
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 47)
+
+
 ATTN_CASES = [flashgen.workload("paged_decode_attention", B=b, Hq=hq, Hkv=hkv, D=d, BS=16, NB=512, MAXB=64,
                                 L=length, dtype=dt, mod=mod)
               for b, length in ((1, 1000), (7, 333)) for hq, hkv, d in ((32, 8, 128), (8, 8, 64), (16, 2, 256))

@@ -70,6 +70,23 @@ def tma_operands(wl: Workload) -> tuple[str, str] | None:
     return (a.tensor, b.tensor) if plain and k % 16 == 0 else None
 
 
+@functools.lru_cache(maxsize=256)
+def gluon_int4_operands(wl: Workload) -> tuple[str, E.Load] | None:
+    """The activation tensor and the packed-word Load when the weight is symmetric int4 codes
+    (zero point 8) whose scale, if any, is constant over each block of INT4_PERIOD k, and the
+    activations a plain load a TMA descriptor copies (16-bit, rows 16 bytes apart, K whole blocks):
+    the operands of the Gluon int4 tiles (targets/gluon/int4.py), which copy packed words to shared
+    memory and unpack them into the matrix instruction's register operand."""
+    _, _, k, con = extents(wl)
+    affine = int4_affine(wl)
+    a = con.a
+    plain_a = (isinstance(a, E.Load) and a.mask is None and a.indices == (E.Index("r"), E.Index("k"))
+               and wl.tensor_dtype(a.tensor) == operand_dtype(wl))
+    if not (affine and plain_a and affine[1] == E.Const(8) and whole_block_groups(wl) and k % INT4_PERIOD == 0):
+        return None
+    return a.tensor, affine[0]
+
+
 def tma_output(wl: Workload) -> str | None:
     """The output a TMA copy can write a whole tile of: the epilogue's one Store, of every (r, c) of a
     2-D tensor, unmasked, overwriting, whose rows lie a multiple of 16 bytes apart (TMA clips the tile

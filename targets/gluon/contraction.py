@@ -14,9 +14,11 @@ retired one step later (`warpgroup_mma_wait(1)`), so each overlaps the next step
 from __future__ import annotations
 
 from flashgen.ir import dtypes
-from flashgen.ir.contraction import WARPGROUP, WARPGROUP_ROWS, operand_dtype, tma_operands, tma_output
+from flashgen.ir.contraction import (WARPGROUP, WARPGROUP_ROWS, gluon_int4_operands, operand_dtype, tma_operands,
+                                     tma_output)
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
+from flashgen.targets.gluon.int4 import generate_int4
 from flashgen.targets.triton.contraction.kernel import tile_order
 from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
 from flashgen.workload import Schedule, Workload
@@ -126,7 +128,9 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     """A contraction workload's Gluon kernel for schedule `s` (sm_90; schedules/contraction_space.py
     says which schedules it takes)."""
     pair = tma_operands(wl)
-    assert pair is not None, "Gluon contraction tiles take plain A and W loads (tma_operands)"
+    if pair is None:
+        assert gluon_int4_operands(wl), "Gluon contraction tiles take plain or int4-code W loads"
+        return generate_int4(wl, s, _epilogue)
     op, attrs = wl.op, wl.attr
     body = op.body(attrs)
     [con] = [st for st in body if isinstance(st, Contract)]

@@ -1,0 +1,233 @@
+"""Int4-weight contraction tiles in Gluon, for Hopper: the unpacked weight is the warpgroup MMA's
+register operand, so shared memory holds packed words and activations only, never a dequantized tile.
+
+The tile is computed transposed, acc^T [block_n, block_m] = W x^T (as the Triton generator's int4
+matrix tiles are, targets/triton/contraction/int4_mma.py): block_n weight rows are the MMA's 64-row
+side, one warpgroup per 64 rows, and block_m activation rows its narrow side, down to 16, which is
+what decoding batches need. A copy warp (`gl.warp_specialize`) brings each 128-deep k step's packed
+words (block_n x 16 int32, one block of `pack_int4`'s layout) and the activations' k step, in
+halves of 128 bytes a row, by TMA into a ring of mbarrier-guarded slots. The MMA warps load the
+words from shared memory straight into the MMA operand's register layout and turn code j of each
+pair of words into a pair of 16-bit values (the Triton generator's inline PTX: PRMT, LOP3 under the
+float's exponent, one paired FMA, the group scale multiplied in the same pair), then issue one
+asynchronous 16-deep MMA per code position against the matching 16 columns of the activation slot.
+Group scales for the next k step are loaded while the current one computes. Split K: programs
+sharing a tile store partial tiles, the last one to finish sums them in split order and runs the
+op's epilogue.
+"""
+from __future__ import annotations
+
+from flashgen.ir import dtypes
+from flashgen.ir.contraction import WARPGROUP_ROWS, extents, gluon_int4_operands, int4_affine, operand_dtype
+from flashgen.ir.op import Let, Store, eval_int
+from flashgen.quant import INT4_PERIOD
+from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
+from flashgen.targets.triton.contraction.kernel import tile_order
+from flashgen.targets.triton.contraction.ptx import codes_asm
+from flashgen.targets.triton.contraction.split_k import split_scratch
+from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
+from flashgen.workload import Schedule, Workload
+
+RUN = 16  # consecutive k of one code position of consecutive words: one 16-deep MMA each
+COPY_BYTES = 128  # bytes of an activation row per TMA copy (the widest swizzled row)
+PRODUCER_REGS = 40  # registers per thread of the copy warp
+
+
+def _code_helper(operand: str, j: int, scaled: bool) -> tuple[str, list[str]]:
+    """A @gluon.jit function giving code j - 8 of a words tile (times its scale when `scaled`) as
+    16-bit pairs, two words per PTX statement."""
+    name = f"_int4_code{j}_{operand}" + ("_scaled" if scaled else "")
+    params = ["words", "scale"] if scaled else ["words"]
+    constraints = "=r,r,r,r" if scaled else "=r,r,r"
+    dt = dtypes.TL[operand].replace("tl.", f"{NS}.")
+    return name, ["@gluon.jit", f"def {name}({', '.join(params)}):",
+                  f'    return {NS}.inline_asm_elementwise("{codes_asm(operand, j, scaled)}", "{constraints}", '
+                  f"[{', '.join(params)}], dtype={dt}, is_pure=True, pack=2)", "", ""]
+
+
+def _load_steps(parts: int) -> list[str]:
+    """The copy warp: each k step's words tile and activation parts into a ring slot, refilled once
+    the MMAs that read it hand it back."""
+    lines = ["@gluon.jit",
+             "def _load_steps(x_desc, w_desc, x_ring, w_ring, ready, free, off_m, off_n, k_lo, k_steps,",
+             "                BLOCK_K: gl.constexpr, PART_K: gl.constexpr, STAGES: gl.constexpr):",
+             "    # the copy warp: a slot is refilled once the MMAs that read it have handed it back",
+             "    for ki in range(k_steps):",
+             "        s = ki % STAGES",
+             "        mbarrier.wait(free.index(s), ((ki // STAGES) & 1) ^ 1)",
+             f"        mbarrier.expect(ready.index(s), {parts} * x_desc.block_type.nbytes + w_desc.block_type.nbytes)",
+             "        k = k_lo + ki * BLOCK_K",
+             "        tma.async_copy_global_to_shared(w_desc, [off_n, k // 8], ready.index(s), w_ring.index(s))"]
+    for p in range(parts):
+        lines.append(f"        tma.async_copy_global_to_shared(x_desc, [off_m, k + {p} * PART_K], ready.index(s), "
+                     f"x_ring.index(s * {parts} + {p}))")
+    return lines + ["", ""]
+
+
+def _merge_splits(scope: Scope, acc: str) -> Scope:
+    """Split K in the epilogue's layout: as targets/triton/contraction/split_k.py merges them (each
+    split stores its partial tile, the last to finish sums all of them in split order and resets the
+    tile's counter), with Gluon's explicit layouts. Returns the scope of the last split's branch."""
+    scope.line(f"offs = {NS}.arange(0, BLOCK_M, layout={NS}.SliceLayout(1, acc_layout))[:, None] * BLOCK_N + "
+               f"{NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(0, acc_layout))[None, :]")
+    scope.line("part = part_ptr + (pid * SPLIT_K + split).to(gl.int64) * (BLOCK_M * BLOCK_N)")
+    scope.line(f"{NS}.store(part + offs, {acc})")
+    scope.line(f"{NS}.thread_barrier()")
+    scope.line(f"finished = {NS}.atomic_add(done_ptr + pid, 1)  # acq_rel at gpu scope")
+    scope.line("if finished == SPLIT_K - 1:")
+    last = scope.child(scope.indent + "    ")
+    last.line(f"{NS}.thread_barrier()")
+    last.line(f"{acc} = {NS}.zeros([BLOCK_M, BLOCK_N], {NS}.float32, acc_layout)")
+    last.line(f"for i in {NS}.static_range(SPLIT_K):")
+    last.line(f"    {acc} += {NS}.load(part_ptr + (pid * SPLIT_K + i).to(gl.int64) * (BLOCK_M * BLOCK_N) + offs, "
+              "volatile=True)")
+    last.line(f"{NS}.atomic_xchg(done_ptr + pid, 0)")
+    return last
+
+
+def _k_range(top: Scope, k_extent: str, split_k: int) -> None:
+    """`k_lo`, `k_hi`: the program's share of K, whole k steps spread evenly over the splits, so that
+    none is empty (the rules give every split at least two)."""
+    if split_k > 1:
+        top.line(f"split = {NS}.program_id(2)")
+        top.line(f"steps = {NS}.cdiv({k_extent}, BLOCK_K)")
+        top.line("k_lo = split * steps // SPLIT_K * BLOCK_K")
+        top.line(f"k_hi = {NS}.minimum({k_extent}, (split + 1) * steps // SPLIT_K * BLOCK_K)")
+    else:
+        top.line("k_lo = 0")
+        top.line(f"k_hi = {k_extent}")
+
+
+def generate_int4(wl: Workload, s: Schedule, epilogue) -> KernelSource:
+    """A W4A16-form workload's Gluon kernel for schedule `s` (sm_90; schedules/contraction_space.py
+    `gluon_invalid` says which schedules it takes). `epilogue` writes the op's stores
+    (targets/gluon/contraction.py)."""
+    x, word = gluon_int4_operands(wl)
+    op, attrs = wl.op, wl.attr
+    body = op.body(attrs)
+    con = extents(wl)[3]
+    _, _, scale = int4_affine(wl)
+    lets = {st.name: st.value for st in body if isinstance(st, Let)}
+    em = GluonEmitter(op, attrs, lets)
+    em.named[con.name] = "acc"
+    name = f"{op.name}_kernel"
+    operand = operand_dtype(wl)
+    gl_operand = dtypes.TL[operand].replace("tl.", f"{NS}.")
+    split_k = s["split_k"]
+    scratch = split_scratch(s["block_m"], s["block_n"], split_k, con.acc) if split_k > 1 else ()
+    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"],
+              "STAGES": s["num_stages"], **({"SPLIT_K": split_k} if split_k > 1 else {})}
+    args = kernel_args(wl, consts, scratch)
+    lines = module_header(wl, s, name, args)
+    m_extent, n_extent = op.domain
+    cmask = "cmask" if eval_int(n_extent, wl.dim) % s["block_n"] else None
+    top = Scope(lines, "    ", {"r": ("r", "rmask"), "c": ("c", cmask)})
+    rows, cols = em.emit(m_extent, top), em.emit(n_extent, top)
+    part_k = COPY_BYTES // dtypes.BYTES[operand]
+    parts = s["block_k"] // part_k
+
+    grid_dependency(top)
+    top.line(f"tiles_m = {NS}.cdiv({rows}, BLOCK_M)")
+    top.line(f"tiles_n = {NS}.cdiv({cols}, BLOCK_N)")
+    top.line(f"pid = {NS}.program_id(0)")
+    tile_order(top, NS)
+    top.line("off_m = pid_m * BLOCK_M")
+    top.line("off_n = pid_n * BLOCK_N")
+    _k_range(top, em.emit(con.extent, top), split_k)
+    top.line(f"k_steps = {NS}.cdiv(k_hi - k_lo, BLOCK_K)")
+    top.line(f"PART_K: {NS}.constexpr = {part_k}")
+    words_shape = ", ".join(em.emit(d, top) for d in op.tensors[word.tensor].shape)
+    x_shape = ", ".join(em.emit(d, top) for d in op.tensors[x].shape)
+    top.line(f"w_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 8], {NS}.int32)")
+    top.line(f"w_desc = tma.make_tensor_descriptor({word.tensor}_ptr, shape=[{words_shape}], "
+             f"strides=[{word.tensor}_s0, 1], block_shape=[BLOCK_N, BLOCK_K // 8], layout=w_layout)")
+    top.line(f"w_ring = {NS}.allocate_shared_memory({NS}.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_layout)")
+    top.line(f"x_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, PART_K], {gl_operand})")
+    top.line(f"x_desc = tma.make_tensor_descriptor({x}_ptr, shape=[{x_shape}], strides=[{x}_s0, 1], "
+             "block_shape=[BLOCK_M, PART_K], layout=x_layout)")
+    top.line(f"x_ring = {NS}.allocate_shared_memory({gl_operand}, [STAGES * {parts}, BLOCK_M, PART_K], x_layout)")
+    for bar in ("ready", "free"):
+        top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [STAGES, 1], mbarrier.MBarrierLayout())")
+    top.line(f"for i in {NS}.static_range(STAGES):")
+    top.line("    mbarrier.init(ready.index(i), count=1)")
+    top.line("    mbarrier.init(free.index(i), count=1)")
+    top.line("fence_async_shared()  # the barriers are initialized before any copy signals them")
+
+    # The MMA warps' partition: every kernel argument, then the ring and the tile's place.
+    params = [a.name + (f": {NS}.constexpr" if a.kind == "constexpr" else "") for a in args]
+    ring = ["x_ring", "w_ring", "ready", "free", "pid", "off_m", "off_n", "k_lo", "k_hi", "k_steps",
+            *(["split"] if split_k > 1 else [])]
+    helpers: list[str] = []
+    scaled = scale is not None
+    code_names = []
+    for j in range(INT4_PERIOD // RUN):
+        fn, text = _code_helper(operand, j, scaled)
+        code_names.append(fn)
+        helpers += text
+    helpers += _load_steps(parts)
+    helpers += ["@gluon.jit", f"def _mma_steps({', '.join(params + ring)}):",
+                "    # the MMA warps: unpack each k step's words into the MMA's register operand, one MMA per code position",
+                f"    mma_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
+                f"warps_per_cta=[{s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_M, {RUN}])",
+                f"    w_operand: {NS}.constexpr = {NS}.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)"]
+    mma = Scope(helpers, "    ", dict(top.axes))
+    runs = INT4_PERIOD // RUN
+    held = ", ".join(f"p{j}" for j in range(runs))
+    # k_steps > 0 (every split has steps): with no path around the loop, ptxas keeps the MMAs asynchronous
+    mma.line(f"{NS}.assume(k_steps > 0)")
+    mma.line(f"acc_t = {NS}.zeros([BLOCK_N, BLOCK_M], {NS}.float32, mma_layout)")
+    mma.line(f"{held} = " + ", ".join([f"{NS}.zeros([BLOCK_N, {RUN}], {gl_operand}, w_operand)"] * runs))
+    if scaled:
+        mma.line(f"c_t = off_n + {NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(1, w_operand))[:, None]")
+        sc_mask = None
+        if cmask:
+            mma.line(f"cmask_t = c_t < {cols}")
+            sc_mask = "cmask_t"
+
+        def scale_tile(scope: Scope, k: str) -> str:
+            """The group scales of the k step starting at `k`, as [block_n, 1] in the operand dtype."""
+            sc = scope.child(axes={"c": ("c_t", sc_mask), "k": (k, None)}, fresh=True)
+            return f"({em.emit(scale, sc)}).to({gl_operand})"
+
+        mma.line(f"sc = {scale_tile(mma, 'k_lo')}")
+    mma.line("for ki in range(k_steps):")
+    step = mma.child(mma.indent + "    ")
+    step.line("s = ki % STAGES")
+    if scaled:
+        # the next step's scales, loaded while this step computes (the last step reloads its own)
+        step.line(f"k_next = {NS}.minimum(k_lo + (ki + 1) * BLOCK_K, k_hi - 1)")
+        step.line(f"sc_next = {scale_tile(step, 'k_next')}")
+    step.line("mbarrier.wait(ready.index(s), (ki // STAGES) & 1)")
+    step.line("words = w_ring.index(s).load(w_operand)")
+    if scaled:
+        step.line("words, sc_w = gl.broadcast(words, sc)  # each word's row scale")
+    for j in range(runs):
+        step.line(f"w{j} = " + (f"{code_names[j]}(words, sc_w)" if scaled else f"{code_names[j]}(words)"))
+    for j in range(runs):
+        part, col = divmod(j * RUN, part_k)
+        step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {parts} + {part}).slice({col}, {RUN}, dim=1)"
+                  f".permute((1, 0)), acc_t, is_async=True)")
+    # This step's MMAs run on while the next step's words are unpacked; the previous step's are done
+    # here, and its operand registers (held until now) and ring slot are free.
+    step.line(f"acc_t, {held} = warpgroup_mma_wait({runs}, deps=[acc_t, {held}])")
+    step.line("mbarrier.arrive(free.index((ki + STAGES - 1) % STAGES), pred=ki > 0)")
+    step.line(f"{held} = " + ", ".join(f"w{j}" for j in range(runs)))
+    if scaled:
+        step.line("sc = sc_next")
+    mma.line(f"acc_t, {held} = warpgroup_mma_wait(0, deps=[acc_t, {held}])")
+    mma.line("mbarrier.arrive(free.index((k_steps + STAGES - 1) % STAGES))  # and the last step's slot")
+    # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
+    mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{s['num_warps']}, 1], [1, 0])")
+    mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
+    tail = _merge_splits(mma, "acc") if split_k > 1 else mma
+    epilogue(em, tail, body[1:], rows, cols, cmask, None)
+    helpers += ["", ""]
+    top.line(f"{NS}.warp_specialize([")
+    top.line(f"    (_mma_steps, ({', '.join([a.name for a in args] + ring)})),")
+    top.line("    (_load_steps, (x_desc, w_desc, x_ring, w_ring, ready, free, off_m, off_n, k_lo, k_steps, BLOCK_K, "
+             "PART_K, STAGES)),")
+    top.line(f"], [1], [{PRODUCER_REGS}])")
+    head = lines.index("@gluon.jit")
+    lines[head:head] = helpers
+    return KernelSource(name, to_gluon(em.finish(lines)), args, (s["block_m"], s["block_n"]), tile_cols=True,
+                        flat=True, grid_z=split_k, scratch=scratch, dialect="gluon")
