@@ -392,6 +392,7 @@ INT4_GLUON_CASES = [  # (M, K, the op's attrs, block_m, block_n, warps, stages, 
     (300, 1280, {"G": 256, "dtype": "bf16"}, 128, 128, 8, 3, 1),
     (300, 1152, {"G": 1152, "group": "channel", "dtype": "fp16", "with_bias": "yes"}, 256, 64, 4, 2, 1),
     (1000, 1152, {"G": 128, "dtype": "fp16"}, 256, 128, 8, 2, 1),
+    (256, 1152, {"G": 128, "dtype": "bf16"}, 128, 128, 8, 4, 2),
 ]
 
 

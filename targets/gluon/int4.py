@@ -172,11 +172,9 @@ def generate_int4(wl: Workload, s: Schedule, epilogue) -> KernelSource:
                 f"    w_operand: {NS}.constexpr = {NS}.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)"]
     mma = Scope(helpers, "    ", dict(top.axes))
     runs = INT4_PERIOD // RUN
-    held = ", ".join(f"p{j}" for j in range(runs))
     # k_steps > 0 (every split has steps): with no path around the loop, ptxas keeps the MMAs asynchronous
     mma.line(f"{NS}.assume(k_steps > 0)")
     mma.line(f"acc_t = {NS}.zeros([BLOCK_N, BLOCK_M], {NS}.float32, mma_layout)")
-    mma.line(f"{held} = " + ", ".join([f"{NS}.zeros([BLOCK_N, {RUN}], {gl_operand}, w_operand)"] * runs))
     if scaled:
         mma.line(f"c_t = off_n + {NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(1, w_operand))[:, None]")
         sc_mask = None
@@ -201,21 +199,21 @@ def generate_int4(wl: Workload, s: Schedule, epilogue) -> KernelSource:
     step.line("words = w_ring.index(s).load(w_operand)")
     if scaled:
         step.line("words, sc_w = gl.broadcast(words, sc)  # each word's row scale")
-    for j in range(runs):
-        step.line(f"w{j} = " + (f"{code_names[j]}(words, sc_w)" if scaled else f"{code_names[j]}(words)"))
-    for j in range(runs):
-        part, col = divmod(j * RUN, part_k)
-        step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {parts} + {part}).slice({col}, {RUN}, dim=1)"
-                  f".permute((1, 0)), acc_t, is_async=True)")
-    # This step's MMAs run on while the next step's words are unpacked; the previous step's are done
-    # here, and its operand registers (held until now) and ring slot are free.
-    step.line(f"acc_t, {held} = warpgroup_mma_wait({runs}, deps=[acc_t, {held}])")
-    step.line("mbarrier.arrive(free.index((ki + STAGES - 1) % STAGES), pred=ki > 0)")
-    step.line(f"{held} = " + ", ".join(f"w{j}" for j in range(runs)))
+    # Half of the code positions are unpacked and their MMAs issued, then the other half is unpacked
+    # while those run. Every operand register is held until the step's MMAs are all done, and the slot
+    # is handed back then: no MMA is in flight across steps (the other programs on the SM fill the gaps).
+    for half in (range(runs // 2), range(runs // 2, runs)):
+        for j in half:
+            step.line(f"w{j} = " + (f"{code_names[j]}(words, sc_w)" if scaled else f"{code_names[j]}(words)"))
+        for j in half:
+            part, col = divmod(j * RUN, part_k)
+            step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {parts} + {part}).slice({col}, {RUN}, dim=1)"
+                      f".permute((1, 0)), acc_t, is_async=True)")
+    held = ", ".join(f"w{j}" for j in range(runs))
+    step.line(f"acc_t, {held} = warpgroup_mma_wait(0, deps=[acc_t, {held}])")
+    step.line("mbarrier.arrive(free.index(s))")
     if scaled:
         step.line("sc = sc_next")
-    mma.line(f"acc_t, {held} = warpgroup_mma_wait(0, deps=[acc_t, {held}])")
-    mma.line("mbarrier.arrive(free.index((k_steps + STAGES - 1) % STAGES))  # and the last step's slot")
     # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
     mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{s['num_warps']}, 1], [1, 0])")
     mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
