@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from flashgen.ir import dtypes
 from flashgen.ir.contraction import WARPGROUP_ROWS, extents, gluon_int4_operands, int4_affine, operand_dtype
-from flashgen.ir.op import Let, Store, eval_int
+from flashgen.ir.op import Let, eval_int
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
 from flashgen.targets.triton.contraction.kernel import tile_order
