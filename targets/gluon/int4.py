@@ -17,6 +17,8 @@ op's epilogue.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from flashgen.ir import dtypes
 from flashgen.ir.contraction import WARPGROUP_ROWS, extents, gluon_int4_operands, int4_affine, operand_dtype
 from flashgen.ir.op import Let, eval_int
@@ -98,7 +100,7 @@ def _k_range(top: Scope, k_extent: str, split_k: int) -> None:
         top.line(f"k_hi = {k_extent}")
 
 
-def generate_int4(wl: Workload, s: Schedule, epilogue) -> KernelSource:
+def generate_int4(wl: Workload, s: Schedule, epilogue: Callable[..., None]) -> KernelSource:
     """A W4A16-form workload's Gluon kernel for schedule `s` (sm_90; schedules/contraction_space.py
     `gluon_invalid` says which schedules it takes). `epilogue` writes the op's stores
     (targets/gluon/contraction.py)."""
