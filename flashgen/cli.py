@@ -245,30 +245,55 @@ def _read_prompt(path: str) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate from a Hugging Face model folder, printing text as tokens arrive."""
-    import math
+    """Generate from a Hugging Face model folder, printing text as tokens arrive; with --tp N, in N ranks
+    (spawned here, or this process being one of torchrun's)."""
     from pathlib import Path
 
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt(args.prompt_file)
 
     import torch
 
+    from flashgen.runtime.model_config import ModelConfig
+    from flashgen.runtime.ranks import launch, start_rank, under_torchrun
+    from flashgen.runtime.tensor_parallel import check_gpus, check_tp
+
+    check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
+    if args.tp > 1 and torch.cuda.is_available():
+        check_gpus(args.tp, torch.cuda.device_count())
+    if args.tp == 1:
+        _generate(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args, prompt_text)
+    elif under_torchrun():
+        _generate(start_rank(args.tp), args, prompt_text)
+    else:
+        launch(args.tp, _generate, (args, prompt_text))
+    return 0
+
+
+def _generate(device, args: argparse.Namespace, prompt_text: str) -> None:
+    """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints)."""
+    import math
+    from pathlib import Path
+
+    import torch
+
     from flashgen.runtime.engine import Engine, SamplingParams
     from flashgen.runtime.memory import cache_bytes, check_fits
     from flashgen.runtime.model import Decoder
+    from flashgen.runtime.tensor_parallel import ShardedDecoder, shard_config
     from flashgen.runtime.tokenizer import load_tokenizer
     from flashgen.runtime.weights import ModelConfig, check_weights, load_weights
 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, config.vocab_size)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    nbytes = 2 if device == "cuda" else 4
+    nbytes = 2 if device.type == "cuda" else 4
     weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
-    check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights +
-               cache_bytes(config, nbytes, args.cache_blocks, 16), torch.device(device), "pass fewer --cache-blocks")
-    model = Decoder(config, load_weights(folder, config), device, torch.bfloat16 if device == "cuda" else torch.float32)
-    engine = Engine(model, num_blocks=args.cache_blocks)
+    check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights // args.tp +
+               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, 16), device,
+               "pass fewer --cache-blocks")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = (Decoder if args.tp == 1 else ShardedDecoder)(config, load_weights(folder, config), device, dtype)
+    engine = Engine(model, num_blocks=args.cache_blocks, tp=args.tp)
     prompt = tok.encode(prompt_text).ids
     rid = engine.add(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed))
@@ -279,13 +304,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine.step()
         req = engine.finished.get(rid) or next(r for r in engine.running if r.id == rid)
         text = tok.decode(req.output)
-        sys.stdout.write(text[len(shown):])
-        sys.stdout.flush()
+        if model.rank == 0:
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
         shown = text
-    sys.stdout.write("\n")
+    if model.rank == 0:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     if engine.finished[rid].error:  # a step that failed (the engine does not raise it)
         raise FlashgenError(engine.finished[rid].error)
-    return 0
 
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
@@ -402,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1"), default=0)
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
                    help="KV cache size in blocks of 16 tokens")
+    g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
+                   help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
+                        "--nproc-per-node N")
     g.set_defaults(func=cmd_generate)
 
     bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)",

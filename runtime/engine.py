@@ -46,6 +46,7 @@ from flashgen.errors import FlashgenError
 from flashgen.runtime.graphs import DecodeGraphs, greedy
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.model import Batch, Decoder
+from flashgen.runtime.tensor_parallel import agree
 
 
 @dataclass(frozen=True)
@@ -140,11 +141,15 @@ class _Pending:
 
 class Engine:
     def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True,
-                 chain: bool = True):
+                 chain: bool = True, tp: int | None = None):
         """`cuda_graphs` applies when the model runs its generated attention on a GPU and its steps are
         capturable (`Decoder.capturable`); it keeps one cache block for the graphs' padding rows. `chain`
         lets greedy graph steps run ahead of the host (module docstring); without it every step waits for
-        its tokens."""
+        its tokens. `tp`, when given, is the tensor-parallel degree the model must have been built for (a
+        `ShardedDecoder` in each rank: runtime/tensor_parallel.py)."""
+        if tp is not None and tp != model.tp:
+            raise FlashgenError(f"Engine(tp={tp}) needs a decoder split over {tp} ranks (runtime/tensor_parallel.py: "
+                                f"ShardedDecoder, in each rank); this one is split over {model.tp}")
         c = model.c
         self.model = model
         graphs = cuda_graphs and model.uses_tables and model.capturable
@@ -246,6 +251,9 @@ class Engine:
             self.running, self.pending = [], None
             if not isinstance(e, Exception):
                 raise
+            if self.model.tp > 1:  # the other ranks cannot step without this one: the group stops
+                raise e if isinstance(e, FlashgenError) else \
+                    FlashgenError(f"rank {self.model.rank}: step failed: {one_line(e)}") from e
 
     def _read_pending(self) -> None:
         """Replay the step after the pending one when it can be, then read and record the pending one."""
@@ -312,20 +320,35 @@ class Engine:
         fails that request alone), retire the finished. A request already done gets no token: one
         stopped in the step before this chained one (retired then) or aborted inside it (retired now)."""
         running = {r.id for r in self.running}
-        for i, (req, top) in enumerate(zip(reqs, chosen)):
-            if req.done:
-                continue
-            if req.params.temperature <= 0:
-                req.output.append(top)
-                continue
-            try:
-                req.output.append(sample(logits[i], req.params, req.generator))
-            except Exception as e:
-                req.error = f"sampling failed: {one_line(e)}"
+        picks = self._picks(reqs, chosen, logits) if self.model.rank == 0 else [None] * len(reqs)
+        if self.model.tp > 1:
+            picks = agree(picks, self.model)
+        for req, pick in zip(reqs, picks):
+            if isinstance(pick, str):
+                req.error = pick
+            elif pick is not None:
+                req.output.append(pick)
         self.running = [r for r in reqs if not r.done]
         for req in reqs:
             if req.done and req.id in running:
                 self._finish(req)
+
+    @staticmethod
+    def _picks(reqs: list[Request], chosen: list[int], logits: torch.Tensor | None) -> list[int | str | None]:
+        """Each request's token (greedy, or sampled from its row of `logits`), why its sampling failed,
+        or None for a request already done."""
+        picks: list[int | str | None] = []
+        for i, (req, top) in enumerate(zip(reqs, chosen)):
+            if req.done:
+                picks.append(None)
+            elif req.params.temperature <= 0:
+                picks.append(top)
+            else:
+                try:
+                    picks.append(sample(logits[i], req.params, req.generator))
+                except Exception as e:
+                    picks.append(f"sampling failed: {one_line(e)}")
+        return picks
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
         """Run `prompts` to the end; their requests, taken out of `finished`. Every prompt is checked
