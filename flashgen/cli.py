@@ -128,22 +128,13 @@ def _tune_plan(args: argparse.Namespace) -> list[tuple]:
     return [(wl, producer) for wl, _ in plan]
 
 
-def _with_schedule(producer, target, db) -> tuple | None:
-    """(producer, its schedule: the database's best, else the default), or None without a producer."""
-    from flashgen.schedules.space import ScheduleSpace
-
-    if producer is None:
-        return None
-    best = db.best(producer.key, target.id)
-    return producer, best.schedule if best is not None else ScheduleSpace(producer, target).default()
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.db import Database
+    from flashgen.schedules.fanout import TuneOptions, fan_out
     from flashgen.schedules.measure import feed_error
     from flashgen.schedules.space import ScheduleSpace
-    from flashgen.schedules.tuner import plot_history, tune
+    from flashgen.schedules.tuner import plot_history, tune, with_schedule
 
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
@@ -151,6 +142,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         require("matplotlib", "--plot")
         _check_plot_path(args.plot)
     target = resolve_target(args.target, args.targets_dir)
+    slots = _gpu_slots(args.gpus, target) if args.gpus else None
     plan = _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
     for wl, producer in plan:  # every check before any tuning
@@ -160,25 +152,51 @@ def cmd_tune(args: argparse.Namespace) -> int:
             check_supported(producer, target)
             if why := feed_error(producer, wl):
                 raise FlashgenError(why)
-    results = []
-    with Database(args.db) as db:
-        for wl, producer in plan:
-            # the producer's schedule as the database has it now: earlier lines may have tuned it
-            behind = _with_schedule(producer, target, db)
-            where = f" behind {producer}" if producer is not None else ""
-            res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr,
-                       fixed=fixed, behind=behind, retry_failed=args.retry_failed)
-            results.append(res)
-            if res.best is None:
-                print(f"{wl}: no schedule ran correctly{where} ({res.measured} measured)")
-                continue
-            gain = f", {res.default_us / res.best.latency_us:.2f}x the default" if res.default_us else ""
-            print(f"{wl}: best {res.best.latency_us:.2f} us{where}{gain}; {res.measured} measured in "
-                  f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}")
+    results, failed = {}, []
+
+    def report(i: int, outcome) -> None:
+        wl, producer = plan[i]
+        if isinstance(outcome, str):
+            failed.append(f"{wl}: {outcome}")
+            print(f"{wl}: not tuned: {outcome}")
+            return
+        results[i] = res = outcome
+        where = f" behind {producer}" if producer is not None else ""
+        if res.best is None:
+            print(f"{wl}: no schedule ran correctly{where} ({res.measured} measured)")
+            return
+        gain = f", {res.default_us / res.best.latency_us:.2f}x the default" if res.default_us else ""
+        print(f"{wl}: best {res.best.latency_us:.2f} us{where}{gain}; {res.measured} measured in "
+              f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}", flush=True)
+
+    if slots is None:
+        with Database(args.db) as db:
+            for i, (wl, producer) in enumerate(plan):
+                # the producer's schedule as the database has it now: earlier lines may have tuned it
+                report(i, tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed,
+                               progress=sys.stderr, fixed=fixed, behind=with_schedule(producer, target, db),
+                               retry_failed=args.retry_failed))
+    else:
+        fan_out(plan, target, args.db, TuneOptions(args.trials, args.strategy, args.seed, fixed, args.retry_failed),
+                slots, report)
     if args.plot:
-        plot_history(results, args.plot)
+        plot_history([results[i] for i in sorted(results)], args.plot)
         print(f"wrote {args.plot}")
+    if failed:
+        raise FlashgenError(f"{len(failed)} of {len(plan)} workloads were not tuned; the first: {failed[0]}")
     return 0
+
+
+def _gpu_slots(spec: str, target) -> list[str]:
+    """--gpus as one CUDA_VISIBLE_DEVICES value per worker (schedules/fanout.py), for a GPU target only."""
+    from flashgen.schedules.fanout import gpu_slots
+
+    if target.backend == "tvm":
+        raise FlashgenError(f"--gpus spreads a GPU target's tuning over GPUs; {target.id} measures on this CPU: "
+                            "leave --gpus out")
+    import torch
+
+    return gpu_slots(spec, torch.cuda.device_count())
 
 
 def _check_plot_path(path: str) -> None:
@@ -394,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each candidate right behind this producer workload ({op, dims, attrs}; its "
                         "first output is the tuned workload's first input, its schedule the database's best), "
                         "as a decode step runs it; dispatch prefers such records")
+    t.add_argument("--gpus", metavar="all|N",
+                   help="tune on every local GPU (or the first N) at once: one worker per GPU, each workload "
+                        "tuned by one of them, all recorded in the one database")
     t.add_argument("--retry-failed", action="store_true",
                    help="measure again the schedules recorded as timeout or crash (a loaded machine's verdicts)")
     t.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")

@@ -42,7 +42,7 @@ from numbers import Integral, Real
 
 import torch
 
-from flashgen.errors import FlashgenError
+from flashgen.errors import FlashgenError, one_line
 from flashgen.runtime.graphs import DecodeGraphs, greedy
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.model import Batch, Decoder
@@ -89,12 +89,6 @@ def check_request(prompt: list[int], p: SamplingParams, vocab_size: int) -> None
         if not (_is_int(t) and 0 <= t < vocab_size):
             raise FlashgenError(f"prompt token {t!r:.40} at position {i} is not an id in the vocabulary "
                                 f"[0, {vocab_size})")
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line, for a request's `error`."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from flashgen.errors import FlashgenError
+from flashgen.errors import FlashgenError, reason
 from flashgen.processes import sigint_deferred
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -67,13 +67,12 @@ def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, tp: int, port: in
     """One spawned rank: `fn(device, *args)` in the group; a failure is reported on `failures`, as
     (rank, one line), and ends the process at once, so that its peers see it gone."""
     from flashgen.processes import ignore_sigint
-    from flashgen.runtime.engine import one_line
 
     ignore_sigint()  # (the launcher stops its ranks on Ctrl-C)
     try:
         fn(start_rank(tp, rank, port, timeout_s), *args)
     except BaseException as e:  # noqa: BLE001 (reported to the launcher)
-        failures.put((rank, str(e) if isinstance(e, FlashgenError) else one_line(e)))
+        failures.put((rank, reason(e)))
         os._exit(1)
     dist.destroy_process_group()
 

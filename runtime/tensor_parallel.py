@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from flashgen.errors import FlashgenError
+from flashgen.errors import FlashgenError, one_line
 from flashgen.runtime.linear import QuantLinear
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.model_config import ModelConfig
@@ -107,9 +107,8 @@ def _collective(what: str, run, rank: int) -> None:
     try:
         run()
     except (RuntimeError, dist.DistError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FlashgenError(f"rank {rank}: {what} failed: another rank died or did not answer in time "
-                            f"({first[:300]})") from None
+                            f"({one_line(e)[:300]})") from None
 
 
 class ShardedDecoder(Decoder):
