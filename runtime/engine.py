@@ -31,6 +31,13 @@ The engine never loses a request; each one ends in `finished` (taken out by `pop
   requests and a serving loop needs no handler. Token ids are checked at `add` because an
   out-of-vocabulary id on a GPU is a device-side assert, which no engine survives.
 - `abort` finishes a waiting or running request with error "aborted".
+
+Split over tensor-parallel ranks (`tp`; runtime/tensor_parallel.py), every rank runs this engine on the
+same requests, so admission, block tables and chaining agree without a message. Greedy tokens need
+none either: every rank's logits are the same all-gathered bytes, so its argmax is rank 0's (and a
+chained step's replay is not held up). A step that samples takes rank 0's tokens, broadcast. A step
+that fails on one rank cannot go on on the others, so under `tp` it raises (FlashgenError, one line)
+after failing its requests, and the group stops.
 """
 from __future__ import annotations
 
@@ -314,8 +321,9 @@ class Engine:
         fails that request alone), retire the finished. A request already done gets no token: one
         stopped in the step before this chained one (retired then) or aborted inside it (retired now)."""
         running = {r.id for r in self.running}
-        picks = self._picks(reqs, chosen, logits) if self.model.rank == 0 else [None] * len(reqs)
-        if self.model.tp > 1:
+        sampled = any(not r.done and r.params.temperature > 0 for r in reqs)
+        picks = self._picks(reqs, chosen, logits) if self.model.rank == 0 or not sampled else [None] * len(reqs)
+        if self.model.tp > 1 and sampled:  # (greedy tokens need no message: module docstring)
             picks = agree(picks, self.model)
         for req, pick in zip(reqs, picks):
             if isinstance(pick, str):

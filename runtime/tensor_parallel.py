@@ -16,7 +16,8 @@ column-parallel slice keeps its rows' per-channel scales; a row-parallel slice's
 slice only, so quantized modes compute close to one process, not bit for bit.
 
 Every rank runs the same engine on the same requests, so admission and block tables agree without a
-message; rank 0 samples and broadcasts each step's tokens (`agree`). Collectives go through
+message; rank 0 samples and broadcasts a sampling step's tokens (`agree`; runtime/engine.py says why
+greedy steps need no message). Collectives go through
 torch.distributed (runtime/ranks.py starts the group) with a timeout: a rank that dies or stalls makes
 the others fail in one line (`FlashgenError`), never hang.
 """

@@ -38,9 +38,12 @@ SEED = 3
 
 
 def run(model: Decoder, tp: int | None = None) -> dict:
-    """Every token's logits of PROMPT, and 8 greedy tokens of each of PROMPTS, batched."""
-    out = Engine(model, num_blocks=48, tp=tp).generate(PROMPTS, SamplingParams(max_new_tokens=8))
-    return {"logits": prefill_logits(model, PROMPT), "tokens": [r.output for r in out]}
+    """Every token's logits of PROMPT, and 8 tokens of each of PROMPTS, batched: greedy, and sampled."""
+    engine = Engine(model, num_blocks=48, tp=tp)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8))
+    sampled = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, seed=11))
+    return {"logits": prefill_logits(model, PROMPT), "tokens": [r.output for r in greedy],
+            "sampled": [r.output for r in sampled]}
 
 
 CASES = {"dense": (DENSE, MODES), "gqa": (GQA, ("bf16", "w8a8"))}
@@ -70,14 +73,16 @@ def whole(config: ModelConfig, mode: str) -> dict:
 
 
 def check_same(split: list[dict], case: str, mode: str) -> None:
-    """Both ranks' tokens are rank 0's; logits within float32 rounding of one process (the same
-    quantization), or no further from it than its quantization is from the float model."""
-    assert split[1][case, mode]["tokens"] == split[0][case, mode]["tokens"]
+    """Both ranks' tokens are rank 0's (the sampled ones broadcast by it); logits within float32 rounding
+    of one process (the same quantization), or no further from it than its quantization is from the
+    float model."""
+    for kind in ("tokens", "sampled"):
+        assert split[1][case, mode][kind] == split[0][case, mode][kind]
     config = CASES[case][0]
     ref, got = whole(config, mode), split[0][case, mode]
     err = (got["logits"] - ref["logits"]).abs().max()
     if mode in SAME_QUANTIZATION:
-        assert got["tokens"] == ref["tokens"]
+        assert got["tokens"] == ref["tokens"] and got["sampled"] == ref["sampled"]
         assert err < 1e-4 * ref["logits"].abs().max(), err
     else:
         quantization = (ref["logits"] - whole(config, "bf16")["logits"]).abs().max()
