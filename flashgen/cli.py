@@ -272,7 +272,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from flashgen.runtime.model_config import ModelConfig
-    from flashgen.runtime.ranks import launch, start_rank, under_torchrun
+    from flashgen.runtime.ranks import launch, start_rank, stop_rank, under_torchrun
     from flashgen.runtime.tensor_parallel import check_gpus, check_tp
 
     check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
@@ -282,6 +282,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _generate(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args, prompt_text)
     elif under_torchrun():
         _generate(start_rank(args.tp), args, prompt_text)
+        stop_rank()
     else:
         launch(args.tp, _generate, (args, prompt_text))
     return 0

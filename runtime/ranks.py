@@ -62,6 +62,12 @@ def start_rank(tp: int, rank: int | None = None, port: int | None = None,
     return device
 
 
+def stop_rank() -> None:
+    """Leave the group after a rank's work ended well (a failed rank just exits: its peers see it gone)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, tp: int, port: int, timeout_s: float,
                failures: Any) -> None:
     """One spawned rank: `fn(device, *args)` in the group; a failure is reported on `failures`, as
@@ -74,7 +80,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, tp: int, port: in
     except BaseException as e:  # noqa: BLE001 (reported to the launcher)
         failures.put((rank, reason(e)))
         os._exit(1)
-    dist.destroy_process_group()
+    stop_rank()
 
 
 def launch(tp: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
