@@ -69,7 +69,7 @@ def groups(plan: Plan) -> list[list[int]]:
     return out
 
 
-def _worker(slot: int, plan: Plan, target: Target, db_path: str | None, options: TuneOptions, build_workers: int,
+def _worker(worker: int, plan: Plan, target: Target, db_path: str | None, options: TuneOptions, build_workers: int,
             tasks: Any, results: Any) -> None:
     """One GPU's tunes: groups from `tasks` until None, each workload's TuneResult (or its error, one
     line) on `results`."""
@@ -79,7 +79,7 @@ def _worker(slot: int, plan: Plan, target: Target, db_path: str | None, options:
     ignore_sigint()
     with Database(db_path) as db:
         while (group := tasks.get()) is not None:
-            results.put(("start", slot, group))
+            results.put(("start", worker, group))
             for i in group:
                 wl, producer = plan[i]
                 builder = Builder(target, build_workers)
@@ -87,9 +87,9 @@ def _worker(slot: int, plan: Plan, target: Target, db_path: str | None, options:
                     res = tune(wl, target, db, options.trials, strategy=options.strategy, seed=options.seed,
                                fixed=options.fixed, behind=with_schedule(producer, target, db),
                                retry_failed=options.retry_failed, builder=builder)
-                    results.put(("done", slot, i, res))
+                    results.put(("done", worker, i, res))
                 except Exception as e:  # noqa: BLE001 (this workload's failure; the worker goes on)
-                    results.put(("failed", slot, i, reason(e)))
+                    results.put(("failed", worker, i, reason(e)))
                 finally:
                     builder.close()
 
