@@ -132,6 +132,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.db import Database
     from flashgen.schedules.fanout import TuneOptions, fan_out
+    from flashgen.schedules.ray_fanout import fan_out_ray
     from flashgen.schedules.measure import feed_error
     from flashgen.schedules.space import ScheduleSpace
     from flashgen.schedules.tuner import plot_history, tune, with_schedule
@@ -142,7 +143,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         require("matplotlib", "--plot")
         _check_plot_path(args.plot)
     target = resolve_target(args.target, args.targets_dir)
-    slots = _gpu_slots(args.gpus, target) if args.gpus else None
+    if args.gpus and args.ray:
+        raise FlashgenError("give --gpus (this machine's GPUs) or --ray (a cluster's), not both")
+    if (args.gpus or args.ray) and target.backend == "tvm":
+        raise FlashgenError(f"--{'gpus' if args.gpus else 'ray'} spreads a GPU target's tuning over GPUs; "
+                            f"{target.id} measures on this CPU: leave it out")
+    slots = _gpu_slots(args.gpus) if args.gpus else None
     plan = _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
     for wl, producer in plan:  # every check before any tuning
@@ -169,16 +175,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"{wl}: best {res.best.latency_us:.2f} us{where}{gain}; {res.measured} measured in "
               f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}", flush=True)
 
-    if slots is None:
+    options = TuneOptions(args.trials, args.strategy, args.seed, fixed, args.retry_failed)
+    if args.ray:
+        fan_out_ray(plan, target, args.db, options, args.ray, report)
+    elif slots is not None:
+        fan_out(plan, target, args.db, options, slots, report)
+    else:
         with Database(args.db) as db:
             for i, (wl, producer) in enumerate(plan):
                 # the producer's schedule as the database has it now: earlier lines may have tuned it
                 report(i, tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed,
                                progress=sys.stderr, fixed=fixed, behind=with_schedule(producer, target, db),
                                retry_failed=args.retry_failed))
-    else:
-        fan_out(plan, target, args.db, TuneOptions(args.trials, args.strategy, args.seed, fixed, args.retry_failed),
-                slots, report)
     if args.plot:
         plot_history([results[i] for i in sorted(results)], args.plot)
         print(f"wrote {args.plot}")
@@ -187,13 +195,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpu_slots(spec: str, target) -> list[str]:
-    """--gpus as one CUDA_VISIBLE_DEVICES value per worker (schedules/fanout.py), for a GPU target only."""
+def _gpu_slots(spec: str) -> list[str]:
+    """--gpus as one CUDA_VISIBLE_DEVICES value per worker (schedules/fanout.py)."""
     from flashgen.schedules.fanout import gpu_slots
 
-    if target.backend == "tvm":
-        raise FlashgenError(f"--gpus spreads a GPU target's tuning over GPUs; {target.id} measures on this CPU: "
-                            "leave --gpus out")
     import torch
 
     return gpu_slots(spec, torch.cuda.device_count())
@@ -416,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpus", metavar="all|N",
                    help="tune on every local GPU (or the first N) at once: one worker per GPU, each workload "
                         "tuned by one of them, all recorded in the one database")
+    t.add_argument("--ray", metavar="ADDRESS",
+                   help="tune on every GPU of the Ray cluster at ADDRESS ('auto': the one this host is part of), "
+                        "one actor per GPU, every record brought back into the one database "
+                        "(needs flashgen[ray])")
     t.add_argument("--retry-failed", action="store_true",
                    help="measure again the schedules recorded as timeout or crash (a loaded machine's verdicts)")
     t.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")

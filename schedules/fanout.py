@@ -69,29 +69,36 @@ def groups(plan: Plan) -> list[list[int]]:
     return out
 
 
+def tune_line(wl: Workload, producer: Workload | None, target: Target, db: Any, options: TuneOptions,
+              build_workers: int) -> TuneResult:
+    """One plan line's tune in a worker: its producer's schedule as `db` has it now, a Builder of its own
+    (the cores shared out among the workers), no progress bar."""
+    from flashgen.schedules.builder import Builder
+
+    builder = Builder(target, build_workers)
+    try:
+        return tune(wl, target, db, options.trials, strategy=options.strategy, seed=options.seed,
+                    fixed=options.fixed, behind=with_schedule(producer, target, db),
+                    retry_failed=options.retry_failed, builder=builder)
+    finally:
+        builder.close()
+
+
 def _worker(worker: int, plan: Plan, target: Target, db_path: str | None, options: TuneOptions, build_workers: int,
             tasks: Any, results: Any) -> None:
     """One GPU's tunes: groups from `tasks` until None, each workload's TuneResult (or its error, one
     line) on `results`."""
     from flashgen.db import Database
-    from flashgen.schedules.builder import Builder
 
     ignore_sigint()
     with Database(db_path) as db:
         while (group := tasks.get()) is not None:
             results.put(("start", worker, group))
             for i in group:
-                wl, producer = plan[i]
-                builder = Builder(target, build_workers)
                 try:
-                    res = tune(wl, target, db, options.trials, strategy=options.strategy, seed=options.seed,
-                               fixed=options.fixed, behind=with_schedule(producer, target, db),
-                               retry_failed=options.retry_failed, builder=builder)
-                    results.put(("done", worker, i, res))
+                    results.put(("done", worker, i, tune_line(*plan[i], target, db, options, build_workers)))
                 except Exception as e:  # noqa: BLE001 (this workload's failure; the worker goes on)
                     results.put(("failed", worker, i, reason(e)))
-                finally:
-                    builder.close()
 
 
 def fan_out(plan: Plan, target: Target, db_path: str | None, options: TuneOptions, slots: list[str | None],

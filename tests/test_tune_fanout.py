@@ -1,6 +1,7 @@
-"""`flashgen tune --gpus`: the plan's grouping (a producer's consumers after it, in its group), the
-GPUs each worker sees, and a real fan-out of cpu-target tunes over two worker processes that records
-every workload's measurements once, into one database. Without a GPU, --gpus is one line."""
+"""`flashgen tune --gpus` and `--ray`: the plan's grouping (a producer's consumers after it, in its
+group), the GPUs each worker sees, and real fan-outs of cpu-target tunes, over two worker processes and
+over two actors of a local Ray cluster, that record every workload's measurements once, into one
+database. Without a GPU, or on the cpu target, --gpus and --ray are one line."""
 from __future__ import annotations
 
 import pytest
@@ -38,34 +39,67 @@ def test_each_worker_sees_one_gpu(monkeypatch):
             gpu_slots(spec, gpus)
 
 
-def test_two_workers_tune_every_workload_once(tmp_path):
-    """Four workloads over two worker processes (cpu target): each tuned once, its trials all recorded
-    in the one database, no schedule measured twice."""
-    plan = [(_wl(op, m), None) for op, m in (("softmax", 8), ("rmsnorm", 16), ("silu_mul", 8), ("softmax", 4))]
-    target, db_path, trials = get_target("cpu"), tmp_path / "t.db", 3
-    outcomes: dict[int, object] = {}
+PLAN = [(_wl(op, m), None) for op, m in (("softmax", 8), ("rmsnorm", 16), ("silu_mul", 8), ("softmax", 4))]
 
+
+def collect(outcomes: dict):
     def on_result(i, outcome):
-        assert i not in outcomes
+        assert i not in outcomes  # each workload once
         outcomes[i] = outcome
+    return on_result
 
-    fan_out(plan, target, str(db_path), TuneOptions(trials, strategy="random"), [None, None], on_result)
-    assert sorted(outcomes) == list(range(len(plan)))
+
+def check_tuned_once(db_path, outcomes: dict, trials: int, earlier: dict[int, int] | None = None) -> None:
+    """Every line tuned, `trials` new measurements each (besides `earlier` ones by line), every record in
+    the one database, no schedule measured twice."""
+    earlier = earlier or {}
+    assert sorted(outcomes) == list(range(len(PLAN)))
     with Database(db_path) as db:
-        for i, (wl, _) in enumerate(plan):
+        for i, (wl, _) in enumerate(PLAN):
             assert outcomes[i].measured == trials and outcomes[i].best is not None
-            records = db.records(wl.key, target.id)
-            assert len(records) == trials == len({r.schedule_key for r in records})
+            records = db.records(wl.key, "cpu/host")
+            assert len(records) == trials + earlier.get(i, 0) == len({r.schedule_key for r in records})
             assert all(r.status == "ok" for r in records)
 
 
-def test_gpus_without_a_gpu_or_on_the_cpu_target_is_one_line(tmp_path, capsys, monkeypatch):
+def test_two_workers_tune_every_workload_once(tmp_path):
+    """Four workloads over two worker processes (cpu target)."""
+    outcomes: dict = {}
+    fan_out(PLAN, get_target("cpu"), str(tmp_path / "t.db"), TuneOptions(3, strategy="random"), [None, None],
+            collect(outcomes))
+    check_tuned_once(tmp_path / "t.db", outcomes, 3)
+
+
+def test_a_local_ray_cluster_tunes_every_workload_once(tmp_path, monkeypatch):
+    """The same over two actors of a Ray cluster on this machine (loopback only), the database seeded
+    with two measurements of one workload, which its actor does not make again."""
+    ray = pytest.importorskip("ray")
+    from flashgen.schedules.ray_fanout import fan_out_ray
+    from flashgen.schedules.tuner import tune
+
+    target, db_path = get_target("cpu"), tmp_path / "t.db"
+    with Database(db_path) as db:
+        tune(PLAN[1][0], target, db, 2, strategy="random", seed=5)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        outcomes: dict = {}
+        fan_out_ray(PLAN, target, str(db_path), TuneOptions(3, strategy="random"), None, collect(outcomes),
+                    cpu_workers=2)
+    finally:
+        ray.shutdown()
+    check_tuned_once(db_path, outcomes, 3, earlier={1: 2})
+
+
+def test_gpus_or_ray_without_a_gpu_or_on_the_cpu_target_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     f = tmp_path / "w.jsonl"
     f.write_text('{"op": "softmax", "dims": {"M": 8, "N": 512}}\n')
-    for target, message in (("h200", "--gpus: this machine has no GPU"),
-                            ("cpu", "--gpus spreads a GPU target's tuning over GPUs; cpu/host measures on this CPU")):
-        assert main(["tune", "--workloads", str(f), "--target", target, "--gpus", "all",
-                     "--db", str(tmp_path / "t.db")]) == 2
+    for target, flags, message in (
+            ("h200", ["--gpus", "all"], "--gpus: this machine has no GPU"),
+            ("cpu", ["--gpus", "all"], "--gpus spreads a GPU target's tuning over GPUs; cpu/host measures on this CPU"),
+            ("cpu", ["--ray", "auto"], "--ray spreads a GPU target's tuning over GPUs; cpu/host measures on this CPU"),
+            ("h200", ["--ray", "auto", "--gpus", "2"], "give --gpus (this machine's GPUs) or --ray (a cluster's), not both")):
+        assert main(["tune", "--workloads", str(f), "--target", target, *flags, "--db", str(tmp_path / "t.db")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
