@@ -11,10 +11,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flashgen.errors import FlashgenError
 from flashgen.extras import require
+
+if TYPE_CHECKING:
+    import torch
 
 EXIT_USAGE = 2
 
@@ -132,8 +135,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.db import Database
     from flashgen.schedules.fanout import TuneOptions, fan_out
-    from flashgen.schedules.ray_fanout import fan_out_ray
     from flashgen.schedules.measure import feed_error
+    from flashgen.schedules.ray_fanout import fan_out_ray
     from flashgen.schedules.space import ScheduleSpace
     from flashgen.schedules.tuner import plot_history, tune, with_schedule
 
@@ -197,9 +200,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _gpu_slots(spec: str) -> list[str]:
     """--gpus as one CUDA_VISIBLE_DEVICES value per worker (schedules/fanout.py)."""
-    from flashgen.schedules.fanout import gpu_slots
-
     import torch
+
+    from flashgen.schedules.fanout import gpu_slots
 
     return gpu_slots(spec, torch.cuda.device_count())
 
@@ -293,7 +296,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(device, args: argparse.Namespace, prompt_text: str) -> None:
+def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str) -> None:
     """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints)."""
     import math
     from pathlib import Path
