@@ -319,7 +319,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str) 
                cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, 16), device,
                "pass fewer --cache-blocks")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = (Decoder if args.tp == 1 else ShardedDecoder)(config, load_weights(folder, config), device, dtype)
+    model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
+        ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
     engine = Engine(model, num_blocks=args.cache_blocks, tp=args.tp)
     prompt = tok.encode(prompt_text).ids
     rid = engine.add(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

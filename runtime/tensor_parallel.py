@@ -24,6 +24,8 @@ the others fail in one line (`FlashgenError`), never hang.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ from flashgen.errors import FlashgenError, one_line
 from flashgen.runtime.linear import QuantLinear
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.model_config import ModelConfig
+from flashgen.runtime.weights import load_weights
 
 COLUMN_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "ff", "up_proj": "ff"}
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ff"}
@@ -84,21 +87,33 @@ def vocab_rows(vocab: int, tp: int) -> int:
     return -(-vocab // tp)
 
 
-def shard_weights(c: ModelConfig, weights: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """`rank`'s tensors under the checkpoint's names, for a decoder of `shard_config(c, tp)`; slices are
-    copies, so the full tensors can be let go."""
-    rows, out = _rows(c, tp, rank), {}
-    for name, t in weights.items():
-        proj, kind = name.rsplit(".", 2)[-2:]
-        if proj in COLUMN_PARALLEL:
-            out[name] = t[rows[COLUMN_PARALLEL[proj]]].clone()
-        elif proj in ROW_PARALLEL and kind == "weight":
-            out[name] = t[:, rows[ROW_PARALLEL[proj]]].clone()
-        elif name != "lm_head.weight":  # (the embedding, norms, and o and down biases, added by rank 0 alone)
-            out[name] = t
-    head = weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
-    n = vocab_rows(c.vocab_size, tp)
-    part = head[rank * n:(rank + 1) * n]
+def _index(c: ModelConfig, tp: int, rank: int, name: str) -> tuple[slice, ...] | None:
+    """The part of checkpoint tensor `name` that `rank` holds, or None for all of it (replicated)."""
+    proj, kind = name.rsplit(".", 2)[-2:]
+    rows = _rows(c, tp, rank)
+    if name == "lm_head.weight":
+        n = vocab_rows(c.vocab_size, tp)
+        return (slice(rank * n, (rank + 1) * n),)
+    if proj in COLUMN_PARALLEL:
+        return (rows[COLUMN_PARALLEL[proj]],)
+    if proj in ROW_PARALLEL and kind == "weight":  # (o and down biases stay whole: rank 0 adds them)
+        return (slice(None), rows[ROW_PARALLEL[proj]])
+    return None
+
+
+def shard_weights(c: ModelConfig, weights: dict[str, torch.Tensor] | str | Path, tp: int,
+                  rank: int) -> dict[str, torch.Tensor]:
+    """`rank`'s tensors under the checkpoint's names, for a decoder of `shard_config(c, tp)`: sliced from
+    the whole model's tensors (copies, so those can be let go), or read from a checkpoint folder, only
+    this rank's part of each tensor."""
+    take = partial(_index, c, tp, rank)
+    if isinstance(weights, dict):
+        out = {name: t if (i := take(name)) is None else t[i].clone() for name, t in weights.items()}
+    else:
+        out = load_weights(weights, c, take)
+    if c.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"][take("lm_head.weight")]
+    part, n = out["lm_head.weight"], vocab_rows(c.vocab_size, tp)
     out["lm_head.weight"] = torch.cat([part, part.new_zeros(n - part.shape[0], part.shape[1])])
     return out
 
@@ -113,12 +128,13 @@ def _collective(what: str, run, rank: int) -> None:
 
 
 class ShardedDecoder(Decoder):
-    """This rank's part of a tensor-parallel decoder, built from the whole model's float `weights` (module
-    docstring); the process group (runtime/ranks.py) must be up. Its forward returns every row's logits
+    """This rank's part of a tensor-parallel decoder, built from the whole model's float `weights`, or read
+    from a checkpoint folder (module docstring); the process group (runtime/ranks.py) must be up. Its forward returns every row's logits
     over the whole vocabulary, the same on every rank."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, quant: str = "bf16", group: dist.ProcessGroup | None = None):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | str | Path,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, quant: str = "bf16",
+                 group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
             raise FlashgenError("a ShardedDecoder runs in each rank of a process group: launch it with torchrun "
                                 "or flashgen.runtime.ranks.launch")

@@ -23,6 +23,7 @@ from flashgen.runtime.model import Decoder
 from flashgen.runtime.model_config import ModelConfig
 from flashgen.runtime.ranks import launch
 from flashgen.runtime.tensor_parallel import ShardedDecoder, check_gpus, check_tp, shard_weights
+from flashgen.runtime.weights import load_weights
 from tests.prefill import prefill_logits
 
 # q, k, v, o and MLP biases; K of o and down 256 and 512, so split in two each rank's int4 groups of 128
@@ -193,6 +194,18 @@ def folder(tmp_path_factory) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from generate_warm_start import tiny_folder
     return tiny_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_a_rank_reads_only_its_part_of_a_checkpoint(folder):
+    """Each rank's tensors read from the folder's slices are those cut from the whole model's."""
+    c = ModelConfig.from_folder(folder)
+    whole = load_weights(folder, c)
+    for rank in range(2):
+        read, cut = shard_weights(c, folder, 2, rank), shard_weights(c, whole, 2, rank)
+        assert read.keys() == cut.keys()
+        assert all(torch.equal(read[k], cut[k]) for k in cut)
+        q = "model.layers.1.self_attn.q_proj.weight"
+        assert read[q].shape[0] == whole[q].shape[0] // 2
 
 
 def test_generate_with_two_ranks_prints_what_one_process_does(folder, capfd):
