@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from flashgen.errors import FlashgenError, reason
 from flashgen.processes import ignore_sigint, sigint_deferred
+from flashgen.schedules.builder import Builder
 from flashgen.schedules.tuner import TuneResult, tune, with_schedule
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -70,35 +71,32 @@ def groups(plan: Plan) -> list[list[int]]:
 
 
 def tune_line(wl: Workload, producer: Workload | None, target: Target, db: Any, options: TuneOptions,
-              build_workers: int) -> TuneResult:
-    """One plan line's tune in a worker: its producer's schedule as `db` has it now, a Builder of its own
-    (the cores shared out among the workers), no progress bar."""
-    from flashgen.schedules.builder import Builder
-
-    builder = Builder(target, build_workers)
-    try:
-        return tune(wl, target, db, options.trials, strategy=options.strategy, seed=options.seed,
-                    fixed=options.fixed, behind=with_schedule(producer, target, db),
-                    retry_failed=options.retry_failed, builder=builder)
-    finally:
-        builder.close()
+              builder: Builder) -> TuneResult:
+    """One plan line's tune in a worker: its producer's schedule as `db` has it now, the worker's Builder,
+    no progress bar."""
+    return tune(wl, target, db, options.trials, strategy=options.strategy, seed=options.seed, fixed=options.fixed,
+                behind=with_schedule(producer, target, db), retry_failed=options.retry_failed, builder=builder)
 
 
 def _worker(worker: int, plan: Plan, target: Target, db_path: str | None, options: TuneOptions, build_workers: int,
             tasks: Any, results: Any) -> None:
     """One GPU's tunes: groups from `tasks` until None, each workload's TuneResult (or its error, one
-    line) on `results`."""
+    line) on `results`; its Builder has the cores shared out among the workers."""
     from flashgen.db import Database
 
     ignore_sigint()
+    builder = Builder(target, build_workers)
     with Database(db_path) as db:
-        while (group := tasks.get()) is not None:
-            results.put(("start", worker, group))
-            for i in group:
-                try:
-                    results.put(("done", worker, i, tune_line(*plan[i], target, db, options, build_workers)))
-                except Exception as e:  # noqa: BLE001 (this workload's failure; the worker goes on)
-                    results.put(("failed", worker, i, reason(e)))
+        try:
+            while (group := tasks.get()) is not None:
+                results.put(("start", worker, group))
+                for i in group:
+                    try:
+                        results.put(("done", worker, i, tune_line(*plan[i], target, db, options, builder)))
+                    except Exception as e:  # noqa: BLE001 (this workload's failure; the worker goes on)
+                        results.put(("failed", worker, i, reason(e)))
+        finally:
+            builder.close()
 
 
 def fan_out(plan: Plan, target: Target, db_path: str | None, options: TuneOptions, slots: list[str | None],

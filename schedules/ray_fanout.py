@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from flashgen.errors import FlashgenError, one_line, reason
 from flashgen.extras import require
+from flashgen.schedules.builder import Builder
 from flashgen.schedules.fanout import Plan, TuneOptions, groups, tune_line
 from flashgen.schedules.tuner import TuneResult
 from flashgen.targets.descriptor import Target
@@ -34,7 +35,7 @@ class TuneActor:
         self.target, self.options = target, options
         self.db = Database(Path(tempfile.mkdtemp(prefix="flashgen-ray-")) / "tuning.db")
         self.db.add_many(seed)
-        self.build_workers = _build_workers()
+        self.builder = Builder(target, _build_workers())
 
     def tune_group(self, lines: list[tuple[int, Workload, Workload | None]]) -> list[tuple[int, TuneResult | str, list]]:
         """Each line's index, TuneResult (or why it failed) and the records its tune added."""
@@ -42,7 +43,7 @@ class TuneActor:
         for i, wl, producer in lines:
             before = len(self.db.records(wl.key, self.target.id))
             try:
-                res: TuneResult | str = tune_line(wl, producer, self.target, self.db, self.options, self.build_workers)
+                res: TuneResult | str = tune_line(wl, producer, self.target, self.db, self.options, self.builder)
             except Exception as e:  # noqa: BLE001 (this line's failure; its records still go back)
                 res = reason(e)
             out.append((i, res, self.db.records(wl.key, self.target.id)[before:]))
