@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
+from multiprocessing.connection import wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -78,10 +78,10 @@ def tune_line(wl: Workload, producer: Workload | None, target: Target, db: Any, 
                 behind=with_schedule(producer, target, db), retry_failed=options.retry_failed, builder=builder)
 
 
-def _worker(worker: int, plan: Plan, target: Target, db_path: str | None, options: TuneOptions, build_workers: int,
-            tasks: Any, results: Any) -> None:
+def _worker(plan: Plan, target: Target, db_path: str | None, options: TuneOptions, build_workers: int,
+            tasks: Any, answers: Any) -> None:
     """One GPU's tunes: groups from `tasks` until None, each workload's TuneResult (or its error, one
-    line) on `results`; its Builder has the cores shared out among the workers."""
+    line) sent on `answers`; its Builder has the cores shared out among the workers."""
     from flashgen.db import Database
 
     ignore_sigint()
@@ -89,12 +89,12 @@ def _worker(worker: int, plan: Plan, target: Target, db_path: str | None, option
     with Database(db_path) as db:
         try:
             while (group := tasks.get()) is not None:
-                results.put(("start", worker, group))
+                answers.send(("start", group))
                 for i in group:
                     try:
-                        results.put(("done", worker, i, tune_line(*plan[i], target, db, options, builder)))
+                        answers.send(("done", i, tune_line(*plan[i], target, db, options, builder)))
                     except Exception as e:  # noqa: BLE001 (this workload's failure; the worker goes on)
-                        results.put(("failed", worker, i, reason(e)))
+                        answers.send(("failed", i, reason(e)))
         finally:
             builder.close()
 
@@ -102,47 +102,50 @@ def _worker(worker: int, plan: Plan, target: Target, db_path: str | None, option
 def fan_out(plan: Plan, target: Target, db_path: str | None, options: TuneOptions, slots: list[str | None],
             on_result: Callable[[int, TuneResult | str], None]) -> None:
     """Tune every workload of `plan` in one worker per slot (a CUDA_VISIBLE_DEVICES value; None leaves it
-    as it is), calling `on_result(index, TuneResult or why it failed)` as each ends (module docstring)."""
+    as it is), calling `on_result(index, TuneResult or why it failed)` as each ends (module docstring).
+    Each worker answers on a pipe of its own, written at once, so the group a worker took is known
+    even if it dies the moment after."""
     ctx = multiprocessing.get_context("spawn")
-    tasks, results = ctx.Queue(), ctx.Queue()
+    tasks = ctx.Queue()
     for g in groups(plan):
         tasks.put(g)
     for _ in slots:
         tasks.put(None)
     build_workers = max(1, (os.cpu_count() or 2) // len(slots))
-    procs = []
+    procs, answers = [], {}
     with sigint_deferred():
         for n, slot in enumerate(slots):
-            procs.append(ctx.Process(target=_worker, args=(n, plan, target, db_path, options, build_workers, tasks,
-                                                           results)))
+            answers[n], writer = ctx.Pipe(duplex=False)
+            procs.append(ctx.Process(target=_worker, args=(plan, target, db_path, options, build_workers, tasks,
+                                                           writer)))
             _start_seeing(procs[-1], slot)
+            writer.close()  # (the worker's copy is its own: its end, or its death, closes the pipe)
     left = set(range(len(plan)))
     held: dict[int, list[int]] = {}  # worker -> the group it tunes
     try:
-        while left:
-            try:
-                msg = results.get(timeout=0.5)
-            except queue.Empty:
-                for n, p in enumerate(procs):
-                    if not p.is_alive() and n in held:  # (what it finished was read before: the queue is in order)
-                        for i in held.pop(n):
-                            if i in left:
-                                left.discard(i)
-                                on_result(i, f"its worker ({_seen(slots[n])}) died with exit code {p.exitcode}")
-                if not any(p.is_alive() for p in procs):
-                    for i in sorted(left):
-                        on_result(i, "not tuned: every worker died")
-                    return
-                continue
-            if msg[0] == "start":
-                held[msg[1]] = msg[2]
-            else:
-                _, _, i, outcome = msg
-                left.discard(i)
-                on_result(i, outcome)
+        while left and answers:
+            ready = wait(list(answers.values()))
+            for n, conn in [(n, c) for n, c in answers.items() if c in ready]:
+                try:
+                    msg = conn.recv()
+                except EOFError:  # the worker ended: what it had not finished of its group is lost
+                    del answers[n]
+                    procs[n].join()
+                    for i in held.pop(n, []):
+                        if i in left:
+                            left.discard(i)
+                            on_result(i, f"its worker ({_seen(slots[n])}) died with exit code {procs[n].exitcode}")
+                    continue
+                if msg[0] == "start":
+                    held[n] = msg[1]
+                else:
+                    left.discard(msg[1])
+                    on_result(msg[1], msg[2])
+        for i in sorted(left):
+            on_result(i, "not tuned: no worker was left to take it")
     finally:
         for p in procs:
-            if left and p.is_alive():
+            if p.is_alive() and left:
                 p.kill()
             p.join()
 

@@ -4,6 +4,8 @@ over two actors of a local Ray cluster, that record every workload's measurement
 database. Without a GPU, or on the cpu target, --gpus and --ray are one line."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -62,11 +64,27 @@ def check_tuned_once(db_path, outcomes: dict, trials: int, earlier: dict[int, in
             assert all(r.status == "ok" for r in records)
 
 
+class DiesInWorker:
+    """A producer whose key ends any process but the test's: the worker that tunes its line dies."""
+
+    def __init__(self):
+        self.home = os.getpid()
+
+    @property
+    def key(self) -> str:
+        if os.getpid() != self.home:
+            os._exit(7)
+        return "dies"
+
+
 def test_two_workers_tune_every_workload_once(tmp_path):
-    """Four workloads over two worker processes (cpu target)."""
+    """Four workloads over two worker processes (cpu target), and a fifth line that kills the worker
+    tuning it: reported as not tuned, the other worker tunes the rest."""
     outcomes: dict = {}
-    fan_out(PLAN, get_target("cpu"), str(tmp_path / "t.db"), TuneOptions(3, strategy="random"), [None, None],
+    plan = PLAN + [(_wl("softmax", 2), DiesInWorker())]
+    fan_out(plan, get_target("cpu"), str(tmp_path / "t.db"), TuneOptions(3, strategy="random"), [None, None],
             collect(outcomes))
+    assert outcomes.pop(len(PLAN)) == "its worker (a CPU worker) died with exit code 7"
     check_tuned_once(tmp_path / "t.db", outcomes, 3)
 
 
