@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flashgen.errors import FlashgenError, reason
-from flashgen.processes import sigint_deferred
+from flashgen.processes import ignore_sigint, sigint_deferred
 
 DEFAULT_TIMEOUT_S = 120.0
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -72,8 +72,6 @@ def _rank_main(fn: Callable[..., Any], args: tuple, rank: int, tp: int, port: in
                failures: Any) -> None:
     """One spawned rank: `fn(device, *args)` in the group; a failure is reported on `failures`, as
     (rank, one line), and ends the process at once, so that its peers see it gone."""
-    from flashgen.processes import ignore_sigint
-
     ignore_sigint()  # (the launcher stops its ranks on Ctrl-C)
     try:
         fn(start_rank(tp, rank, port, timeout_s), *args)

@@ -50,8 +50,8 @@ def check_tp(c: ModelConfig, tp: int) -> None:
     if c.num_experts or any(c.moe_layers):
         raise FlashgenError(f"tp={tp}: tensor parallelism splits dense layers; this {c.model_type} model has MoE layers")
     if c.prequant is not None:
-        raise FlashgenError(f"tp={tp}: a pre-quantized checkpoint cannot be split yet; load its float weights "
-                            "and quantize with --quant")
+        raise FlashgenError(f"tp={tp}: a pre-quantized checkpoint cannot be split yet; split a float checkpoint "
+                            "and quantize it at load (quant=)")
     if c.num_heads % tp:
         raise FlashgenError(f"tp={tp} does not divide the model's {c.num_heads} attention heads")
     if c.num_kv_heads % tp and tp % c.num_kv_heads:
@@ -129,8 +129,9 @@ def _collective(what: str, run, rank: int) -> None:
 
 class ShardedDecoder(Decoder):
     """This rank's part of a tensor-parallel decoder, built from the whole model's float `weights`, or read
-    from a checkpoint folder (module docstring); the process group (runtime/ranks.py) must be up. Its forward returns every row's logits
-    over the whole vocabulary, the same on every rank."""
+    from a checkpoint folder (module docstring), in `group` (the default: every rank), which must be up
+    (runtime/ranks.py). Its forward returns every row's logits over the whole vocabulary, the same on
+    every rank."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | str | Path,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, quant: str = "bf16",
@@ -160,12 +161,13 @@ class ShardedDecoder(Decoder):
         return torch.cat(parts, -1)[:, :self.c.vocab_size]
 
 
-def agree(picks: list[int | str | None], model: Decoder) -> list[int | str | None]:
+def agree(picks: list[int | str | None], model: ShardedDecoder) -> list[int | str | None]:
     """Rank 0's picks of a step on every rank: each request's token, None (no token: it was done), or why
     its sampling failed (the other ranks read rank 0's reason as a fixed line)."""
     codes = [p if isinstance(p, int) else NO_TOKEN if p is None else SAMPLING_FAILED for p in picks]
     t = torch.tensor(codes, dtype=torch.int64, device=model.device)
-    _collective("broadcast of the tokens", lambda: dist.broadcast(t, 0, group=model.group), model.rank)
+    src = 0 if model.group is None else dist.get_global_rank(model.group, 0)
+    _collective("broadcast of the tokens", lambda: dist.broadcast(t, src, group=model.group), model.rank)
     if model.rank == 0:
         return picks
     return [None if x == NO_TOKEN else "sampling failed (on rank 0)" if x == SAMPLING_FAILED else x
