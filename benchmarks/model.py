@@ -6,7 +6,7 @@ With --device cpu: SmolLM2-135M-shaped random weights in float32, the decoder an
 transformers' eager generate on the same weights, interleaved in rounds (the best round of each counts).
 
     python benchmarks/model.py [--config llama3-8b] [--batch 1,16,64] [--prompt-len 2000] [--new-tokens 300] [--quant bf16,w4a16]
-                               [--no-cuda-graphs] [--peer-batch 1,64] [--fused-rows 1,0]
+                               [--no-cuda-graphs] [--peer-batch 1,64] [--fused-rows 1,0] [--tp 1,2,4,8]
     python benchmarks/model.py --device cpu [--batch 1,8] [--prompt-len 64] [--new-tokens 32] [--rounds 2] [--threads 0]
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, copy_gbs, environment, print_table, write_results  # noqa: E402
 
+from flashgen.errors import FlashgenError  # noqa: E402
 from flashgen.runtime import bench, linear  # noqa: E402
 from flashgen.runtime.dispatch import describe_sources  # noqa: E402
 
@@ -129,6 +130,49 @@ def cpu_main(args: argparse.Namespace) -> None:
     print("command: " + meta["command"])
 
 
+def tp_degrees(text: str, config: str) -> list[int]:
+    """--tp's degrees, each checked against the model's heads and this machine's GPUs before anything runs."""
+    from flashgen.runtime.tensor_parallel import check_gpus, check_tp
+
+    try:
+        degrees = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"model.py: --tp takes integers separated by commas, got {text!r}") from None
+    try:
+        for tp in degrees:
+            check_tp(bench.CONFIGS[config], tp)
+            if tp > 1:
+                check_gpus(tp, torch.cuda.device_count())
+    except FlashgenError as e:
+        raise SystemExit(f"model.py: {e}") from None
+    return degrees
+
+
+def _split_rank(device: torch.device, tp: int, run_args: tuple, fused_rows: int, cuda_graphs: bool, out: Path) -> None:
+    """One rank of a split run: `bench.run` on this rank's GPU, the bandwidth of every rank's together;
+    rank 0 keeps the rows."""
+    import torch.distributed as dist
+
+    linear.FUSED_MAX_ROWS = fused_rows
+    config, batches, prompt_len, new_tokens, quant, bw = run_args
+    rows = bench.run(config, batches, prompt_len, new_tokens, quant, bw * tp, device=str(device),
+                     cuda_graphs=cuda_graphs, tp=tp)
+    if dist.get_rank() == 0:
+        torch.save(rows, out)
+
+
+def split_run(tp: int, run_args: tuple, fused_rows: int, cuda_graphs: bool) -> list[dict]:
+    """`bench.run`'s rows of the model split over `tp` spawned ranks, one per GPU."""
+    import tempfile
+
+    from flashgen.runtime.ranks import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.pt"
+        launch(tp, _split_rank, (tp, run_args, fused_rows, cuda_graphs, out))
+        return torch.load(out, weights_only=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="llama3-8b", choices=("llama3-8b", "mixtral-2l"),
@@ -143,6 +187,9 @@ def main() -> None:
     ap.add_argument("--fused-rows", default=str(linear.FUSED_MAX_ROWS),
                     help="comma-separated row limits for norms and SiLU·mul fused into the linears they feed "
                          "(runtime/linear.py), one run of each (0: their own kernels)")
+    ap.add_argument("--tp", default="1",
+                    help="tensor-parallel degrees, comma-separated, one run of each (GPU runs; a degree needs as "
+                         "many GPUs): the model split over that many ranks (runtime/tensor_parallel.py)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default=None, help="result files: <out-dir>/<name>.json and .md "
                                                  "(default: model, model_cpu with --device cpu)")
@@ -156,10 +203,13 @@ def main() -> None:
         if getattr(args, flag) is None:
             setattr(args, flag, cpu_default if cpu else gpu_default)
     if cpu:
+        if args.tp != "1":
+            raise SystemExit("model.py: --tp splits the model over GPUs; --device cpu runs one process")
         args.name = args.name or "model_cpu"
         return cpu_main(args)
     args.name = args.name or ("model" if args.config == "llama3-8b" else f"model_{args.config}")
     shape = {"llama3-8b": "Llama-3-8B-shaped", "mixtral-2l": "Mixtral-8x7B-shaped (2 layers, 8 experts, top-2)"}
+    degrees = tp_degrees(args.tp, args.config)
     bw = copy_gbs()
     batches = [int(b) for b in args.batch.split(",")]
     rows: list[list] = []
@@ -171,13 +221,17 @@ def main() -> None:
                       f"{shape[args.config]} random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
                       "Decode tokens/s; for transformers, the time of a generate call minus that of a one-token "
                       "call (its prefill). decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
-                      "a record of the tuning database (exact, or a bucket) and how many the analytic default.")
+                      "a record of the tuning database (exact, or a bucket) and how many the analytic default. "
+                      "A tp=N row: the model split over N GPUs (runtime/tensor_parallel.py), its limit at the "
+                      "bandwidth of the N together.")
 
-    for quant, fused_rows in ((q, int(f)) for q in args.quant.split(",") for f in args.fused_rows.split(",")):
+    for tp, quant, fused_rows in ((t, q, int(f)) for t in degrees for q in args.quant.split(",")
+                                  for f in args.fused_rows.split(",")):
         linear.FUSED_MAX_ROWS = fused_rows
-        for r in bench.run(args.config, batches, args.prompt_len, args.new_tokens, quant, bw,
-                           cuda_graphs=not args.no_cuda_graphs):
-            name = ("flashgen " + quant + ("" if r["cuda_graphs"] else " eager")
+        run_args = (args.config, batches, args.prompt_len, args.new_tokens, quant, bw)
+        for r in (bench.run(*run_args, cuda_graphs=not args.no_cuda_graphs) if tp == 1 else
+                  split_run(tp, run_args, fused_rows, not args.no_cuda_graphs)):
+            name = ("flashgen " + quant + (f" tp={tp}" if tp > 1 else "") + ("" if r["cuda_graphs"] else " eager")
                     + ("" if fused_rows >= r["batch"] and quant in linear.FUSED_MODES else " (unfused)"))
             rows.append([name, r["batch"], r["ttft_s"], r["decode_tokens_per_s"], r["bandwidth_limit_tokens_per_s"],
                          r["of_limit"], describe_sources(r["decode_gemm_schedules"])])

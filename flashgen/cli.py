@@ -11,10 +11,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flashgen.errors import FlashgenError
 from flashgen.extras import require
+
+if TYPE_CHECKING:
+    import torch
 
 EXIT_USAGE = 2
 
@@ -128,22 +131,14 @@ def _tune_plan(args: argparse.Namespace) -> list[tuple]:
     return [(wl, producer) for wl, _ in plan]
 
 
-def _with_schedule(producer, target, db) -> tuple | None:
-    """(producer, its schedule: the database's best, else the default), or None without a producer."""
-    from flashgen.schedules.space import ScheduleSpace
-
-    if producer is None:
-        return None
-    best = db.best(producer.key, target.id)
-    return producer, best.schedule if best is not None else ScheduleSpace(producer, target).default()
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.db import Database
+    from flashgen.schedules.fanout import TuneOptions, fan_out
     from flashgen.schedules.measure import feed_error
+    from flashgen.schedules.ray_fanout import fan_out_ray
     from flashgen.schedules.space import ScheduleSpace
-    from flashgen.schedules.tuner import plot_history, tune
+    from flashgen.schedules.tuner import plot_history, tune, with_schedule
 
     if args.trials < 1:
         raise FlashgenError("--trials must be at least 1")
@@ -151,6 +146,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         require("matplotlib", "--plot")
         _check_plot_path(args.plot)
     target = resolve_target(args.target, args.targets_dir)
+    if args.gpus and args.ray:
+        raise FlashgenError("give --gpus (this machine's GPUs) or --ray (a cluster's), not both")
+    if (args.gpus or args.ray) and target.backend == "tvm":
+        raise FlashgenError(f"--{'gpus' if args.gpus else 'ray'} spreads a GPU target's tuning over GPUs; "
+                            f"{target.id} measures on this CPU: leave it out")
+    slots = _gpu_slots(args.gpus) if args.gpus else None
     plan = _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
     for wl, producer in plan:  # every check before any tuning
@@ -160,25 +161,50 @@ def cmd_tune(args: argparse.Namespace) -> int:
             check_supported(producer, target)
             if why := feed_error(producer, wl):
                 raise FlashgenError(why)
-    results = []
-    with Database(args.db) as db:
-        for wl, producer in plan:
-            # the producer's schedule as the database has it now: earlier lines may have tuned it
-            behind = _with_schedule(producer, target, db)
-            where = f" behind {producer}" if producer is not None else ""
-            res = tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed, progress=sys.stderr,
-                       fixed=fixed, behind=behind, retry_failed=args.retry_failed)
-            results.append(res)
-            if res.best is None:
-                print(f"{wl}: no schedule ran correctly{where} ({res.measured} measured)")
-                continue
-            gain = f", {res.default_us / res.best.latency_us:.2f}x the default" if res.default_us else ""
-            print(f"{wl}: best {res.best.latency_us:.2f} us{where}{gain}; {res.measured} measured in "
-                  f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}")
+    results, failed = {}, []
+
+    def report(i: int, outcome) -> None:
+        wl, producer = plan[i]
+        if isinstance(outcome, str):
+            failed.append(f"{wl}: {outcome}")
+            print(f"{wl}: not tuned: {outcome}")
+            return
+        results[i] = res = outcome
+        where = f" behind {producer}" if producer is not None else ""
+        if res.best is None:
+            print(f"{wl}: no schedule ran correctly{where} ({res.measured} measured)")
+            return
+        gain = f", {res.default_us / res.best.latency_us:.2f}x the default" if res.default_us else ""
+        print(f"{wl}: best {res.best.latency_us:.2f} us{where}{gain}; {res.measured} measured in "
+              f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}", flush=True)
+
+    options = TuneOptions(args.trials, args.strategy, args.seed, fixed, args.retry_failed)
+    if args.ray:
+        fan_out_ray(plan, target, args.db, options, args.ray, report)
+    elif slots is not None:
+        fan_out(plan, target, args.db, options, slots, report)
+    else:
+        with Database(args.db) as db:
+            for i, (wl, producer) in enumerate(plan):
+                # the producer's schedule as the database has it now: earlier lines may have tuned it
+                report(i, tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed,
+                               progress=sys.stderr, fixed=fixed, behind=with_schedule(producer, target, db),
+                               retry_failed=args.retry_failed))
     if args.plot:
-        plot_history(results, args.plot)
+        plot_history([results[i] for i in sorted(results)], args.plot)
         print(f"wrote {args.plot}")
+    if failed:
+        raise FlashgenError(f"{len(failed)} of {len(plan)} workloads were not tuned; the first: {failed[0]}")
     return 0
+
+
+def _gpu_slots(spec: str) -> list[str]:
+    """--gpus as one CUDA_VISIBLE_DEVICES value per worker (schedules/fanout.py)."""
+    import torch
+
+    from flashgen.schedules.fanout import gpu_slots
+
+    return gpu_slots(spec, torch.cuda.device_count())
 
 
 def _check_plot_path(path: str) -> None:
@@ -245,30 +271,57 @@ def _read_prompt(path: str) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate from a Hugging Face model folder, printing text as tokens arrive."""
-    import math
+    """Generate from a Hugging Face model folder, printing text as tokens arrive; with --tp N, in N ranks
+    (spawned here, or this process being one of torchrun's)."""
     from pathlib import Path
 
     prompt_text = args.prompt if args.prompt_file is None else _read_prompt(args.prompt_file)
 
     import torch
 
+    from flashgen.runtime.model_config import ModelConfig
+    from flashgen.runtime.ranks import launch, start_rank, stop_rank, under_torchrun
+    from flashgen.runtime.tensor_parallel import check_gpus, check_tp
+
+    check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
+    if args.tp > 1 and torch.cuda.is_available():
+        check_gpus(args.tp, torch.cuda.device_count())
+    if args.tp == 1:
+        _generate(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args, prompt_text)
+    elif under_torchrun():
+        _generate(start_rank(args.tp), args, prompt_text)
+        stop_rank()
+    else:
+        launch(args.tp, _generate, (args, prompt_text))
+    return 0
+
+
+def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str) -> None:
+    """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints)."""
+    import math
+    from pathlib import Path
+
+    import torch
+
     from flashgen.runtime.engine import Engine, SamplingParams
     from flashgen.runtime.memory import cache_bytes, check_fits
     from flashgen.runtime.model import Decoder
+    from flashgen.runtime.tensor_parallel import ShardedDecoder, shard_config
     from flashgen.runtime.tokenizer import load_tokenizer
     from flashgen.runtime.weights import ModelConfig, check_weights, load_weights
 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, config.vocab_size)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    nbytes = 2 if device == "cuda" else 4
+    nbytes = 2 if device.type == "cuda" else 4
     weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
-    check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights +
-               cache_bytes(config, nbytes, args.cache_blocks, 16), torch.device(device), "pass fewer --cache-blocks")
-    model = Decoder(config, load_weights(folder, config), device, torch.bfloat16 if device == "cuda" else torch.float32)
-    engine = Engine(model, num_blocks=args.cache_blocks)
+    check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights // args.tp +
+               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, 16), device,
+               "pass fewer --cache-blocks")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
+        ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
+    engine = Engine(model, num_blocks=args.cache_blocks, tp=args.tp)
     prompt = tok.encode(prompt_text).ids
     rid = engine.add(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed))
@@ -279,13 +332,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine.step()
         req = engine.finished.get(rid) or next(r for r in engine.running if r.id == rid)
         text = tok.decode(req.output)
-        sys.stdout.write(text[len(shown):])
-        sys.stdout.flush()
+        if model.rank == 0:
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
         shown = text
-    sys.stdout.write("\n")
+    if model.rank == 0:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     if engine.finished[rid].error:  # a step that failed (the engine does not raise it)
         raise FlashgenError(engine.finished[rid].error)
-    return 0
 
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
@@ -367,6 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each candidate right behind this producer workload ({op, dims, attrs}; its "
                         "first output is the tuned workload's first input, its schedule the database's best), "
                         "as a decode step runs it; dispatch prefers such records")
+    t.add_argument("--gpus", metavar="all|N",
+                   help="tune on every local GPU (or the first N) at once: one worker per GPU, each workload "
+                        "tuned by one of them, all recorded in the one database")
+    t.add_argument("--ray", metavar="ADDRESS",
+                   help="tune on every GPU of the Ray cluster at ADDRESS ('auto': the one this host is part of), "
+                        "one actor per GPU, every record brought back into the one database "
+                        "(needs flashgen[ray])")
     t.add_argument("--retry-failed", action="store_true",
                    help="measure again the schedules recorded as timeout or crash (a loaded machine's verdicts)")
     t.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
@@ -402,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1"), default=0)
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
                    help="KV cache size in blocks of 16 tokens")
+    g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
+                   help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
+                        "--nproc-per-node N")
     g.set_defaults(func=cmd_generate)
 
     bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)",

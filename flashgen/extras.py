@@ -1,7 +1,7 @@
 """Optional packages: imported where a feature needs them, with a one-line error naming the extra.
 
 Everything a command needs is a core dependency; what stays optional (matplotlib for `--plot`,
-transformers for the peer baselines of benchmarks and tests) is asked for here, so a plain install
+transformers for the peer baselines of benchmarks and tests, ray for `tune --ray`) is asked for here, so a plain install
 reports the missing extra instead of a ModuleNotFoundError traceback.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import ModuleType
 from flashgen.errors import FlashgenError
 
 # The extra of pyproject.toml that installs each optional top-level module.
-EXTRAS = {"matplotlib": "plot", "transformers": "peers"}
+EXTRAS = {"matplotlib": "plot", "transformers": "peers", "ray": "ray"}
 
 
 def require(module: str, purpose: str) -> ModuleType:

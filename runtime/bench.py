@@ -15,6 +15,7 @@ from flashgen.runtime.engine import Engine, SamplingParams
 from flashgen.runtime.graphs import bucket_for
 from flashgen.runtime.memory import available_bytes, cache_bytes
 from flashgen.runtime.model import Decoder
+from flashgen.runtime.tensor_parallel import ShardedDecoder
 from flashgen.runtime.torch_ops import dispatcher
 from flashgen.runtime.weights import ModelConfig, expected_shapes
 from flashgen.schedules.moe_space import touched_experts
@@ -107,7 +108,9 @@ def check_memory(config: str, c: ModelConfig, dtype: torch.dtype, dev: torch.dev
 
 
 def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
-        device: str | None = None, cuda_graphs: bool = True) -> list[dict]:
+        device: str | None = None, cuda_graphs: bool = True, tp: int = 1) -> list[dict]:
+    """One row per batch; with `tp` > 1, this rank's run of the model split over the group's ranks
+    (runtime/tensor_parallel.py), every rank calling it alike, `copy_gbs` then the ranks' together."""
     if config not in CONFIGS:
         raise FlashgenError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
     if prompt_len < 1 or new_tokens < 1:
@@ -117,7 +120,7 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
     c = replace(CONFIGS[config], max_position_embeddings=max(CONFIGS[config].max_position_embeddings,
                                                             prompt_len + new_tokens + 16))
     check_memory(config, c, dtype, dev, max(batches), prompt_len, new_tokens)
-    model = Decoder(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
+    model = (Decoder if tp == 1 else ShardedDecoder)(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
     rows = []
     for b in batches:
         r = decode(model, b, prompt_len, new_tokens, cuda_graphs)

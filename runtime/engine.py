@@ -31,6 +31,13 @@ The engine never loses a request; each one ends in `finished` (taken out by `pop
   requests and a serving loop needs no handler. Token ids are checked at `add` because an
   out-of-vocabulary id on a GPU is a device-side assert, which no engine survives.
 - `abort` finishes a waiting or running request with error "aborted".
+
+Split over tensor-parallel ranks (`tp`; runtime/tensor_parallel.py), every rank runs this engine on the
+same requests, so admission, block tables and chaining agree without a message. Greedy tokens need
+none either: every rank's logits are the same all-gathered bytes, so its argmax is rank 0's (and a
+chained step's replay is not held up). A step that samples takes rank 0's tokens, broadcast. A step
+that fails on one rank cannot go on on the others, so under `tp` it raises (FlashgenError, one line)
+after failing its requests, and the group stops.
 """
 from __future__ import annotations
 
@@ -42,10 +49,11 @@ from numbers import Integral, Real
 
 import torch
 
-from flashgen.errors import FlashgenError
+from flashgen.errors import FlashgenError, one_line
 from flashgen.runtime.graphs import DecodeGraphs, greedy
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.model import Batch, Decoder
+from flashgen.runtime.tensor_parallel import agree
 
 
 @dataclass(frozen=True)
@@ -88,12 +96,6 @@ def check_request(prompt: list[int], p: SamplingParams, vocab_size: int) -> None
         if not (_is_int(t) and 0 <= t < vocab_size):
             raise FlashgenError(f"prompt token {t!r:.40} at position {i} is not an id in the vocabulary "
                                 f"[0, {vocab_size})")
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line, for a request's `error`."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 @dataclass
@@ -140,11 +142,15 @@ class _Pending:
 
 class Engine:
     def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True,
-                 chain: bool = True):
+                 chain: bool = True, tp: int | None = None):
         """`cuda_graphs` applies when the model runs its generated attention on a GPU and its steps are
         capturable (`Decoder.capturable`); it keeps one cache block for the graphs' padding rows. `chain`
         lets greedy graph steps run ahead of the host (module docstring); without it every step waits for
-        its tokens."""
+        its tokens. `tp`, when given, is the tensor-parallel degree the model must have been built for (a
+        `ShardedDecoder` in each rank: runtime/tensor_parallel.py)."""
+        if tp is not None and tp != model.tp:
+            raise FlashgenError(f"Engine(tp={tp}) needs a decoder split over {tp} ranks (runtime/tensor_parallel.py: "
+                                f"ShardedDecoder, in each rank); this one is split over {model.tp}")
         c = model.c
         self.model = model
         graphs = cuda_graphs and model.uses_tables and model.capturable
@@ -246,6 +252,9 @@ class Engine:
             self.running, self.pending = [], None
             if not isinstance(e, Exception):
                 raise
+            if self.model.tp > 1:  # the other ranks cannot step without this one: the group stops
+                raise e if isinstance(e, FlashgenError) else \
+                    FlashgenError(f"rank {self.model.rank}: step failed: {one_line(e)}") from e
 
     def _read_pending(self) -> None:
         """Replay the step after the pending one when it can be, then read and record the pending one."""
@@ -312,20 +321,36 @@ class Engine:
         fails that request alone), retire the finished. A request already done gets no token: one
         stopped in the step before this chained one (retired then) or aborted inside it (retired now)."""
         running = {r.id for r in self.running}
-        for i, (req, top) in enumerate(zip(reqs, chosen)):
-            if req.done:
-                continue
-            if req.params.temperature <= 0:
-                req.output.append(top)
-                continue
-            try:
-                req.output.append(sample(logits[i], req.params, req.generator))
-            except Exception as e:
-                req.error = f"sampling failed: {one_line(e)}"
+        sampled = any(not r.done and r.params.temperature > 0 for r in reqs)
+        picks = self._picks(reqs, chosen, logits) if self.model.rank == 0 or not sampled else [None] * len(reqs)
+        if self.model.tp > 1 and sampled:  # (greedy tokens need no message: module docstring)
+            picks = agree(picks, self.model)
+        for req, pick in zip(reqs, picks):
+            if isinstance(pick, str):
+                req.error = pick
+            elif pick is not None:
+                req.output.append(pick)
         self.running = [r for r in reqs if not r.done]
         for req in reqs:
             if req.done and req.id in running:
                 self._finish(req)
+
+    @staticmethod
+    def _picks(reqs: list[Request], chosen: list[int], logits: torch.Tensor | None) -> list[int | str | None]:
+        """Each request's token (greedy, or sampled from its row of `logits`), why its sampling failed,
+        or None for a request already done."""
+        picks: list[int | str | None] = []
+        for i, (req, top) in enumerate(zip(reqs, chosen)):
+            if req.done:
+                picks.append(None)
+            elif req.params.temperature <= 0:
+                picks.append(top)
+            else:
+                try:
+                    picks.append(sample(logits[i], req.params, req.generator))
+                except Exception as e:
+                    picks.append(f"sampling failed: {one_line(e)}")
+        return picks
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Request]:
         """Run `prompts` to the end; their requests, taken out of `finished`. Every prompt is checked

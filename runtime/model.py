@@ -82,6 +82,9 @@ class MoeBlock:
 
 
 class Decoder:
+    tp = 1    # the ranks that hold this model's layers (runtime/tensor_parallel.py), and this one's
+    rank = 0
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, quant: str = "bf16"):
         register_all()
@@ -400,14 +403,24 @@ class Decoder:
             q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, cos_sin, v,
                                                  batch.slots, *cache.slot_views(i))
             a = self.attention(q, k, v, cache, i, batch, keys).reshape(-1, nq)
-            x = self.linear(a, L["o"], L.get("o_bias"), residual=x)
+            x = self.row_linear(a, L["o"], L.get("o_bias"), residual=x)
             if "moe" in L:
                 x = x + self.moe(torch.ops.flashgen.rmsnorm(x, L["post_norm"], c.rms_norm_eps), L["moe"])
             else:
                 up = self.linear(x, L["gate_up"], L.get("gate_up_bias"), norm=L["post_norm"])
-                x = self.linear(up, L["down"], L.get("down_bias"), gated=True, residual=x)
+                x = self.row_linear(up, L["down"], L.get("down_bias"), gated=True, residual=x)
         h = torch.ops.flashgen.rmsnorm(x, self.final_norm, c.rms_norm_eps)
         if last_only and h.shape[0] != len(batch.lens):  # (one token per sequence: each is its last)
             ends = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
             h = h[ends]
+        return self.logits(h)
+
+    def row_linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None, gated: bool = False,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A linear whose output joins the residual stream (o, down): computed whole here; a
+        tensor-parallel rank sums its partial product with the other ranks' (runtime/tensor_parallel.py)."""
+        return self.linear(x, w, bias, gated=gated, residual=residual)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The lm_head of the final hidden states: every row's logits over the whole vocabulary."""
         return torch_linear(h, self.lm_head)

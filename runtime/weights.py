@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -172,10 +172,12 @@ def check_weights(folder: str | Path, c: ModelConfig) -> dict[str, tuple[Path, s
     return found
 
 
-def load_weights(folder: str | Path, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+def load_weights(folder: str | Path, config: ModelConfig | None = None,
+                 take: Callable[[str], tuple[slice, ...] | None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by name (model.safetensors, or the shards its index names), checked
-    against its config (the folder's, unless given) before anything is read."""
-    from safetensors import SafetensorError
+    against its config (the folder's, unless given) before anything is read. `take`, where given, says
+    which part of each tensor to read (None: all of it), so a rank of a split model reads its own."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -183,7 +185,13 @@ def load_weights(folder: str | Path, config: ModelConfig | None = None) -> dict[
     out: dict[str, torch.Tensor] = {}
     for path in shards:
         try:
-            out.update(load_file(str(path)))
+            if take is None:
+                out.update(load_file(str(path)))
+                continue
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    index = take(name)
+                    out[name] = f.get_tensor(name) if index is None else f.get_slice(name)[index]
         except (SafetensorError, OSError, ValueError) as e:
             raise FlashgenError(f"{path} is truncated or not a safetensors file ({e})") from None
     return out

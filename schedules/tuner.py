@@ -142,6 +142,14 @@ def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
     return seeds[:DENSE_SEEDS]
 
 
+def with_schedule(producer: Workload | None, target: Target, db: Database) -> tuple[Workload, Schedule] | None:
+    """(producer, its schedule: the database's best, else the default), or None without a producer."""
+    if producer is None:
+        return None
+    best = db.best(producer.key, target.id)
+    return producer, best.schedule if best is not None else ScheduleSpace(producer, target).default()
+
+
 def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: str = "evolutionary",
          seed: int = 0, batch: int = 16, builder: Builder | None = None, runner: Runner | None = None,
          device_name: str | None = None, progress: TextIO | None = None,
