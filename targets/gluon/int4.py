@@ -190,40 +190,32 @@ def generate_int4(wl: Workload, s: Schedule, epilogue: Callable[..., None]) -> K
             return f"({em.emit(scale, sc)}).to({gl_operand})"
 
         mma.line(f"sc = {scale_tile(mma, 'k_lo')}")
-        mma.line(f"sc_next = {scale_tile(mma, f'{NS}.minimum(k_lo + BLOCK_K, k_hi - 1)')}")
-
-    def unpack(scope: Scope, slot: str, phase: str, sc: str, out: str) -> None:
-        """Await a k step's slot, load its words into the MMA operand's layout and unpack its code
-        positions into `out`0..7."""
-        scope.line(f"mbarrier.wait(ready.index({slot}), {phase})")
-        scope.line(f"words = w_ring.index({slot}).load(w_operand)")
-        if scaled:
-            scope.line(f"words, sc_w = gl.broadcast(words, {sc})  # each word's row scale")
-        for j in range(runs):
-            scope.line(f"{out}{j} = " + (f"{code_names[j]}(words, sc_w)" if scaled else f"{code_names[j]}(words)"))
-
-    # Each step issues its MMAs on operands unpacked the step before, then unpacks the next step's
-    # words while they run; every operand register is held until its step's MMAs are all done, and the
-    # slot is handed back then: no MMA is in flight across steps.
-    unpack(mma, "0", "0", "sc", "w")
     mma.line("for ki in range(k_steps):")
     step = mma.child(mma.indent + "    ")
     step.line("s = ki % STAGES")
-    if scaled:  # the scales of the step after next, loaded while this one computes
-        step.line(f"k_after = {NS}.minimum(k_lo + (ki + 2) * BLOCK_K, k_hi - 1)")
-        step.line(f"sc_after = {scale_tile(step, 'k_after')}")
-    for j in range(runs):
-        part, col = divmod(j * RUN, part_k)
-        step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {parts} + {part}).slice({col}, {RUN}, dim=1)"
-                  f".permute((1, 0)), acc_t, is_async=True)")
-    step.line(f"nk = {NS}.minimum(ki + 1, k_steps - 1)  # (the last step unpacks its own words again)")
-    unpack(step, "nk % STAGES", "(nk // STAGES) & 1", "sc_next", "v")
+    if scaled:
+        # the next step's scales, loaded while this step computes (the last step reloads its own)
+        step.line(f"k_next = {NS}.minimum(k_lo + (ki + 1) * BLOCK_K, k_hi - 1)")
+        step.line(f"sc_next = {scale_tile(step, 'k_next')}")
+    step.line("mbarrier.wait(ready.index(s), (ki // STAGES) & 1)")
+    step.line("words = w_ring.index(s).load(w_operand)")
+    if scaled:
+        step.line("words, sc_w = gl.broadcast(words, sc)  # each word's row scale")
+    # Half of the code positions are unpacked and their MMAs issued, then the other half is unpacked
+    # while those run. Every operand register is held until the step's MMAs are all done, and the slot
+    # is handed back then: no MMA is in flight across steps (the other programs on the SM fill the gaps).
+    for half in (range(runs // 2), range(runs // 2, runs)):
+        for j in half:
+            step.line(f"w{j} = " + (f"{code_names[j]}(words, sc_w)" if scaled else f"{code_names[j]}(words)"))
+        for j in half:
+            part, col = divmod(j * RUN, part_k)
+            step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {parts} + {part}).slice({col}, {RUN}, dim=1)"
+                      f".permute((1, 0)), acc_t, is_async=True)")
     held = ", ".join(f"w{j}" for j in range(runs))
     step.line(f"acc_t, {held} = warpgroup_mma_wait(0, deps=[acc_t, {held}])")
     step.line("mbarrier.arrive(free.index(s))")
-    step.line(f"{held} = " + ", ".join(f"v{j}" for j in range(runs)))
     if scaled:
-        step.line("sc_next = sc_after")
+        step.line("sc = sc_next")
     # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
     mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{s['num_warps']}, 1], [1, 0])")
     mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
