@@ -38,6 +38,8 @@ def test_offered_for_plain_operands_and_symmetric_int4():
     w4 = flashgen.workload("gemm_w4a16", M=4096, N=4096, K=4096, G=128, dtype="bf16")
     space = ScheduleSpace(w4, SM90)
     assert space.knobs()["backend"] == (0, 1)
+    for other_target in ("sm_80", "gfx942"):  # TMA, mbarriers and warpgroup MMA are Hopper's
+        assert ScheduleSpace(w4, get_target(other_target)).knobs()["backend"] == (0,)
     base = {**space.default(), "backend": 1, "ptx_unpack": 0, "operand_scale": 0, "persistent": 0, "tma": 0}
     assert "PTX" in space.why_invalid({**base, "producer_warps": 1, "dequant_first": 0, "dequant_chunks": 1})
     staged = {**base, "dequant_first": 1, "block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8,
