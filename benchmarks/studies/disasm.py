@@ -46,16 +46,23 @@ def opcodes(cubin: bytes) -> collections.Counter:
     return collections.Counter(OPCODE.findall(sass_text(cubin)))
 
 
+MATRIX = re.compile(r"[HIQ]GMMA|HMMA|IMMA")
+
+
 def loop_opcodes(cubin: bytes) -> collections.Counter:
-    """Opcode counts of the longest loop (the widest backward branch): a GEMM's steady k loop, whose
-    count per k step says what a tile costs, apart from the pipeline's prologue and epilogue."""
+    """Opcode counts of a GEMM's steady k loop, whose count per k step says what a tile costs apart
+    from the pipeline's prologue and epilogue: the narrowest loop (backward branch) that holds a matrix
+    instruction (a persistent program's tile loop and a warp-specialized kernel's partitions hold it
+    too, wider), else the widest loop (ALU tiles)."""
     lines = sass_text(cubin).splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
     spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)  # a branch to itself is no loop body
              if (m := re.search(r"BRA `?\(?(\.L_x_\d+)", line)) and labels.get(m.group(1), i) < i - 1]
     if not spans:
         return collections.Counter()
-    first, last = max(spans, key=lambda sp: sp[1] - sp[0])
+    matrix = [sp for sp in spans if any(MATRIX.match(op) for op in OPCODE.findall("\n".join(lines[sp[0]:sp[1] + 1])))]
+    first, last = (min(matrix, key=lambda sp: sp[1] - sp[0]) if matrix
+                   else max(spans, key=lambda sp: sp[1] - sp[0]))
     return collections.Counter(OPCODE.findall("\n".join(lines[first:last + 1])))
 
 
@@ -104,7 +111,7 @@ def main() -> None:
                   "Counts over the whole SASS of each workload's fastest recorded schedule (static instructions, "
                   "not executions). wgmma: HGMMA/IGMMA/QGMMA (sm_90 warpgroup MMA); warp_mma: HMMA/IMMA; "
                   "loads_16B: LDG.128 and LDGSTS.128 (cp.async); tma: UTMALDG; sts_16bit: 2-byte shared stores. "
-                  "k_loop_instructions: static instructions of the widest loop (one k step per thread).")
+                  "k_loop_instructions: static instructions of the k loop (the narrowest loop holding a matrix instruction, else the widest: one k step per thread).")
     print_table(("op", "shape", "M", "us", "wgmma", "warp_mma", "loads_16B", "loads_narrow", "sts_16bit"),
                 [(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[10]) for r in rows])
 

@@ -1,15 +1,18 @@
 """Why the Gluon GEMM tiles run where they do against the Triton ones and cuBLAS: for each bf16 GEMM
-workload, the fastest recorded schedule of each generator form (Triton; Gluon with one consumer;
-Gluon with two taking turns), what their machine code is made of, and, on the GPU, what Nsight
-Compute reads while they run.
+workload (or W4A16, `--op gemm_w4a16`: fp16, groups of 128), the fastest recorded schedule of each
+generator form (Triton; Gluon with one consumer; Gluon with two taking turns; weights dequantized
+first are not counted), what their machine code is made of, and, on the GPU, what Nsight Compute
+reads while they run.
 
     R="benchmarks/results/h200_gemm_records.jsonl benchmarks/results/h200_gluon_records.jsonl"
     python benchmarks/studies/gluon_vs_triton.py $R --sass                        # CPU: SASS table
     ncu --clock-control none --csv --page raw --metrics "$(python benchmarks/studies/gluon_vs_triton.py $R --metrics)" \\
         -k regex:"gemm|nvjet|xmma|cutlass" python benchmarks/studies/gluon_vs_triton.py $R --launch > ncu.csv   # GPU
     python benchmarks/studies/gluon_vs_triton.py $R --ncu ncu.csv                 # CPU: counter table
+    python benchmarks/studies/gluon_vs_triton.py benchmarks/results/h200_gluon_int4_records.jsonl --sass \
+        --op gemm_w4a16 --shapes o,qkv,gate_up,down --ms 16,64,256             # CPU: the int4 tiles' SASS
 
-`--launch` runs each form's kernel, then cuBLAS, LAUNCHES times in that order (the order the counter
+`--launch` runs each form's kernel, then its cuBLAS peer (benchmarks/gemm.py `peer`), LAUNCHES times in that order (the order the counter
 table is read in: both generators name their kernel gemm_kernel). Uses the nvdisasm and cuobjdump
 that ship with Triton.
 """
@@ -30,14 +33,14 @@ from typing import Any, Iterator
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 from disasm import loop_opcodes, nvdisasm, opcodes  # noqa: E402
+from gemm import SHAPES, make_workload, peer  # noqa: E402
 
 import flashgen  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
 from flashgen.targets import get_target  # noqa: E402
 
 TARGET = "cuda:sm_90/h200"
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-FORMS = {"triton": (0, 1), "gluon": (1, 1), "gluon_2_consumers": (1, 2)}  # (backend, consumers)
+FORMS = {"triton": (0, 1), "gluon": (1, 1), "gluon_2_consumers": (1, 2)}  # (backend, consumers), not dequantized first
 LAUNCHES = 3
 # Nsight Compute metrics (`--metrics`, raw page) and their column names here
 COUNTERS = {"gpu__time_duration.sum": "duration_us",
@@ -67,7 +70,7 @@ def best_per_form(db: Any, wl: flashgen.Workload) -> dict[str, Any]:
     for rec in db.records(wl.key, TARGET, status="ok"):
         s = space.complete(rec.schedule)
         for form, (backend, consumers) in FORMS.items():
-            if (s["backend"], s["consumers"]) == (backend, consumers) and (
+            if (s["backend"], s["consumers"], s["dequant_first"]) == (backend, consumers, 0) and (
                     form not in best or rec.latency_us < best[form].latency_us):
                 best[form] = rec
     return {form: best[form] for form in FORMS if form in best}  # in FORMS order: the launch order
@@ -98,8 +101,12 @@ def sass_row(cubin: bytes) -> dict[str, int]:
 
 
 def workloads(args: argparse.Namespace) -> list[tuple[str, flashgen.Workload]]:
-    return [(shape, flashgen.workload("gemm", M=m, N=SHAPES[shape][0], K=SHAPES[shape][1], dtype="bf16"))
+    return [(shape, make_workload(args.op, m, *SHAPES[shape]))
             for shape in args.shapes.split(",") for m in map(int, args.ms.split(","))]
+
+
+def result_name(args: argparse.Namespace, table: str) -> str:
+    return f"gluon_vs_triton_{table}" + ("" if args.op == "gemm" else f"_{args.op}")
 
 
 def sass(args: argparse.Namespace) -> None:
@@ -112,10 +119,10 @@ def sass(args: argparse.Namespace) -> None:
                 rows.append([shape, wl.dim["M"], form, rec.latency_us, *r.values(), str(rec.schedule)])
                 print(f"{shape} M={wl.dim['M']} {form}: {r}", flush=True)
     header = ("shape", "M", "form", "recorded_us", *ROW_KEYS, "schedule")
-    write_results("gluon_vs_triton_sass", header, rows, environment(f"{TARGET} (AOT, no GPU)"), args.out_dir,
-                  "Static SASS counts of each form's fastest recorded bf16 GEMM schedule. spill_ops: LDL/STL; "
+    write_results(result_name(args, "sass"), header, rows, environment(f"{TARGET} (AOT, no GPU)"), args.out_dir,
+                  f"Static SASS counts of each form's fastest recorded {args.op} schedule. spill_ops: LDL/STL; "
                   "wgmma: HGMMA; wgmma_waits: WARPGROUP.DEPBAR; mbarrier_ops: SYNCS.*; bar_sync: CTA barriers; "
-                  "k_loop_*: the widest loop (one k step of the MMA warps).")
+                  "k_loop_*: the k loop (the narrowest loop holding the matrix instructions: one k step of the MMA warps).")
     print_table(("shape", "M", "form", "us", "regs", "wgmma", "loop", "loop_bar"),
                 [(r[0], r[1], r[2], r[3], r[4], r[6], r[11], r[13]) for r in rows])
 
@@ -137,9 +144,9 @@ def launch(args: argparse.Namespace) -> None:
                 out = kernel.run(ins)
                 for _ in range(LAUNCHES - 1):
                     kernel.run(ins, out)
-            x, wt = ins["x"], ins["w"].t()
+            cublas = peer(args.op, ins)
             for _ in range(LAUNCHES):
-                torch.matmul(x, wt)
+                cublas()
             torch.cuda.synchronize()
             print(f"# launched {shape} M={wl.dim['M']}", file=sys.stderr, flush=True)
 
@@ -159,7 +166,7 @@ def ncu_table(args: argparse.Namespace) -> None:
                           for m in COUNTERS]
                 values[0] *= to_us
                 rows.append([shape, wl.dim["M"], form, last["Kernel Name"][:40], *values])
-    write_results("gluon_vs_triton_ncu", ("shape", "M", "form", "kernel", *COUNTERS.values()), rows,
+    write_results(result_name(args, "ncu"), ("shape", "M", "form", "kernel", *COUNTERS.values()), rows,
                   {**environment("NVIDIA H200 (Nsight Compute, --clock-control none)"), "ncu_csv": str(args.ncu)},
                   args.out_dir, f"Nsight Compute counters of the last of {LAUNCHES} launches of each form's fastest "
                   "recorded schedule and of cuBLAS (torch.matmul). stall_*: share of active warps' cycles stalled so.")
@@ -175,6 +182,7 @@ def main() -> None:
     mode.add_argument("--launch", action="store_true", help="run the kernels, under ncu (GPU)")
     mode.add_argument("--ncu", help="the CSV ncu wrote for --launch: its table")
     mode.add_argument("--metrics", action="store_true", help="print the metrics to give ncu")
+    ap.add_argument("--op", default="gemm", choices=("gemm", "gemm_w4a16"))
     ap.add_argument("--shapes", default="qkv,gate_up")
     ap.add_argument("--ms", default="256,4096")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
