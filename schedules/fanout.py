@@ -40,16 +40,13 @@ class TuneOptions:
 def gpu_slots(spec: str, gpus: int) -> list[str]:
     """`--gpus all|N` as CUDA_VISIBLE_DEVICES values, one per worker: this process's visible GPUs (its own
     CUDA_VISIBLE_DEVICES, if set, names them), the first N of them."""
+    if spec != "all" and not (spec.isdigit() and int(spec) >= 1):
+        raise FlashgenError(f"--gpus takes 'all' or a number of GPUs of at least 1, got {spec!r}")
     if gpus == 0:
         raise FlashgenError("--gpus: this machine has no GPU (tune the cpu target without --gpus)")
-    if spec == "all":
-        n = gpus
-    elif spec.isdigit() and int(spec) >= 1:
-        n = int(spec)
-        if n > gpus:
-            raise FlashgenError(f"--gpus {n}: this machine has {gpus} GPU{'s' if gpus > 1 else ''}")
-    else:
-        raise FlashgenError(f"--gpus takes 'all' or a number of GPUs of at least 1, got {spec!r}")
+    n = gpus if spec == "all" else int(spec)
+    if n > gpus:
+        raise FlashgenError(f"--gpus {n}: this machine has {gpus} GPU{'s' if gpus > 1 else ''}")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(gpus)]
     return names[:n]

@@ -36,7 +36,8 @@ def test_each_worker_sees_one_gpu(monkeypatch):
     assert gpu_slots("all", 2) == ["5", "7"]
     for spec, gpus, message in (("3", 2, "--gpus 3: this machine has 2 GPUs"),
                                 ("all", 0, "--gpus: this machine has no GPU"),
-                                ("0", 2, "--gpus takes 'all' or a number of GPUs of at least 1, got '0'")):
+                                ("0", 2, "--gpus takes 'all' or a number of GPUs of at least 1, got '0'"),
+                                ("foo", 0, "--gpus takes 'all' or a number of GPUs of at least 1, got 'foo'")):
         with pytest.raises(FlashgenError, match=message):
             gpu_slots(spec, gpus)
 
