@@ -30,6 +30,18 @@ def test_the_written_kernel_file_runs_checks_and_reports(tmp_path, capsys, argv,
     assert _run(path, "Q=3").returncode == 2  # not a run-time dim of the op
 
 
+def test_a_gluon_kernel_file_says_where_it_runs(tmp_path):
+    """A Gluon kernel (sm_90 only) refuses Triton's interpreter, and a machine without its GPU, in one line."""
+    schedule = ('{"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 8, '
+                '"backend": 1, "producer_warps": 1, "ptx_unpack": 1, "operand_scale": 1}')
+    assert main(["compile", "gemm_w4a16", "--dim", "M=16", "--dim", "N=256", "--dim", "K=256", "--dim", "G=128",
+                 "--dtype", "fp16", "--target", "h200", "--schedule", schedule, "--out", str(tmp_path)]) == 0
+    path = tmp_path / "gemm_w4a16_kernel.py"
+    assert "Triton's interpreter does not run Gluon" in path.read_text()
+    done = _run(path, "M=4")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "sm_90 GPU" in done.stderr, done.stderr
+
+
 def test_an_edited_kernel_file_runs_as_edited(tmp_path):
     assert main(["compile", "rmsnorm", "--dim", "M=64", "--dim", "N=96", "--dtype", "fp32", "--target", "h200",
                  "--out", str(tmp_path)]) == 0

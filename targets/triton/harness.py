@@ -22,6 +22,11 @@ from flashgen.targets.triton.emit import KernelSource
 from flashgen.workload import Schedule, Workload
 
 RUN_HINT = "python {file} [DIM=VALUE ...]   (without a GPU: TRITON_INTERPRET=1 python {file})"
+GLUON_HINT = "python {file} [DIM=VALUE ...]   (on an NVIDIA sm_90 GPU: Triton's interpreter does not run Gluon)"
+
+
+def _hint(ks: KernelSource, file: str) -> str:
+    return (GLUON_HINT if ks.dialect == "gluon" else RUN_HINT).format(file=file)
 
 
 def runnable_source(ks: KernelSource, wl: Workload, schedule: Schedule, target: Target) -> str:
@@ -34,7 +39,7 @@ def runnable_source(ks: KernelSource, wl: Workload, schedule: Schedule, target: 
     return (ks.source.rstrip("\n") + "\n\n\n"
             f"# Programs (x, y, z) the runtime launches for {rows}; other run-time dims launch others.\n"
             f"GRID = {g}\n\n\n"
-            f"if __name__ == \"__main__\":  # {RUN_HINT.format(file=file)}\n"
+            f"if __name__ == \"__main__\":  # {_hint(ks, file)}\n"
             "    import sys\n\n"
             "    from flashgen.targets.triton.harness import main\n"
             f"    sys.exit(main(__file__, {json.dumps(wl.to_json(), sort_keys=True)},\n"
@@ -67,10 +72,13 @@ def main(path: str, workload_json: Mapping[str, Any], schedule: Schedule, target
     try:
         wl = _row_dims(Workload.from_json(dict(workload_json)), argv)
         target = get_target(target_key)
-        if not interpreting() and not torch.cuda.is_available():
-            raise FlashgenError("no GPU here: run it in Triton's interpreter, " + RUN_HINT.format(file=Path(path).name))
         # the kernel as this file has it; the generator gives its arguments' recipe and tiling
         ks = replace(generate(wl, schedule), source=Path(path).read_text(encoding="utf-8"))
+        if ks.dialect == "gluon" and (interpreting() or not torch.cuda.is_available()):
+            raise FlashgenError("a Gluon kernel runs on its NVIDIA sm_90 GPU alone: "
+                                + _hint(ks, Path(path).name))
+        if not interpreting() and not torch.cuda.is_available():
+            raise FlashgenError("no GPU here: run it in Triton's interpreter, " + _hint(ks, Path(path).name))
         fn = load_function(ks)
     except FlashgenError as e:
         print(f"flashgen: error: {e}", file=sys.stderr)
