@@ -1,5 +1,6 @@
 """Why the Gluon GEMM tiles run where they do against the Triton ones and cuBLAS: for each bf16 GEMM
-workload (or W4A16, `--op gemm_w4a16`: fp16, groups of 128), the fastest recorded schedule of each
+workload (or W4A16, `--op gemm_w4a16`: fp16, groups of 128; or every recorded packed prefill, `--op
+flash_prefill_attention`: its key-tile loop is the k loop), the fastest recorded schedule of each
 generator form (Triton; Gluon with one consumer; Gluon with two taking turns; weights dequantized
 first are not counted), what their machine code is made of, and, on the GPU, what Nsight Compute
 reads while they run.
@@ -11,6 +12,8 @@ reads while they run.
     python benchmarks/studies/gluon_vs_triton.py $R --ncu ncu.csv                 # CPU: counter table
     python benchmarks/studies/gluon_vs_triton.py benchmarks/results/h200_gluon_int4_records.jsonl --sass \
         --op gemm_w4a16 --shapes o,qkv,gate_up,down --ms 16,64,256             # CPU: the int4 tiles' SASS
+    python benchmarks/studies/gluon_vs_triton.py benchmarks/results/h200_attention_records.jsonl \
+        benchmarks/results/h200_gluon_attention_records.jsonl --sass --op flash_prefill_attention   # CPU: prefill
 
 `--launch` runs each form's kernel, then its cuBLAS peer (benchmarks/gemm.py `peer`), LAUNCHES times in that order (the order the counter
 table is read in: both generators name their kernel gemm_kernel). Uses the nvdisasm and cuobjdump
@@ -70,7 +73,7 @@ def best_per_form(db: Any, wl: flashgen.Workload) -> dict[str, Any]:
     for rec in db.records(wl.key, TARGET, status="ok"):
         s = space.complete(rec.schedule)
         for form, (backend, consumers) in FORMS.items():
-            if (s["backend"], s["consumers"], s["dequant_first"]) == (backend, consumers, 0) and (
+            if (s["backend"], s["consumers"], s.get("dequant_first", 0)) == (backend, consumers, 0) and (
                     form not in best or rec.latency_us < best[form].latency_us):
                 best[form] = rec
     return {form: best[form] for form in FORMS if form in best}  # in FORMS order: the launch order
@@ -100,9 +103,20 @@ def sass_row(cubin: bytes) -> dict[str, int]:
             "k_loop_bar_sync": count(loop, "BAR.SYNC")}
 
 
-def workloads(args: argparse.Namespace) -> list[tuple[str, flashgen.Workload]]:
+def workloads(args: argparse.Namespace, db: Any) -> list[tuple[str, flashgen.Workload]]:
+    """The GEMM shapes asked for; for prefill, every recorded workload (labelled by its batch)."""
+    if args.op == "flash_prefill_attention":
+        recorded = {r.workload_key: r.workload for r in db.records(target_key=TARGET, status="ok")
+                    if r.workload["op"] == args.op}
+        wls = [flashgen.Workload.from_json(w) for w in recorded.values()]
+        return [(f"B{wl.dim['B']}xT{wl.dim['T']}", wl) for wl in sorted(wls, key=lambda w: (w.dim["B"], w.dim["T"]))]
     return [(shape, make_workload(args.op, m, *SHAPES[shape]))
             for shape in args.shapes.split(",") for m in map(int, args.ms.split(","))]
+
+
+def rows_of(wl: flashgen.Workload) -> int:
+    """The workload's rows (M of a GEMM, T packed tokens of a prefill): the tables' M column."""
+    return wl.dim[wl.op.row_dims[0]]
 
 
 def result_name(args: argparse.Namespace, table: str) -> str:
@@ -112,12 +126,12 @@ def result_name(args: argparse.Namespace, table: str) -> str:
 def sass(args: argparse.Namespace) -> None:
     rows = []
     with records(args.records) as db:
-        for shape, wl in workloads(args):
+        for shape, wl in workloads(args, db):
             for form, rec in best_per_form(db, wl).items():
                 kernel = flashgen.compile(wl, TARGET, schedule=rec.schedule)
                 r = sass_row(kernel.binary)
-                rows.append([shape, wl.dim["M"], form, rec.latency_us, *r.values(), str(rec.schedule)])
-                print(f"{shape} M={wl.dim['M']} {form}: {r}", flush=True)
+                rows.append([shape, rows_of(wl), form, rec.latency_us, *r.values(), str(rec.schedule)])
+                print(f"{shape} M={rows_of(wl)} {form}: {r}", flush=True)
     header = ("shape", "M", "form", "recorded_us", *ROW_KEYS, "schedule")
     write_results(result_name(args, "sass"), header, rows, environment(f"{TARGET} (AOT, no GPU)"), args.out_dir,
                   f"Static SASS counts of each form's fastest recorded {args.op} schedule. spill_ops: LDL/STL; "
@@ -137,7 +151,7 @@ def launch(args: argparse.Namespace) -> None:
 
     dev = torch.device("cuda")
     with records(args.records) as db:
-        for shape, wl in workloads(args):
+        for shape, wl in workloads(args, db):
             ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0)).items()}
             for form, rec in best_per_form(db, wl).items():
                 kernel = flashgen.compile(wl, TARGET, schedule=rec.schedule)
@@ -148,7 +162,7 @@ def launch(args: argparse.Namespace) -> None:
             for _ in range(LAUNCHES):
                 cublas()
             torch.cuda.synchronize()
-            print(f"# launched {shape} M={wl.dim['M']}", file=sys.stderr, flush=True)
+            print(f"# launched {shape} M={rows_of(wl)}", file=sys.stderr, flush=True)
 
 
 def ncu_table(args: argparse.Namespace) -> None:
@@ -158,14 +172,14 @@ def ncu_table(args: argparse.Namespace) -> None:
     to_us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[units[next(iter(COUNTERS))]]
     rows, i = [], 0
     with records(args.records) as db:
-        for shape, wl in workloads(args):
+        for shape, wl in workloads(args, db):
             for form in [*best_per_form(db, wl), "cublas"]:
                 last = table[i + LAUNCHES - 1]
                 i += LAUNCHES
                 values = [float(last[m].replace(",", "")) if last.get(m) not in (None, "", "n/a") else float("nan")
                           for m in COUNTERS]
                 values[0] *= to_us
-                rows.append([shape, wl.dim["M"], form, last["Kernel Name"][:40], *values])
+                rows.append([shape, rows_of(wl), form, last["Kernel Name"][:40], *values])
     write_results(result_name(args, "ncu"), ("shape", "M", "form", "kernel", *COUNTERS.values()), rows,
                   {**environment("NVIDIA H200 (Nsight Compute, --clock-control none)"), "ncu_csv": str(args.ncu)},
                   args.out_dir, f"Nsight Compute counters of the last of {LAUNCHES} launches of each form's fastest "
@@ -182,7 +196,7 @@ def main() -> None:
     mode.add_argument("--launch", action="store_true", help="run the kernels, under ncu (GPU)")
     mode.add_argument("--ncu", help="the CSV ncu wrote for --launch: its table")
     mode.add_argument("--metrics", action="store_true", help="print the metrics to give ncu")
-    ap.add_argument("--op", default="gemm", choices=("gemm", "gemm_w4a16"))
+    ap.add_argument("--op", default="gemm", choices=("gemm", "gemm_w4a16", "flash_prefill_attention"))
     ap.add_argument("--shapes", default="qkv,gate_up")
     ap.add_argument("--ms", default="256,4096")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
