@@ -13,6 +13,7 @@ host.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +25,8 @@ from flashgen.schedules.fanout import Plan, TuneOptions, groups, tune_line
 from flashgen.schedules.tuner import TuneResult
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
+
+JOIN_TIMEOUT_S = 5.0  # for a cluster's address to take a TCP connection
 
 
 class TuneActor:
@@ -59,6 +62,21 @@ def _build_workers() -> int:
     return max(1, int(res.get("CPU", os.cpu_count() or 1) // max(1, res.get("GPU", 1))))
 
 
+def _join(ray: Any, address: str | None) -> None:
+    """Join the cluster at `address`, or say in one line why not. A HOST:PORT that takes no TCP
+    connection is refused at once (Ray itself would retry it for minutes)."""
+    host, sep, port = (address or "").rpartition(":")
+    if sep and port.isdigit() and "://" not in address:
+        try:
+            socket.create_connection((host, int(port)), timeout=JOIN_TIMEOUT_S).close()
+        except OSError as e:
+            raise FlashgenError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e})") from None
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise FlashgenError(f"--ray {address}: cannot join a Ray cluster: {one_line(e)[:300]}") from None
+
+
 def fan_out_ray(plan: Plan, target: Target, db_path: str | None, options: TuneOptions, address: str | None,
                 on_result: Callable[[int, TuneResult | str], None], cpu_workers: int = 0) -> None:
     """Tune every line of `plan` on the actors of the Ray cluster at `address` (the one this process
@@ -68,7 +86,7 @@ def fan_out_ray(plan: Plan, target: Target, db_path: str | None, options: TuneOp
 
     ray = require("ray", "--ray")
     if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False)
+        _join(ray, address)
     if target.backend == "tvm":
         n, resources = cpu_workers, {"num_cpus": 1}
     else:

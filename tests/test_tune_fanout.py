@@ -122,3 +122,19 @@ def test_gpus_or_ray_without_a_gpu_or_on_the_cpu_target_is_one_line(tmp_path, ca
         assert main(["tune", "--workloads", str(f), "--target", target, *flags, "--db", str(tmp_path / "t.db")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_ray_address_with_no_cluster_is_one_line(tmp_path, capsys, monkeypatch):
+    """A HOST:PORT nothing listens on is refused at once (Ray would retry it for minutes); 'auto' with no
+    cluster running is refused too."""
+    pytest.importorskip("ray")
+    from flashgen.runtime.ranks import free_port
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for address, message in ((f"127.0.0.1:{free_port()}", "no Ray cluster answers there"),
+                             ("auto", "cannot join a Ray cluster")):
+        assert main(["tune", "softmax", "--dim", "M=8", "--dim", "N=512", "--target", "h200", "--ray", address,
+                     "--db", str(tmp_path / "t.db")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--ray {address}: {message}" in err, err

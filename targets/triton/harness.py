@@ -74,7 +74,8 @@ def main(path: str, workload_json: Mapping[str, Any], schedule: Schedule, target
         target = get_target(target_key)
         # the kernel as this file has it; the generator gives its arguments' recipe and tiling
         ks = replace(generate(wl, schedule), source=Path(path).read_text(encoding="utf-8"))
-        if ks.dialect == "gluon" and (interpreting() or not torch.cuda.is_available()):
+        if ks.dialect == "gluon" and (interpreting() or not torch.cuda.is_available()
+                                      or torch.cuda.get_device_capability()[0] != 9):
             raise FlashgenError("a Gluon kernel runs on its NVIDIA sm_90 GPU alone: "
                                 + _hint(ks, Path(path).name))
         if not interpreting() and not torch.cuda.is_available():
