@@ -26,7 +26,7 @@ from flashgen.quant import INT4_PERIOD
 from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
 from flashgen.targets.triton.contraction.kernel import tile_order
 from flashgen.targets.triton.contraction.ptx import codes_asm
-from flashgen.targets.triton.contraction.split_k import split_scratch
+from flashgen.targets.triton.contraction.split_k import merge_splits, split_scratch
 from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
 from flashgen.workload import Schedule, Workload
 
@@ -64,27 +64,6 @@ def _load_steps(parts: int) -> list[str]:
         lines.append(f"        tma.async_copy_global_to_shared(x_desc, [off_m, k + {p} * PART_K], ready.index(s), "
                      f"x_ring.index(s * {parts} + {p}))")
     return lines + ["", ""]
-
-
-def _merge_splits(scope: Scope, acc: str) -> Scope:
-    """Split K in the epilogue's layout: as targets/triton/contraction/split_k.py merges them (each
-    split stores its partial tile, the last to finish sums all of them in split order and resets the
-    tile's counter), with Gluon's explicit layouts. Returns the scope of the last split's branch."""
-    scope.line(f"offs = {NS}.arange(0, BLOCK_M, layout={NS}.SliceLayout(1, acc_layout))[:, None] * BLOCK_N + "
-               f"{NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(0, acc_layout))[None, :]")
-    scope.line("part = part_ptr + (pid * SPLIT_K + split).to(gl.int64) * (BLOCK_M * BLOCK_N)")
-    scope.line(f"{NS}.store(part + offs, {acc})")
-    scope.line(f"{NS}.thread_barrier()")
-    scope.line(f"finished = {NS}.atomic_add(done_ptr + pid, 1)  # acq_rel at gpu scope")
-    scope.line("if finished == SPLIT_K - 1:")
-    last = scope.child(scope.indent + "    ")
-    last.line(f"{NS}.thread_barrier()")
-    last.line(f"{acc} = {NS}.zeros([BLOCK_M, BLOCK_N], {NS}.float32, acc_layout)")
-    last.line(f"for i in {NS}.static_range(SPLIT_K):")
-    last.line(f"    {acc} += {NS}.load(part_ptr + (pid * SPLIT_K + i).to(gl.int64) * (BLOCK_M * BLOCK_N) + offs, "
-              "volatile=True)")
-    last.line(f"{NS}.atomic_xchg(done_ptr + pid, 0)")
-    return last
 
 
 def _k_range(top: Scope, k_extent: str, split_k: int) -> None:
@@ -219,7 +198,7 @@ def generate_int4(wl: Workload, s: Schedule, epilogue: Callable[..., None]) -> K
     # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
     mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{s['num_warps']}, 1], [1, 0])")
     mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
-    tail = _merge_splits(mma, "acc") if split_k > 1 else mma
+    tail = merge_splits(mma, "acc", con.acc, "acc_layout") if split_k > 1 else mma
     epilogue(em, tail, body[1:], rows, cols, cmask, None)
     helpers += ["", ""]
     top.line(f"{NS}.warp_specialize([")
