@@ -19,7 +19,7 @@ from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
 KNOBS = ("pages", "splits", "block_m", "block_n", "num_warps", "num_stages", "consumers")
-SWITCHES = ("tma", "early_kv", "backend", "pingpong")  # 0/1 knobs of one kind each; a record before them reads 0
+SWITCHES = ("tma", "early_kv", "backend", "pingpong", "persistent")  # 0/1 knobs of one kind each; a record before them reads 0
 FEATURE_NAMES: tuple[str, ...] = (*KNOBS, *(f"log2_{k}" for k in KNOBS), *SWITCHES, "is_prefill", "log2_b", "log2_len",
                                   "group", "log2_d", "log2_bytes_moved", "log2_flops", "log2_programs",
                                   "log2_waves", "last_wave_fill", "log2_steps", "log2_estimate_us", "sm_count",

@@ -10,7 +10,7 @@ by TMA descriptors. Rules: the pipelined key/value tiles fit the shared memory a
 accumulator fits the warps' registers. On sm_90, packed prefill (no cached prefix) also has the Gluon
 kernel (targets/gluon/attention.py): `backend` 1, a producer warp feeding `consumers` (1, 2) warpgroups
 of 64 query rows each (block_m = 64 x consumers, 4 warps), which with `pingpong` take turns at the
-tensor cores; its rules: power-of-two head dims, a ring of at least two slots, and each consumer's
+tensor cores, in one program per query tile or (`persistent`) one per SM walking the tiles; its rules: power-of-two head dims, a ring of at least two slots, and each consumer's
 logits and output tile in its registers.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ DECODE_KNOBS = {"pages": (1, 2, 4, 8), "num_warps": (2, 4, 8), "num_stages": (1,
                 "splits": (1, 2, 4, 8, 16, 32)}
 DECODE_ADDED = {"early_kv": 0}   # records written before `early_kv` existed read as early_kv=0
 PREFILL_KNOBS = {"block_m": (32, 64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
-PREFILL_ADDED = {"tma": 0, "backend": 0, "consumers": 1, "pingpong": 0}  # and before them, as these
+PREFILL_ADDED = {"tma": 0, "backend": 0, "consumers": 1, "pingpong": 0, "persistent": 0}  # and before them, as these
 GLUON_ROWS = WARPGROUP * WARPGROUP_ROWS  # query rows per consumer warpgroup of the Gluon kernel
 GLUON_TILE_REGS = 128  # fp32 logits + output values a consumer thread holds: (block_n + D) / 2 at most
 
@@ -41,7 +41,8 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
         return {**DECODE_KNOBS, "early_kv": (0, 1) if target.pdl else (0,)}
     gluon = gluon_target(target) and _packed(wl)
     return {**PREFILL_KNOBS, "tma": (0, 1) if target.capability >= 90 else (0,), "backend": (0, 1) if gluon else (0,),
-            "consumers": (1, 2) if gluon else (1,), "pingpong": (0, 1) if gluon else (0,)}
+            "consumers": (1, 2) if gluon else (1,), "pingpong": (0, 1) if gluon else (0,),
+            "persistent": (0, 1) if gluon else (0,)}
 
 
 def _packed(wl: Workload) -> bool:
@@ -77,8 +78,8 @@ def added_knobs(wl: Workload) -> dict[str, int]:
 def why_invalid(wl: Workload, target: Target, s: Schedule) -> str | None:
     if _kind(wl) != "prefill":
         return None
-    if not s["backend"] and (s["consumers"] > 1 or s["pingpong"]):
-        return "consumer warpgroups and ping-pong serve the Gluon prefill (backend 1)"
+    if not s["backend"] and (s["consumers"] > 1 or s["pingpong"] or s["persistent"]):
+        return "consumer warpgroups, ping-pong and persistent programs serve the Gluon prefill (backend 1)"
     if s["backend"] and (why := _gluon_invalid(wl, target, s)):
         return why
     d = next_pow2(wl.dim["D"])  # the tiles' head dim: padded to a power of two

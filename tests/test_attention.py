@@ -249,7 +249,8 @@ def test_prefill_tma_rules_and_build():
     assert ScheduleSpace(wl, get_target("a100")).knobs()["tma"] == (0,)
     assert ScheduleSpace(wl, get_target("mi300x")).knobs()["tma"] == (0,)
     old = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
-    assert ScheduleSpace(wl, get_target("h200")).complete(old) == {**old, "tma": 0, "backend": 0, "consumers": 1, "pingpong": 0}
+    assert ScheduleSpace(wl, get_target("h200")).complete(old) == {**old, "tma": 0, "backend": 0, "consumers": 1, "pingpong": 0,
+                                                                  "persistent": 0}
     assert "tma" not in ScheduleSpace(decode(), get_target("h200")).knobs()
     sass = summary(opcodes(flashgen.compile(wl, "sm_90", schedule={**old, "tma": 1}).binary))
     assert sass["tma"] > 0 and sass["wgmma"] > 0, sass

@@ -182,7 +182,7 @@ def test_gluon_schedule_refused_where_it_cannot_build():
 
 
 PREFILL = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "tma": 0, "backend": 1, "consumers": 2,
-           "pingpong": 1}
+           "pingpong": 1, "persistent": 0}
 
 
 def _prefill(d=128, dtype="bf16", mod="none", hq=32, hkv=8):
@@ -194,7 +194,9 @@ def test_prefill_offered_on_sm90_packed_only(target):
     """The Gluon prefill serves packed sequences on sm_90; a prefix in a paged cache stays Triton's."""
     knobs = ScheduleSpace(_prefill(), SM90).knobs()
     assert knobs["backend"] == (0, 1) and knobs["consumers"] == (1, 2) and knobs["pingpong"] == (0, 1)
-    assert ScheduleSpace(_prefill(), get_target(target)).knobs()["backend"] == (0,)
+    assert knobs["persistent"] == (0, 1)
+    other = ScheduleSpace(_prefill(), get_target(target)).knobs()
+    assert other["backend"] == other["persistent"] == (0,)
     chunked = flashgen.workload("chunked_prefill_attention", T=2000, B=5, Hq=32, Hkv=8, D=128, BS=16, NB=1024,
                                 MAXB=128, dtype="bf16")
     assert ScheduleSpace(chunked, SM90).knobs()["backend"] == (0,)
@@ -209,6 +211,7 @@ def test_prefill_offered_on_sm90_packed_only(target):
     (_prefill(d=96), {}, "power-of-two head dims"),
     (_prefill(d=256), {}, "registers"),
     (_prefill(), {"backend": 0}, "serve the Gluon prefill"),
+    (_prefill(), {"backend": 0, "consumers": 1, "pingpong": 0, "persistent": 1}, "serve the Gluon prefill"),
 ])
 def test_prefill_rules_name_what_is_wrong(wl, over, why):
     space = ScheduleSpace(wl, SM90)
@@ -221,6 +224,8 @@ def test_sampled_prefill_space_holds_both_generators():
     points = [p for p in ({k: rng.choice(v) for k, v in knobs.items()} for _ in range(5000)) if space.is_valid(p)]
     assert {p["backend"] for p in points} == {0, 1}
     assert {(p["consumers"], p["pingpong"]) for p in points if p["backend"]} == {(1, 0), (2, 0), (2, 1)}
+    assert {p["persistent"] for p in points if p["backend"]} == {0, 1}
+    assert {p["persistent"] for p in points if not p["backend"]} == {0}
 
 
 @pytest.mark.parametrize("d, dtype, mod, over", [
@@ -228,6 +233,7 @@ def test_sampled_prefill_space_holds_both_generators():
     (128, "fp16", "softcap", {"pingpong": 0}),
     (64, "bf16", "alibi", {"block_n": 128}),
     (128, "bf16", "window", {"consumers": 1, "block_m": 64, "pingpong": 0, "num_stages": 2, "block_n": 128}),
+    (128, "bf16", "none", {"persistent": 1}),
 ])
 def test_prefill_aot_build_for_sm90(d, dtype, mod, over):
     """The consumers' logits and weighted values are warpgroup MMAs on TMA-copied tiles, fed by a copy
@@ -245,20 +251,29 @@ def test_prefill_aot_build_for_sm90(d, dtype, mod, over):
     per = 2 * d // 16 + 2 * s["block_n"] // 16
     assert len(mma) == s["consumers"] * per and all(f".{dtype.replace('fp16', 'f16')}" in x for x in mma)
     assert src.count("(_attend_rows, (") == s["consumers"]
+    # every partition walks the program's tiles: the copy warp's queries wait for the logits before
+    assert src.count("for i in range(0, gl.cdiv(tiles, gl.num_programs(0))):") == 2
+    assert "mbarrier.wait(q_free, (i & 1) ^ 1)" in src and "mbarrier.arrive(q_free)" in src
     assert ("mbarrier.wait(turn.index(first)" in src) == bool(s["pingpong"])
     assert ("if j * BLOCK_N + BLOCK_N > r0:" in src) == (mod != "window")
     assert ("/ softcap)" in src) == (mod == "softcap")
 
 
 def test_prefill_programs_as_tritons():
-    """The Gluon prefill numbers its query tiles as the Triton kernel does: a grid over packed tiles."""
+    """The Gluon prefill numbers its query tiles as the Triton kernel does, one program each (heads
+    fastest), or a persistent program per SM walking one tile of each round, every other round backwards."""
     from flashgen.targets.triton.codegen import generate, grid
 
     wl = _prefill()
     g = generate(wl, PREFILL)
     t = generate(wl, {**PREFILL, "backend": 0, "consumers": 1, "pingpong": 0, "num_warps": 8})
     assert g.dialect == "gluon" and t.dialect == "triton"
-    assert grid(g, wl) == grid(t, wl) == (-(-1000 // 128) + 3, 32, 1)
+    tiles = -(-1000 // 128) + 3
+    assert grid(t, wl) == (tiles, 32, 1) and grid(g, wl, sm_count=132) == (tiles * 32, 1, 1)
+    walk = generate(wl, {**PREFILL, "persistent": 1})
+    assert grid(walk, wl, sm_count=132) == (132, 1, 1)
+    assert grid(walk, _prefill(hq=4, hkv=1), sm_count=132) == (tiles * 4, 1, 1)  # fewer tiles than SMs
+    assert "tiles = gl.minimum(gl.cdiv(T, BLOCK_M) + B, T) * Hq" in walk.source
 
 
 INT4 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 8, "split_k": 1,

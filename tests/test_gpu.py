@@ -452,7 +452,11 @@ def test_prefill_tma_tiles_on_gpu(wl):
 
 GLUON_PREFILL = {"pingpong": {"block_m": 128, "block_n": 64, "num_stages": 3, "consumers": 2, "pingpong": 1},
                  "two": {"block_m": 128, "block_n": 128, "num_stages": 2, "consumers": 2, "pingpong": 0},
-                 "one": {"block_m": 64, "block_n": 128, "num_stages": 2, "consumers": 1, "pingpong": 0}}
+                 "one": {"block_m": 64, "block_n": 128, "num_stages": 2, "consumers": 1, "pingpong": 0},
+                 "pingpong_persistent": {"block_m": 128, "block_n": 64, "num_stages": 3, "consumers": 2, "pingpong": 1,
+                                         "persistent": 1},
+                 "one_persistent": {"block_m": 64, "block_n": 128, "num_stages": 2, "consumers": 1, "pingpong": 0,
+                                    "persistent": 1}}
 GLUON_PREFILL_CASES = PREFILL_CASES + [
     flashgen.workload("flash_prefill_attention", T=t, B=b, Hq=hq, Hkv=hkv, D=128, dtype="bf16", mod=mod)
     for t, b, hq, hkv, mod in ((2500, 5, 32, 8, "softcap"), (777, 2, 16, 2, "alibi"), (5, 3, 8, 8, "none"),
@@ -462,8 +466,8 @@ GLUON_PREFILL_CASES = PREFILL_CASES + [
 @pytest.mark.parametrize("wl", GLUON_PREFILL_CASES, ids=case_id)
 @pytest.mark.parametrize("form", list(GLUON_PREFILL))
 def test_gluon_prefill_on_gpu(wl, form):
-    """The Gluon prefill (a copy warp, one or two consumer warpgroups, ping-pong or not) against the
-    float64 reference: ragged sequences down to one token, GQA and MHA, every mod; then a CUDA graph."""
+    """The Gluon prefill (a copy warp, one or two consumer warpgroups, ping-pong or not, a program per
+    tile or persistent programs walking them) against the float64 reference: ragged sequences down to one token, GQA and MHA, every mod; then a CUDA graph."""
     if TARGET.capability != 90:
         pytest.skip("Gluon kernels build for sm_90")
     s = {"num_warps": 4, "tma": 0, "backend": 1, **GLUON_PREFILL[form]}

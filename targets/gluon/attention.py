@@ -2,16 +2,22 @@
 ring of key/value tiles by TMA, one or two consumer warpgroups of WARPGROUP_ROWS x WARPGROUP query
 rows each, attending to every key tile of the ring with asynchronous warpgroup MMAs.
 
-One program serves block_m = 64 x consumers queries of one sequence and query head, numbered as the
+A query tile is block_m = 64 x consumers queries of one sequence and query head, numbered as the
 Triton kernel numbers them (targets/triton/attention.py `_sequence_of_tile`, longest causal tiles
-first). Key tiles stop at the diagonal. A consumer's loop is software-pipelined: at step j it issues
-the logits of key tile j (S = Q K^T) and the weighted values of tile j - 1 (O += P V, its
-probabilities in registers as the MMA's A operand) back to back, then runs tile j's online softmax
-while both run; a ring slot goes back to the copy warp once its values' MMA is done. With `pingpong`
-the two consumers take turns issuing those MMAs (a turn barrier each), so one's softmax overlaps the
-other's MMAs and the tensor cores never wait for both at once. Masks apply only on the key tiles that
-reach the diagonal (and on every tile, under a mask other than the plain causal one); the op's score
-expression (softcap, alibi) is emitted from the IR as in the Triton kernel.
+first), heads fastest (the query heads of one KV head run side by side and share its tiles in L2).
+A program walks one tile of each round of num_programs tiles: one tile, or with `persistent`
+(one program per SM) as many as there are rounds, every other round in reverse order so that the
+programs' sums of causal work come out even. Every partition walks the same tiles; the key/value ring runs on across them, and the copy
+warp brings a tile's queries as soon as the consumers' last logits MMA of the tile before is done, so
+the next tile's copies overlap this one's last values and its epilogue. Key tiles stop at the
+diagonal. A consumer's loop is software-pipelined: at step j it issues the logits of key tile j
+(S = Q K^T) and the weighted values of tile j - 1 (O += P V, its probabilities in registers as the
+MMA's A operand) back to back, then runs tile j's online softmax while both run; a ring slot goes back
+to the copy warp once its values' MMA is done. With `pingpong` the two consumers take turns issuing
+those MMAs (a turn barrier each), so one's softmax overlaps the other's MMAs and the tensor cores never
+wait for both at once. Masks apply only on the key tiles that reach the diagonal (and on every tile,
+under a mask other than the plain causal one); the op's score expression (softcap, alibi) is emitted
+from the IR as in the Triton kernel.
 """
 from __future__ import annotations
 
@@ -25,21 +31,53 @@ from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
 from flashgen.workload import Schedule, Workload
 
 ROWS = WARPGROUP * WARPGROUP_ROWS  # query rows of one consumer warpgroup (a warpgroup MMA's M)
-SEQ_LAYOUT = f"{NS}.BlockedLayout([1], [32], [{WARPGROUP}], [0])"  # the sequence starts read at once
+RING = ["q_tile", "k_ring", "v_ring", "q_ready", "q_free", "ready", "free"]  # what the partitions share
 
-_LOAD_KV = ["@gluon.jit",
-            "def _load_kv(q_desc, k_desc, v_desc, q_tile, k_ring, v_ring, q_ready, ready, free, s0, h, kvh, m0, n_tiles,",
-            "             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):",
-            "    # the copy warp: the query tile once, then each key/value tile into a slot the consumers handed back",
-            "    mbarrier.expect(q_ready, q_desc.block_type.nbytes)",
-            "    tma.async_copy_global_to_shared(q_desc, [s0 + m0, h, 0], q_ready, q_tile)",
-            "    for j in range(n_tiles):",
-            "        s = j % STAGES",
-            "        mbarrier.wait(free.index(s), ((j // STAGES) & 1) ^ 1)",
-            "        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)",
-            "        tma.async_copy_global_to_shared(k_desc, [s0 + j * BLOCK_N, kvh, 0], ready.index(s), k_ring.index(s))",
-            "        tma.async_copy_global_to_shared(v_desc, [s0 + j * BLOCK_N, kvh, 0], ready.index(s), v_ring.index(s))",
-            "", ""]
+
+def _tile_loop(scope: Scope, warps: int, group: int) -> Scope:
+    """A partition's walk over its program's query tiles, in rounds of num_programs tiles, every other
+    round in reverse program order: the tiles come longest first, so a program that took a round's
+    longest tile takes the next round's shortest, and the programs end together. For each tile: `i`
+    (its place in the walk: the query slot's phase), its query head `h` and KV head `kvh`, its sequence
+    (`s0`, `n`), first row `m0` and key tiles `n_tiles`. `warps`: the partition's (the layout the
+    sequence starts are read in)."""
+    scope.line(f"for i in range(0, {NS}.cdiv(tiles, {NS}.num_programs(0))):")
+    walk = scope.child(scope.indent + "    ")
+    walk.line(f"pid = {NS}.program_id(0) + (i % 2) * ({NS}.num_programs(0) - 1 - 2 * {NS}.program_id(0))  "
+              "# every other round backwards")
+    walk.line(f"u = i * {NS}.num_programs(0) + pid")
+    walk.line("if u < tiles:  # (the last round may be short)")
+    tile = walk.child(walk.indent + "    ")
+    tile.line("h = u % Hq")
+    tile.line(f"kvh = h // {group}")
+    _sequence_of_tile(tile, f"{NS}.BlockedLayout([1], [32], [{warps}], [0])", "u // Hq")
+    tile.line(f"pid_m = {NS}.cdiv(n, BLOCK_M) - 1 - nth  # each sequence's longest (causal) tiles first")
+    tile.line("m0 = pid_m * BLOCK_M")
+    tile.line(f"n_tiles = {NS}.maximum({NS}.cdiv({NS}.minimum(n, m0 + BLOCK_M), BLOCK_N), 1)  "
+              "# a tile past its sequence's walks one key tile and stores nothing")
+    return tile
+
+
+def _load_kv(params: list[str], group: int) -> list[str]:
+    """The copy warp: each tile's queries once its slot is free, then its key/value tiles into ring
+    slots the consumers handed back."""
+    lines = ["@gluon.jit",
+             f"def _load_kv({', '.join(params)}, q_desc, k_desc, v_desc, {', '.join(RING)}, tiles):",
+             "    # the copy warp: each tile's queries, then its key/value tiles into slots the consumers handed back",
+             "    it = 0  # key tiles through the ring so far: its slot and phase"]
+    tile = _tile_loop(Scope(lines, "    ", {}), 1, group)
+    for line in ["mbarrier.wait(q_free, (i & 1) ^ 1)  # the tile before's logits are done with the queries",
+                 "mbarrier.expect(q_ready, q_desc.block_type.nbytes)",
+                 "tma.async_copy_global_to_shared(q_desc, [s0 + m0, h, 0], q_ready, q_tile)",
+                 "for j in range(n_tiles):",
+                 "    s = (it + j) % STAGES",
+                 "    mbarrier.wait(free.index(s), (((it + j) // STAGES) & 1) ^ 1)",
+                 "    mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)",
+                 "    tma.async_copy_global_to_shared(k_desc, [s0 + j * BLOCK_N, kvh, 0], ready.index(s), k_ring.index(s))",
+                 "    tma.async_copy_global_to_shared(v_desc, [s0 + j * BLOCK_N, kvh, 0], ready.index(s), v_ring.index(s))",
+                 "it += n_tiles"]:
+        tile.line(line)
+    return lines + ["", ""]
 
 
 def _slot(ring: str, slot: str, transpose: bool = False) -> str:
@@ -80,11 +118,11 @@ def _softmax(em: GluonEmitter, att: Attend, scope: Scope, kpos0: str, dt: str) -
     step.line(f"pa = gl.convert_layout(p.to({dt}), p_layout)")
 
 
-def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: bool, dt: str) -> list[str]:
-    """A consumer warpgroup: rows [r0, r0 + ROWS) of the program's query tile against every key tile."""
+def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: bool, dt: str, group: int) -> list[str]:
+    """A consumer warpgroup: for each of the program's query tiles, rows [r0, r0 + ROWS) of it against
+    every key tile up to the diagonal."""
     lines = ["@gluon.jit",
-             f"def _attend_rows({', '.join(params)}, q_tile, k_ring, v_ring, q_ready, ready, free, "
-             f"{'turn, ' if pingpong else ''}s0, n, h, m0, n_tiles, first):",
+             f"def _attend_rows({', '.join(params)}, {', '.join(RING)}, {'turn, ' if pingpong else ''}tiles, first):",
              "    # a consumer warpgroup: its query rows' logits and weighted values, tile after tile of keys",
              "    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
              f"instr_shape=[{WARPGROUP_ROWS}, BLOCK_N, 16])",
@@ -92,25 +130,29 @@ def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: boo
              f"instr_shape=[{WARPGROUP_ROWS}, D, 16])",
              "    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)",
              f"    q = q_tile.reshape([BLOCK_M, D]).slice(first * {ROWS}, {ROWS})",
-             f"    r0 = m0 + first * {ROWS}",
-             f"    qpos = r0 + gl.arange(0, {ROWS}, layout=gl.SliceLayout(1, s_layout))[:, None]",
-             f"    m_i = gl.full([{ROWS}], float(\"-inf\"), gl.float32, gl.SliceLayout(1, s_layout))",
-             f"    l_i = gl.zeros([{ROWS}], gl.float32, gl.SliceLayout(1, s_layout))",
-             f"    acc = gl.zeros([{ROWS}, D], gl.float32, o_layout)",
              "    scale = 1.0 / gl.sqrt(D * 1.0)",
-             "    mbarrier.wait(q_ready, 0)",
-             "    mbarrier.wait(ready.index(0), 0)",
-             f"    {_logits_mma('0')}",
-             "    sc = warpgroup_mma_wait(0, deps=[sc])"]
-    top = Scope(lines, "    ", {"h": ("h", None), "qpos": ("qpos", None), "kpos": ("kpos", "jmask")})
-    _softmax(em, att, top, "0", dt)
-    top.line("for j in range(1, n_tiles):")
-    body = top.child("        ")
-    body.line("slot = j % STAGES")
-    body.line("prev = (j - 1) % STAGES")
-    body.line("mbarrier.wait(ready.index(slot), (j // STAGES) & 1)")
-    if pingpong:
-        body.line("mbarrier.wait(turn.index(first), ((j - 1) & 1) ^ (1 - first))  # the other's MMAs are issued")
+             "    it = 0  # key tiles through the ring so far: its slot and phase"]
+    tile = _tile_loop(Scope(lines, "    ", {}), WARPGROUP, group)
+    tile.axes.update({"h": ("h", None), "qpos": ("qpos", None), "kpos": ("kpos", "jmask")})
+    for line in [f"r0 = m0 + first * {ROWS}",
+                 f"qpos = r0 + gl.arange(0, {ROWS}, layout=gl.SliceLayout(1, s_layout))[:, None]",
+                 f"m_i = gl.full([{ROWS}], float(\"-inf\"), gl.float32, gl.SliceLayout(1, s_layout))",
+                 f"l_i = gl.zeros([{ROWS}], gl.float32, gl.SliceLayout(1, s_layout))",
+                 f"acc = gl.zeros([{ROWS}, D], gl.float32, o_layout)",
+                 "mbarrier.wait(q_ready, i & 1)",
+                 "mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)",
+                 _logits_mma("it % STAGES"),
+                 "sc = warpgroup_mma_wait(0, deps=[sc])"]:
+        tile.line(line)
+    _softmax(em, att, tile, "0", dt)
+    tile.line("for j in range(1, n_tiles):")
+    body = tile.child(tile.indent + "    ")
+    body.line("g = it + j")
+    body.line("slot = g % STAGES")
+    body.line("prev = (g - 1) % STAGES")
+    body.line("mbarrier.wait(ready.index(slot), (g // STAGES) & 1)")
+    if pingpong:  # (every tile before this one took n_tiles - 1 turns: it - i in all)
+        body.line("mbarrier.wait(turn.index(first), ((g - 1 - i) & 1) ^ (1 - first))  # the other's MMAs are issued")
     body.line(_logits_mma("slot"))
     body.line(_values_mma("prev") + "  # tile j - 1's, rescaled")
     if pingpong:
@@ -120,16 +162,19 @@ def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: boo
     body.line("acc = warpgroup_mma_wait(0, deps=[acc])")
     body.line("mbarrier.arrive(free.index(prev))  # hand that slot back")
     body.line("acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]")
-    top.line("last = (n_tiles - 1) % STAGES")
-    top.line(_values_mma("last"))
-    top.line("acc = warpgroup_mma_wait(0, deps=[acc])")
-    top.line("mbarrier.arrive(free.index(last))")
-    top.line("l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))")
-    top.line("out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]")
-    top.line(f"r = r0 + gl.arange(0, {ROWS}, layout=gl.SliceLayout(1, o_layout))[:, None]")
-    top.line("dd = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))[None, :]")
-    top.line(f"gl.store(out_ptr + (s0 + r).to(gl.int64) * out_s0 + h * out_s1 + dd, out.to({dt}), "
-             "mask=(r >= 0) & (r < n))")
+    for line in ["mbarrier.arrive(q_free)  # the tile's logits are done: the next tile's queries may come",
+                 "last = (it + n_tiles - 1) % STAGES",
+                 _values_mma("last"),
+                 "acc = warpgroup_mma_wait(0, deps=[acc])",
+                 "mbarrier.arrive(free.index(last))",
+                 "it += n_tiles",
+                 "l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))",
+                 "out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]",
+                 f"r = r0 + gl.arange(0, {ROWS}, layout=gl.SliceLayout(1, o_layout))[:, None]",
+                 "dd = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))[None, :]",
+                 f"gl.store(out_ptr + (s0 + r).to(gl.int64) * out_s0 + h * out_s1 + dd, out.to({dt}), "
+                 "mask=(r >= 0) & (r < n))"]:
+        tile.line(line)
     return lines + ["", ""]
 
 
@@ -139,7 +184,7 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     op, attrs, dim = wl.op, wl.attr, wl.dim
     [att] = [st for st in op.body(attrs) if isinstance(st, Attend)]
     assert att.kind == "prefill" and "prefix_lens" not in op.tensors, "Gluon attention serves packed prefill"
-    consumers, pingpong = s["consumers"], bool(s["pingpong"])
+    consumers, pingpong, group = s["consumers"], bool(s["pingpong"]), dim["Hq"] // dim["Hkv"]
     em = GluonEmitter(op, attrs, {})
     name = f"{op.name}_kernel"
     args = kernel_args(wl, {"BLOCK_M": ROWS * consumers, "BLOCK_N": s["block_n"], "STAGES": s["num_stages"]})
@@ -148,13 +193,7 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     dt = dtypes.TL[attrs["dtype"]].replace("tl.", f"{NS}.")
     top = Scope(lines, "    ", {})
     grid_dependency(top)
-    top.line(f"h = {NS}.program_id(1)")
-    top.line(f"kvh = h // {dim['Hq'] // dim['Hkv']}")
-    _sequence_of_tile(top, SEQ_LAYOUT)
-    top.line(f"pid_m = {NS}.cdiv(n, BLOCK_M) - 1 - nth  # each sequence's longest (causal) tiles first")
-    top.line("m0 = pid_m * BLOCK_M")
-    top.line(f"n_tiles = {NS}.maximum({NS}.cdiv({NS}.minimum(n, m0 + BLOCK_M), BLOCK_N), 1)  "
-             "# a program past its sequence's tiles walks one and stores nothing")
+    top.line(f"tiles = {NS}.minimum({NS}.cdiv(T, BLOCK_M) + B, T) * Hq  # as many as the grid of one program per tile")
     for t, heads, block in (("q", "Hq", "BLOCK_M"), ("k", "Hkv", "BLOCK_N"), ("v", "Hkv", "BLOCK_N")):
         top.line(f"{t}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([{block}, 1, D], {dt})")
         top.line(f"{t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[T, {heads}, D], strides=[{t}_s0, {t}_s1, 1], "
@@ -162,11 +201,13 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     top.line(f"q_tile = {NS}.allocate_shared_memory({dt}, [BLOCK_M, 1, D], q_layout)")
     for t in ("k", "v"):
         top.line(f"{t}_ring = {NS}.allocate_shared_memory({dt}, [STAGES, BLOCK_N, 1, D], {t}_layout)")
-    top.line(f"q_ready = {NS}.allocate_shared_memory({NS}.int64, [1], mbarrier.MBarrierLayout())")
+    for bar in ("q_ready", "q_free"):
+        top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [1], mbarrier.MBarrierLayout())")
     bars = ["ready", "free"] + (["turn"] if pingpong else [])
     for bar, count in zip(bars, ("STAGES", "STAGES", "2")):
         top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [{count}, 1], mbarrier.MBarrierLayout())")
     top.line("mbarrier.init(q_ready, count=1)")
+    top.line(f"mbarrier.init(q_free, count={consumers})  # every consumer's logits are done with the queries")
     top.line(f"for i in {NS}.static_range(STAGES):")
     top.line("    mbarrier.init(ready.index(i), count=1)")
     top.line(f"    mbarrier.init(free.index(i), count={consumers})  # every consumer has read the slot")
@@ -174,16 +215,14 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
         top.line(f"for i in {NS}.static_range(2):")
         top.line("    mbarrier.init(turn.index(i), count=1)")
     top.line("fence_async_shared()  # the barriers are initialized before any copy signals them")
-    shared = ["q_tile", "k_ring", "v_ring", "q_ready", "ready", "free", *(["turn"] if pingpong else []),
-              "s0", "n", "h", "m0", "n_tiles"]
+    names = [a.name for a in args]
     top.line(f"{NS}.warp_specialize([")
     for first in range(consumers):  # the default partition first; a second consumer is a worker
-        top.line(f"    (_attend_rows, ({', '.join([a.name for a in args] + shared + [str(first)])})),")
-    top.line("    (_load_kv, (q_desc, k_desc, v_desc, q_tile, k_ring, v_ring, q_ready, ready, free, s0, h, kvh, m0, "
-             "n_tiles, BLOCK_N, STAGES)),")
+        top.line(f"    (_attend_rows, ({', '.join(names + RING + (['turn'] if pingpong else []) + ['tiles', str(first)])})),")
+    top.line(f"    (_load_kv, ({', '.join(names + ['q_desc', 'k_desc', 'v_desc'] + RING + ['tiles'])})),")
     top.line(f"], {[WARPGROUP] * (consumers - 1) + [1]}, {[CONSUMER_REGS] * (consumers - 1) + [PRODUCER_REGS]})")
-    helpers = _LOAD_KV + _attend_rows(em, att, params, pingpong, dt)
+    helpers = _load_kv(params, group) + _attend_rows(em, att, params, pingpong, dt, group)
     head = lines.index("@gluon.jit")
     lines[head:head] = helpers
     return KernelSource(name, to_gluon(em.finish(lines)), args, (ROWS * consumers, 1), tile_cols=True,
-                        seq_tiles="B", dialect="gluon")
+                        seq_tiles="B", flat=True, persistent=s["persistent"], dialect="gluon")

@@ -206,20 +206,21 @@ def _packed_tiles(body: Scope, pad: bool, kmask: str | None, vmask: str | None) 
               f"{_load_mask(vmask, pad, '[None, :]')})")
 
 
-def _sequence_of_tile(top: Scope, layout: str = "") -> None:
-    """`b`, the sequence of this program's query tile, and `nth`, the tile's place in it. Sequence b's
+def _sequence_of_tile(top: Scope, layout: str = "", tile: str = "tl.program_id(0)") -> None:
+    """`b`, the sequence of query tile number `tile` (the program's own by default), and `nth`, the
+    tile's place in it. Sequence b's
     tiles are numbered from cu_seqlens[b] // block_m + b on: a range at least cdiv(n, block_m) long
     (the floors of its two ends differ by at least n // block_m), so at most T // block_m + B programs
     cover every tile of any lengths, and a program finds its sequence by counting the starts at or
     before its own number, SEQ_CHUNK sequences at a time. The few programs numbered past a sequence's
     tiles do nothing. `layout`: the chunk's layout argument, where the language asks for one (Gluon)."""
-    top.line("t = tl.program_id(0)")
+    top.line(f"t = {tile}")
     top.line("b = t * 0 - 1")
     top.line(f"for b0 in range(0, B, {SEQ_CHUNK}):")
     body = top.child(top.indent + "    ")
     body.line(f"idx = b0 + tl.arange(0, {SEQ_CHUNK}{', layout=' + layout if layout else ''})")
-    body.line("first = tl.load(cu_seqlens_ptr + idx, mask=idx < B, other=0) // BLOCK_M + idx")
-    body.line("b += tl.sum(((first <= t) & (idx < B)).to(tl.int32))")
+    body.line("tile0 = tl.load(cu_seqlens_ptr + idx, mask=idx < B, other=0) // BLOCK_M + idx")
+    body.line("b += tl.sum(((tile0 <= t) & (idx < B)).to(tl.int32))")
     top.line("s0 = tl.load(cu_seqlens_ptr + b)")
     top.line("n = tl.load(cu_seqlens_ptr + b + 1) - s0")
     top.line("nth = t - (s0 // BLOCK_M + b)")
