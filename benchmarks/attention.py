@@ -3,6 +3,7 @@ enable_gqa) and the bandwidth / compute rooflines, side by side in one run on th
 Each workload is tuned briefly first (analytic default, then the prior's best few).
 
     python benchmarks/attention.py --db DB [--trials 6] [--part decode,prefill] [--rerank 4] [--fix backend=1]
+        [--variant persistent=1 ...]
 
 Decode: Hq=32 Hkv=8 D=128, cache blocks of 16 tokens scattered at random, full contexts:
 B=32 L=4096, B=8 L=32768, B=1 L=131072 (the peer reads the same keys from a contiguous cache).
@@ -14,7 +15,9 @@ fastest recorded schedule of each is timed in the same run, and the row reports 
 The tuner measures each candidate on the op's own random inputs (decode: contexts drawn from 1..L;
 prefill: random sequence lengths), which are not the inputs timed here (full contexts, the lengths
 above). So the database's `--rerank` fastest schedules are re-timed side by side on these inputs first,
-and the fastest of them is the one compared with the peers, in a run of its own.
+and the fastest of them is the one compared with the peers, in a run of its own. `--variant KNOB=VALUE`
+adds each generator's kernel with that knob changed to that run (a row each, "kind [generator knob=value]"),
+where the schedule is valid and computes what the kernel does.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, bench_side_by_side, copy_gbs, environment, knob_values, print_table,  # noqa: E402
-                    tuning_session, write_results)
+                    same_outputs, tuning_session, write_results)
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
@@ -121,8 +124,11 @@ def main() -> None:
     ap.add_argument("--name", default="attention", help="result files: <out-dir>/<name>.json and .md")
     ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
                     help="tune only schedules with this knob value (repeatable); every generator's best is timed")
+    ap.add_argument("--variant", action="append", default=[], metavar="KNOB=VALUE",
+                    help="also time each generator's kernel with this knob changed, side by side (repeatable)")
     args = ap.parse_args()
     fixed = knob_values(args.fix)
+    variants = [pair for arg in args.variant for pair in knob_values([arg]).items()]
     dev = torch.device("cuda")
     target = device_target(dev)
     bw = copy_gbs()
@@ -149,6 +155,16 @@ def main() -> None:
                 kern = flashgen.compile(wl, target, db=db)
                 best[schedule_backend(kern.schedule)] = kern, 0
             fns = {gen: (lambda k=k, o=k.run(ins): k.run(ins, o)) for gen, (k, _) in best.items()}
+            varied = {}  # label -> (generator, schedule)
+            for gen, (k, _) in best.items():
+                for knob, value in variants:
+                    s = {**space.complete(k.schedule), knob: value}
+                    if s != space.complete(k.schedule) and space.is_valid(s):
+                        vk, label = flashgen.compile(wl, target, schedule=s), f"{gen} {knob}={value}"
+                        if not same_outputs(vk.run(ins), k.run(ins)):
+                            print(f"  variant {label}: outputs differ from the kernel's; not timed")
+                            continue
+                        fns[label], varied[label] = (lambda vk=vk, o=vk.run(ins): vk.run(ins, o)), (gen, s)
             for be in BACKENDS:
                 def run_peer(be=be):
                     with sdpa_kernel([be]):
@@ -162,16 +178,18 @@ def main() -> None:
             gen = min(best, key=lambda g: t[g])
             kern, place = best[gen]
             t["flashgen"] = t[gen]
-            best_peer = min((v, k) for k, v in t.items() if k not in ("flashgen", *best))
+            best_peer = min((v, k) for k, v in t.items() if k not in ("flashgen", *best, *varied))
             if kind == "decode":
                 roof = bytes_moved(wl) / (bw * 1e3)
             else:
                 flops = sum(4.0 * HQ * D * n * n / 2 for n in torch.diff(ins["cu_seqlens"]).tolist())
                 roof = flops / (target.peak_tflops["bf16"] * 1e6)
-            ratio = lambda peer: t[peer] / t["flashgen"] if peer in t else None  # noqa: E731
-            rows.append([kind, name, t["flashgen"], gen, t.get("triton"), t.get("gluon"), best_peer[1], best_peer[0],
-                         best_peer[0] / t["flashgen"], ratio("flash_attention"), ratio("cudnn_attention"), roof,
-                         roof / t["flashgen"], place + 1, str(kern.schedule)])
+            for label, (g, sched, rank) in {"flashgen": (gen, kern.schedule, place + 1),
+                                            **{v: (*varied[v], None) for v in varied}}.items():
+                ratio = lambda peer: t[peer] / t[label] if peer in t else None  # noqa: E731
+                rows.append([kind if label == "flashgen" else f"{kind} [{label}]", name, t[label], g, t.get("triton"),
+                             t.get("gluon"), best_peer[1], best_peer[0], best_peer[0] / t[label],
+                             ratio("flash_attention"), ratio("cudnn_attention"), roof, roof / t[label], rank, str(sched)])
             print(f"{kind:8s} {name:18s} flashgen {t['flashgen']:9.1f} us  {best_peer[1]} {best_peer[0]:9.1f}  "
                   f"roof {roof:8.1f}", flush=True)
             write_results(args.name, ("kind", "shape", "flashgen_us", "generator", "triton_us", "gluon_us", "best_sdpa",

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, bench_side_by_side, copy_gbs, environment, knob_values, print_table,  # noqa: E402
-                    tuning_session, write_results)
+                    same_outputs, tuning_session, write_results)
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
@@ -82,12 +82,6 @@ def _best_with(db: Database, wl: flashgen.Workload, target, space: ScheduleSpace
     return min(recs, key=lambda r: r.latency_us, default=None)
 
 
-def _same_outputs(a: dict, b: dict) -> bool:
-    """Whether two kernels' outputs agree within 1% of the largest value (a variant checked against
-    the best schedule, which the tuner checked against the float64 reference)."""
-    return all((a[n].float() - b[n].float()).abs().max() <= 1e-2 * b[n].float().abs().max() for n in b)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", required=True)
@@ -138,7 +132,7 @@ def main() -> None:
                         s = {**space.complete(kern.schedule), knob: value}
                         if s != space.complete(kern.schedule) and space.is_valid(s):
                             vk = flashgen.compile(wl, target, schedule=s)
-                            if not _same_outputs(vk.run(ins), out):  # timed only if it computes what the best does
+                            if not same_outputs(vk.run(ins), out):  # timed only if it computes what the best does
                                 print(f"  variant {knob}={value}: outputs differ from the best schedule's; not timed")
                                 continue
                             fns[f"{knob}={value}"], scheds[f"{knob}={value}"] = (lambda vk=vk: vk.run(ins, out)), s

@@ -1,22 +1,23 @@
 """Why the Gluon GEMM tiles run where they do against the Triton ones and cuBLAS: for each bf16 GEMM
-workload (or W4A16, `--op gemm_w4a16`: fp16, groups of 128; or every recorded packed prefill, `--op
-flash_prefill_attention`: its key-tile loop is the k loop), the fastest recorded schedule of each
-generator form (Triton; Gluon with one consumer; Gluon with two taking turns; weights dequantized
-first are not counted), what their machine code is made of, and, on the GPU, what Nsight Compute
+workload (or W4A16, `--op gemm_w4a16`: fp16, groups of 128; or every recorded packed prefill of equal
+lengths, `--op flash_prefill_attention`: its key-tile loop is the k loop), the fastest recorded schedule of each
+generator form (Triton; Gluon with one consumer; Gluon with two taking turns; a prefill's persistent
+Gluon programs apart; weights dequantized first are not counted), what their machine code is made of, and, on the GPU, what Nsight Compute
 reads while they run.
 
     R="benchmarks/results/h200_gemm_records.jsonl benchmarks/results/h200_gluon_records.jsonl"
     python benchmarks/studies/gluon_vs_triton.py $R --sass                        # CPU: SASS table
     ncu --clock-control none --csv --page raw --metrics "$(python benchmarks/studies/gluon_vs_triton.py $R --metrics)" \\
-        -k regex:"gemm|nvjet|xmma|cutlass" python benchmarks/studies/gluon_vs_triton.py $R --launch > ncu.csv   # GPU
+        -k regex:"gemm|nvjet|xmma|cutlass|flash|fmha|sdpa|cudnn" python benchmarks/studies/gluon_vs_triton.py $R --launch > ncu.csv   # GPU
     python benchmarks/studies/gluon_vs_triton.py $R --ncu ncu.csv                 # CPU: counter table
     python benchmarks/studies/gluon_vs_triton.py benchmarks/results/h200_gluon_int4_records.jsonl --sass \
         --op gemm_w4a16 --shapes o,qkv,gate_up,down --ms 16,64,256             # CPU: the int4 tiles' SASS
     python benchmarks/studies/gluon_vs_triton.py benchmarks/results/h200_attention_records.jsonl \
         benchmarks/results/h200_gluon_attention_records.jsonl --sass --op flash_prefill_attention   # CPU: prefill
 
-`--launch` runs each form's kernel, then its cuBLAS peer (benchmarks/gemm.py `peer`), LAUNCHES times in that order (the order the counter
-table is read in: both generators name their kernel gemm_kernel). Uses the nvdisasm and cuobjdump
+`--launch` runs each form's kernel, then its library peers (`peers`: cuBLAS, or SDPA's flash and cuDNN
+backends), LAUNCHES times each in that order (the order the counter table is read in: both generators
+give their kernel the op's name). Uses the nvdisasm and cuobjdump
 that ship with Triton.
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ LAUNCHES = 3
 COUNTERS = {"gpu__time_duration.sum": "duration_us",
             "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pipe_pct",
             "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
+            "sm__cycles_active.avg.pct_of_peak_sustained_elapsed": "sm_active_pct",
             "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
             "launch__registers_per_thread": "registers",
             "smsp__warp_issue_stalled_barrier_per_warp_active.pct": "stall_barrier_pct",
@@ -66,17 +68,25 @@ def records(files: list[Path]) -> Iterator[Any]:
         yield db
 
 
+def form_of(wl: flashgen.Workload, s: dict) -> str | None:
+    """A completed schedule's generator form (None: weights dequantized first); a persistent Gluon
+    prefill is a form of its own."""
+    for form, (backend, consumers) in FORMS.items():
+        if (s["backend"], s["consumers"], s.get("dequant_first", 0)) == (backend, consumers, 0):
+            return form + ("_persistent" if wl.op.name == "flash_prefill_attention" and s.get("persistent") else "")
+    return None
+
+
 def best_per_form(db: Any, wl: flashgen.Workload) -> dict[str, Any]:
     """The fastest correct record of each generator form (None where none was measured)."""
     space = ScheduleSpace(wl, get_target(TARGET))
     best: dict[str, Any] = {}
     for rec in db.records(wl.key, TARGET, status="ok"):
-        s = space.complete(rec.schedule)
-        for form, (backend, consumers) in FORMS.items():
-            if (s["backend"], s["consumers"], s.get("dequant_first", 0)) == (backend, consumers, 0) and (
-                    form not in best or rec.latency_us < best[form].latency_us):
-                best[form] = rec
-    return {form: best[form] for form in FORMS if form in best}  # in FORMS order: the launch order
+        form = form_of(wl, space.complete(rec.schedule))
+        if form is not None and (form not in best or rec.latency_us < best[form].latency_us):
+            best[form] = rec
+    order = [f + suffix for f in FORMS for suffix in ("", "_persistent")]  # the launch order
+    return {form: best[form] for form in order if form in best}
 
 
 def resources(cubin: bytes) -> dict[str, int]:
@@ -104,12 +114,14 @@ def sass_row(cubin: bytes) -> dict[str, int]:
 
 
 def workloads(args: argparse.Namespace, db: Any) -> list[tuple[str, flashgen.Workload]]:
-    """The GEMM shapes asked for; for prefill, every recorded workload (labelled by its batch)."""
+    """The GEMM shapes asked for; for prefill, every recorded workload of equal sequence lengths
+    (labelled by its batch)."""
     if args.op == "flash_prefill_attention":
         recorded = {r.workload_key: r.workload for r in db.records(target_key=TARGET, status="ok")
                     if r.workload["op"] == args.op}
         wls = [flashgen.Workload.from_json(w) for w in recorded.values()]
-        return [(f"B{wl.dim['B']}xT{wl.dim['T']}", wl) for wl in sorted(wls, key=lambda w: (w.dim["B"], w.dim["T"]))]
+        return [(f"B{wl.dim['B']}xT{wl.dim['T']}", wl) for wl in sorted(wls, key=lambda w: (w.dim["B"], w.dim["T"]))
+                if wl.dim["T"] % wl.dim["B"] == 0]  # equal lengths: the peers' batched call
     return [(shape, make_workload(args.op, m, *SHAPES[shape]))
             for shape in args.shapes.split(",") for m in map(int, args.ms.split(","))]
 
@@ -145,35 +157,61 @@ ROW_KEYS = ("registers", "spill_ops", "wgmma", "wgmma_waits", "mbarrier_ops", "b
             "k_loop_instructions", "k_loop_wgmma", "k_loop_bar_sync")
 
 
+def peers(op: str, wl: flashgen.Workload, dev: Any) -> tuple[dict, dict[str, Any]]:
+    """The inputs the forms and their library peers run on, and the peers by name: cuBLAS for a GEMM
+    (benchmarks/gemm.py `peer`), SDPA's flash and cuDNN backends for a prefill of equal lengths
+    (benchmarks/attention.py `prefill_case`)."""
+    import torch
+
+    if op != "flash_prefill_attention":
+        ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0)).items()}
+        return ins, {"cublas": peer(op, ins)}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attention import prefill_case
+    case, ins, sdpa = prefill_case([wl.dim["T"] // wl.dim["B"]] * wl.dim["B"], dev)
+    assert case.key == wl.key, (case.key, wl.key)
+
+    def backend(be: Any) -> Any:
+        def run() -> None:
+            with sdpa_kernel([be]):
+                sdpa()
+        return run
+    return ins, {"sdpa_flash": backend(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": backend(SDPBackend.CUDNN_ATTENTION)}
+
+
+PEER_NAMES = {"flash_prefill_attention": ("sdpa_flash", "sdpa_cudnn")}  # else ("cublas",)
+
+
 def launch(args: argparse.Namespace) -> None:
-    """Each form's kernel, then cuBLAS, LAUNCHES times each, per workload, in the order `plan` lists."""
+    """Each form's kernel, then each peer, LAUNCHES times each, per workload, in the order `ncu_table` reads."""
     import torch
 
     dev = torch.device("cuda")
     with records(args.records) as db:
         for shape, wl in workloads(args, db):
-            ins = {k: v.to(dev) for k, v in wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(0)).items()}
+            ins, named = peers(args.op, wl, dev)
             for form, rec in best_per_form(db, wl).items():
                 kernel = flashgen.compile(wl, TARGET, schedule=rec.schedule)
                 out = kernel.run(ins)
                 for _ in range(LAUNCHES - 1):
                     kernel.run(ins, out)
-            cublas = peer(args.op, ins)
-            for _ in range(LAUNCHES):
-                cublas()
+            for fn in named.values():
+                for _ in range(LAUNCHES):
+                    fn()
             torch.cuda.synchronize()
             print(f"# launched {shape} M={rows_of(wl)}", file=sys.stderr, flush=True)
 
 
 def ncu_table(args: argparse.Namespace) -> None:
-    """The counters of the last launch of each (workload, form), cuBLAS as its own form, in launch order."""
+    """The counters of the last launch of each (workload, form), each peer as its own form, in launch order."""
     text = Path(args.ncu).read_text()
     units, *table = csv.DictReader(io.StringIO(text[text.index('"ID"'):]))
     to_us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[units[next(iter(COUNTERS))]]
     rows, i = [], 0
     with records(args.records) as db:
         for shape, wl in workloads(args, db):
-            for form in [*best_per_form(db, wl), "cublas"]:
+            for form in [*best_per_form(db, wl), *PEER_NAMES.get(args.op, ("cublas",))]:
                 last = table[i + LAUNCHES - 1]
                 i += LAUNCHES
                 values = [float(last[m].replace(",", "")) if last.get(m) not in (None, "", "n/a") else float("nan")
@@ -183,9 +221,10 @@ def ncu_table(args: argparse.Namespace) -> None:
     write_results(result_name(args, "ncu"), ("shape", "M", "form", "kernel", *COUNTERS.values()), rows,
                   {**environment("NVIDIA H200 (Nsight Compute, --clock-control none)"), "ncu_csv": str(args.ncu)},
                   args.out_dir, f"Nsight Compute counters of the last of {LAUNCHES} launches of each form's fastest "
-                  "recorded schedule and of cuBLAS (torch.matmul). stall_*: share of active warps' cycles stalled so.")
-    print_table(("shape", "M", "form", "us", "tensor%", "sm%", "dram%", "regs", "barrier", "long_sb", "wait"),
-                [(r[0], r[1], r[2], *r[4:12]) for r in rows])
+                  "recorded schedule and of its library peers (cuBLAS: torch.matmul; sdpa_*: SDPA's backends). "
+                  "sm_active_pct: share of the run the SMs had a program; stall_*: share of active warps' cycles stalled so.")
+    print_table(("shape", "M", "form", "us", "tensor%", "sm%", "active%", "dram%", "regs", "barrier", "long_sb", "wait"),
+                [(r[0], r[1], r[2], *r[4:13]) for r in rows])
 
 
 def main() -> None:
