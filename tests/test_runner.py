@@ -12,7 +12,7 @@ from flashgen.targets import get_target
 
 def test_failures_are_isolated_and_classified():
     wl = flashgen.workload("rmsnorm", M=4, N=2048, dtype="fp32")
-    runner = Runner(get_target("cpu"), devices=["cpu"], timeout_s=3.0, runs=3,
+    runner = Runner(get_target("cpu"), devices=["cpu"], timeout_s=10.0, runs=3,
                     factory="tests.faulty:factory", start_timeout_s=60)
     blocks = [16, 32, 64, 16, 128, 256, 512, 1024, 16]
     try:
