@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, bench_side_by_side, copy_gbs, environment, knob_values, print_table,  # noqa: E402
-                    same_outputs, tuning_session, write_results)
+                    tuning_session, variant, write_results)
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
@@ -157,13 +157,11 @@ def main() -> None:
             fns = {gen: (lambda k=k, o=k.run(ins): k.run(ins, o)) for gen, (k, _) in best.items()}
             varied = {}  # label -> (generator, schedule)
             for gen, (k, _) in best.items():
+                out = k.run(ins) if variants else None
                 for knob, value in variants:
-                    s = {**space.complete(k.schedule), knob: value}
-                    if s != space.complete(k.schedule) and space.is_valid(s):
-                        vk, label = flashgen.compile(wl, target, schedule=s), f"{gen} {knob}={value}"
-                        if not same_outputs(vk.run(ins), k.run(ins)):
-                            print(f"  variant {label}: outputs differ from the kernel's; not timed")
-                            continue
+                    if (found := variant(wl, target, space, k.schedule, knob, value, ins, out)) is not None:
+                        vk, s = found
+                        label = f"{gen} {knob}={value}"
                         fns[label], varied[label] = (lambda vk=vk, o=vk.run(ins): vk.run(ins, o)), (gen, s)
             for be in BACKENDS:
                 def run_peer(be=be):

@@ -72,6 +72,28 @@ def same_outputs(a: dict, b: dict) -> bool:
     return all((a[n].float() - b[n].float()).abs().max() <= 1e-2 * b[n].float().abs().max() for n in b)
 
 
+def variant(wl: Any, target: Any, space: Any, schedule: dict, knob: str, value: int, ins: dict,
+            out: dict) -> tuple[Any, dict] | None:
+    """The kernel of `schedule` with `knob` set to `value` and that schedule, to time beside it; None
+    (with a line saying why, unless the knob already holds the value) where the change is not a valid
+    schedule or the kernel does not compute `out`, the outputs of `schedule`'s kernel on `ins`."""
+    import flashgen
+
+    base = space.complete(schedule)
+    s = {**base, knob: value}
+    if s == base:
+        return None
+    why = (f"not a knob of {wl.op.name} (its knobs: {', '.join(base)})" if knob not in base
+           else space.why_invalid(s))
+    if why is None:
+        vk = flashgen.compile(wl, target, schedule=s)
+        if same_outputs(vk.run(ins), out):
+            return vk, s
+        why = "outputs differ from the kernel's"
+    print(f"  variant {knob}={value} of {schedule}: {why}; not timed", flush=True)
+    return None
+
+
 def knob_values(pairs: Sequence[str]) -> dict[str, int]:
     """KNOB=VALUE command-line pairs as a schedule's knob values."""
     out = {}

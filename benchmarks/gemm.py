@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, bench_side_by_side, copy_gbs, environment, knob_values, print_table,  # noqa: E402
-                    same_outputs, tuning_session, write_results)
+                    tuning_session, variant, write_results)
 
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
@@ -129,13 +129,9 @@ def main() -> None:
                     scheds = {"flashgen": kern.schedule}
                     space = ScheduleSpace(wl, target)
                     for knob, value in variants:
-                        s = {**space.complete(kern.schedule), knob: value}
-                        if s != space.complete(kern.schedule) and space.is_valid(s):
-                            vk = flashgen.compile(wl, target, schedule=s)
-                            if not same_outputs(vk.run(ins), out):  # timed only if it computes what the best does
-                                print(f"  variant {knob}={value}: outputs differ from the best schedule's; not timed")
-                                continue
-                            fns[f"{knob}={value}"], scheds[f"{knob}={value}"] = (lambda vk=vk: vk.run(ins, out)), s
+                        if (found := variant(wl, target, space, kern.schedule, knob, value, ins, out)) is not None:
+                            vk, scheds[f"{knob}={value}"] = found
+                            fns[f"{knob}={value}"] = lambda vk=vk: vk.run(ins, out)
                     for knob, value in best_with:
                         rec = _best_with(db, wl, target, space, knob, value)
                         if rec is not None and space.complete(rec.schedule) != space.complete(kern.schedule):
