@@ -48,16 +48,16 @@ def tuning_session(target: Any) -> Iterator[dict[str, Any]]:
 
 
 def bench_side_by_side(fns: dict[str, Callable[[], Any]], nbytes: int, l2_bytes: int,
-                       rounds: int = 3) -> dict[str, float]:
+                       rounds: int = 3, flush: bool | None = None) -> dict[str, float]:
     """Median device time (us) of each version of one computation, timed as the tuner's runner times
     candidates (schedules/timing.py: L2 flushed when the data outgrows half the L2, else CUDA-graph
-    replay), in interleaved rounds keeping each version's best median, so that clock drift or a
-    neighbour's burst does not favour whichever ran first. The first round's long warm-up brings an
-    idle GPU's clocks up (an H200 idles at 345 MHz)."""
+    replay; `flush` True or False overrides that rule), in interleaved rounds keeping each version's
+    best median, so that clock drift or a neighbour's burst does not favour whichever ran first. The
+    first round's long warm-up brings an idle GPU's clocks up (an H200 idles at 345 MHz)."""
     from flashgen.schedules.timing import gpu_time
 
     dev = torch.device("cuda")
-    flush = nbytes > l2_bytes // 2
+    flush = nbytes > l2_bytes // 2 if flush is None else flush
     best = {k: float("inf") for k in fns}
     for i in range(rounds):
         for k, fn in fns.items():

@@ -5,12 +5,14 @@ database's best is what is timed.
 
     python benchmarks/gemm.py --db DB [--trials 6] [--ops gemm,gemm_w4a16,gemm_w8a8,gemm_fp8] [--ms 1,16,64,256,4096]
         [--shapes 8192x8192,qkv,o,gate_up,down] [--name gemm] [--fix tma=1 ...] [--rounds 2]
-        [--variant dequant_chunks=4 ...] [--best-with early_load=1 ...]
+        [--variant dequant_chunks=4 ...] [--best-with early_load=1 ...] [--flush-l2]
 
 Peers: gemm (bf16) vs torch.matmul bf16; gemm_w4a16 (group 128, symmetric) vs torch.matmul fp16 on the
 dequantized weight; gemm_w8a8 (scales fused) vs torch._int_mm (no scales); gemm_fp8 (scales fused) vs
 torch._scaled_mm with the same row/column scales. Roofline = max(flops / datasheet peak, bytes / measured
-copy bandwidth).
+copy bandwidth). Beside them, `read`: the faster of two torch passes over the weight's bytes (the
+maximum of its int32 words; a copy of them), in the same timing, so peer / read is about what a kernel
+that did nothing but read its weight would reach against the peer, launch and ramp included.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -72,6 +75,16 @@ def peer(op: str, ins: dict):
         return None
 
 
+def weight_reads(ins: dict[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+    """Two torch passes over the weight's bytes (packed words or a 16-bit matrix) viewed as int32: their
+    maximum, and a copy. About the least a kernel reading the weight once costs in this timing (an
+    int64 sum, the L2 flush's own pass, runs at a fraction of the copy bandwidth: measured, not used)."""
+    w = ins["w_packed"] if "w_packed" in ins else ins["w"]
+    words = w.reshape(-1).view(torch.int32)
+    top, dst = torch.empty((), dtype=torch.int32, device=w.device), torch.empty_like(words)
+    return {"read max": lambda: torch.amax(words, dim=0, out=top), "read copy": lambda: dst.copy_(words)}
+
+
 def _best_with(db: Database, wl: flashgen.Workload, target, space: ScheduleSpace, knob: str, value: int):
     """The fastest correct record of `wl` whose schedule has `knob` = `value`, of those timed as the
     database's best was (`Database.best`: behind a producer where the workload has such records); None
@@ -98,6 +111,9 @@ def main() -> None:
                     help="also time the best schedule with this knob changed, side by side (repeatable; a row each)")
     ap.add_argument("--fix", action="append", default=[], metavar="KNOB=VALUE",
                     help="tune only schedules with this knob value (repeatable); the database's best is timed")
+    ap.add_argument("--flush-l2", action="store_true",
+                    help="time every call after an L2 flush, the weight read from memory as a decode step's layers "
+                         "read theirs (default: flushed only when the data outgrows half the L2, the tuner's rule)")
     args = ap.parse_args()
     fixed = knob_values(args.fix)
     variants = [pair for arg in args.variant for pair in knob_values([arg]).items()]
@@ -105,8 +121,8 @@ def main() -> None:
     dev = torch.device("cuda")
     target = device_target(dev)
     bw = copy_gbs()
-    header = ("op", "shape", "M", "N", "K", "flashgen_us", "peer", "peer_us", "vs_peer", "roofline_us",
-              "of_roofline", "TFLOP/s", "schedule")
+    header = ("op", "shape", "M", "N", "K", "flashgen_us", "peer", "peer_us", "vs_peer", "read_us", "read_vs_peer",
+              "roofline_us", "of_roofline", "TFLOP/s", "schedule")
     rows = []
     t0 = time.perf_counter()
     with Database(args.db) as db, tuning_session(target) as session:
@@ -141,8 +157,11 @@ def main() -> None:
                     p = peer(op, ins)
                     if p is not None:
                         fns["peer"] = p
+                    fns.update(weight_reads(ins))
                     nbytes = bytes_moved(wl)
-                    t = bench_side_by_side(fns, nbytes, target.get("l2_bytes"), rounds=args.rounds)
+                    t = bench_side_by_side(fns, nbytes, target.get("l2_bytes"), rounds=args.rounds,
+                                           flush=True if args.flush_l2 else None)
+                    t["read"] = min(t["read max"], t["read copy"])
                     flops = 2.0 * m * n * k
                     peak = target.peak_tflops.get(wl.tensor_dtype("x"), target.peak_tflops["bf16"])
                     roof = max(flops / (peak * 1e6), nbytes / (bw * 1e3))
@@ -150,17 +169,23 @@ def main() -> None:
                     for label, sched in scheds.items():
                         rows.append([op if label == "flashgen" else f"{op} [{label}]", shape, m, n, k, t[label],
                                      {"gemm": "cuBLAS bf16", "gemm_w4a16": "cuBLAS fp16", "gemm_w8a8": "_int_mm",
-                                      "gemm_fp8": "_scaled_mm"}[op], pt, pt / t[label], roof, roof / t[label],
+                                      "gemm_fp8": "_scaled_mm"}[op], pt, pt / t[label], t["read"], pt / t["read"],
+                                     roof, roof / t[label],
                                      flops / (t[label] * 1e6), str(sched)])
                     print(f"{op:11s} {shape:9s} M={m:<5d} flashgen {t['flashgen']:9.2f} us  peer {pt:9.2f}  "
-                          f"roof {roof:8.2f}  ({time.perf_counter() - t0:.0f}s)", flush=True)
+                          f"read {t['read']:8.2f}  roof {roof:8.2f}  ({time.perf_counter() - t0:.0f}s)", flush=True)
                     write_results(args.name, header, rows, {**environment(), "target": target.id, "copy_gbs": bw},
-                                  args.out_dir, (NOTE if args.trials else RETIME_NOTE).format(trials=args.trials, bw=bw))
-    print_table(("op", "shape", "M", "us", "vs_peer", "of_roof"), [(r[0], r[1], r[2], r[5], r[8], r[10]) for r in rows])
+                                  args.out_dir, (NOTE if args.trials else RETIME_NOTE).format(trials=args.trials, bw=bw)
+                                  + (FLUSH_NOTE if args.flush_l2 else ""))
+    print_table(("op", "shape", "M", "us", "vs_peer", "read_vs_peer", "of_roof"),
+                [(r[0], r[1], r[2], r[5], r[8], r[10], r[12]) for r in rows])
 
 
-ROOFLINE_NOTE = ("vs_peer = peer time / flashgen time (above 1: flashgen faster). Roofline = max(flops / datasheet "
-                 "peak, bytes / measured copy bandwidth {bw:.0f} GB/s).")
+ROOFLINE_NOTE = ("vs_peer = peer time / flashgen time (above 1: flashgen faster). read_us: the faster of two torch "
+                 "passes over the weight's bytes (the maximum of its int32 words, a copy), timed alike; read_vs_peer = "
+                 "peer time / read time, about what a kernel that only read its weight would reach. Roofline = max(flops / datasheet peak, bytes / measured copy bandwidth "
+                 "{bw:.0f} GB/s).")
+FLUSH_NOTE = " Every call timed after an L2 flush (--flush-l2): weights and activations come from memory."
 NOTE = ("Each workload tuned with {trials} new measured schedules (the analytic default first, then the cost "
         "model's ranking: XGBoost trained on the database's GEMM records so far, the analytic prior before there are "
         "any). " + ROOFLINE_NOTE)

@@ -38,3 +38,19 @@ def test_variant_kept_only_where_valid_and_equal(capsys):
     wrong = {n: v * 2 + 1 for n, v in out.items()}
     assert variant(wl, target, space, base, "block_c", 128, ins, wrong) is None
     assert "outputs differ" in capsys.readouterr().out
+
+
+def test_weight_reads_pass_over_every_weight_byte():
+    """gemm.py's `read` passes go over the weight's bytes as int32 words: packed int4 words as they are,
+    a 16-bit matrix two elements a word; the maximum is that of every word and the copy holds them all."""
+    from gemm import make_workload, weight_reads
+
+    for op, dims in (("gemm_w4a16", (3, 200, 256)), ("gemm", (5, 33, 70))):
+        wl = make_workload(op, *dims)
+        ins = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(2))
+        w = ins.get("w_packed", ins.get("w"))
+        words = w.contiguous().reshape(-1).view(torch.int32)
+        assert words.numel() * 4 == w.numel() * w.element_size()
+        reads = weight_reads(ins)
+        assert int(reads["read max"]()) == int(words.max())
+        assert torch.equal(reads["read copy"](), words)
