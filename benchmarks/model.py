@@ -221,7 +221,8 @@ def main() -> None:
                       f"{shape[args.config]} random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
                       "Decode tokens/s; for transformers, the time of a generate call minus that of a one-token "
                       "call (its prefill). decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
-                      "a record of the tuning database (exact, or a bucket) and how many the analytic default. "
+                      "a record of the tuning database (exact, or a bucket; other-device record: tuned on another GPU "
+                      "of the architecture) and how many the analytic default. "
                       "A tp=N row: the model split over N GPUs (runtime/tensor_parallel.py), its limit at the "
                       "bandwidth of the N together.")
 

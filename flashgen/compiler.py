@@ -2,7 +2,8 @@
 
 Schedule choice, in order: one given by the caller; the fastest `ok` record of this workload on this
 target in the user's database, else in the records shipped with flashgen (flashgen/db/shipped.py); the
-kernel class's analytic default. The choice and why are kept in the
+same on another device of the target's architecture (an H100 takes the H200's: same binaries, valid
+schedules); the kernel class's analytic default. The choice and why are kept in the
 kernel's metadata (`schedule_source`), and the CLI prints them.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from flashgen.db.shipped import TunedRecords
 from flashgen.errors import FlashgenError
 from flashgen.kernel_classes import kernel_class, supported
 from flashgen.schedules.space import ScheduleSpace
-from flashgen.targets.descriptor import Target, get_target
+from flashgen.targets.descriptor import Target, get_target, siblings
 from flashgen.targets.kernel import Kernel
 from flashgen.workload import Schedule, Workload
 
@@ -59,13 +60,15 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
     path = db.path if isinstance(db, Database) else Path(db) if db is not None else default_db_path()
     database = db if isinstance(db, Database) else Database(path, readonly=True) if path.exists() else None
     try:
-        found = TunedRecords(database).best(wl.key, target.id, lambda rec: space.is_valid(rec.schedule))
+        for records in [target, *siblings(target)]:
+            found = TunedRecords(database).best(wl.key, records.id, lambda rec: space.is_valid(rec.schedule))
+            if found is not None:
+                rec, origin = found
+                tuned_on = "" if records is target else f", tuned on {records.id}"
+                return space.complete(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin}{tuned_on})"
     finally:
         if database is not None and database is not db:
             database.close()
-    if found is not None:
-        rec, origin = found
-        return space.complete(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin})"
     return space.default(), "analytic default"
 
 

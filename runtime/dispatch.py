@@ -6,7 +6,9 @@ record timed behind a producer, as a decode step runs it, where it has any); els
 tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
 largest below, and among those the nearest in the other row dims, such as a decode's context
 length; failing that, the same in the other 16-bit float dtype, then the workload's plain form: a
-fused norm's base GEMM, epilogues left out, which streams the same weights); else the analytic default.
+fused norm's base GEMM, epilogues left out, which streams the same weights); else the same two steps
+on the records of another device of the same architecture (an H100 served by H200 records: the
+schedules are valid there and rank alike, far better than a default); else the analytic default.
 Kernels are compiled once per (workload, schedule) and come from the on-disk artifact cache after
 that, so a warm start compiles nothing. Every decision is kept
 (and logged at DEBUG) for `flashgen explain`.
@@ -33,7 +35,7 @@ from flashgen.ir import expr as E
 from flashgen.oplib import get_op
 from flashgen.runtime.buckets import best_records, nearest
 from flashgen.schedules.space import Schedule, ScheduleSpace
-from flashgen.targets.descriptor import Target, get_target
+from flashgen.targets.descriptor import Target, get_target, siblings
 from flashgen.targets.device import device_target
 from flashgen.targets.kernel import MAX_CALL_SIGNATURES, Kernel
 from flashgen.workload import Workload, other_half, workload
@@ -46,11 +48,13 @@ class Decision:
     workload: Workload
     target: str
     schedule: Schedule
-    source: str  # "exact", "exact (timed behind OP)", "exact from shipped records", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "default"
+    source: str  # "exact", "exact (timed behind OP)", "exact from shipped records", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "exact, tuned on cuda:sm_90/h200", "default"
 
     @property
     def kind(self) -> str:
-        """exact, bucket, other-dtype bucket, plain-form bucket or default."""
+        """exact, bucket, other-dtype bucket, plain-form bucket, other-device record or default."""
+        if "tuned on" in self.source:
+            return "other-device record"
         if "tuned in" in self.source:
             return "other-dtype bucket"
         return "plain-form bucket" if "tuned as" in self.source else self.source.split(" ")[0]
@@ -114,22 +118,30 @@ class Dispatcher:
 
     def choose(self, wl: Workload, target: Target) -> Decision:
         space = ScheduleSpace(wl, target)
+        for records in [target, *siblings(target)]:
+            found = self._exact(wl, records.id, space) or self._bucket(wl, records.id, space)
+            if found is not None:
+                source, schedule = found
+                tuned_on = "" if records is target else f", tuned on {records.id}"
+                return Decision(wl, target.id, schedule, source + tuned_on)
+        return Decision(wl, target.id, space.default(), "default")
+
+    def _exact(self, wl: Workload, records_id: str, space: ScheduleSpace) -> tuple[str, Schedule] | None:
+        """The best valid record of exactly `wl` among `records_id`'s (the user's database, then the
+        shipped records), as (source, schedule)."""
         user = Database(self.db_path, readonly=True) if self.db_path.exists() else None
         try:
-            found = TunedRecords(user).best(wl.key, target.id, lambda rec: space.is_valid(rec.schedule))
+            found = TunedRecords(user).best(wl.key, records_id, lambda rec: space.is_valid(rec.schedule))
         finally:
             if user is not None:
                 user.close()
-        if found is not None:
-            best, origin = found
-            timed = f" (timed behind {best.extra['behind']['op']})" if best.timing == BEHIND else ""
-            return Decision(wl, target.id, best.schedule, "exact" + timed + (" from shipped records" if origin == ORIGIN else ""))
-        bucket = self._bucket(wl, target, space)
-        if bucket is not None:
-            return bucket
-        return Decision(wl, target.id, space.default(), "default")
+        if found is None:
+            return None
+        best, origin = found
+        timed = f" (timed behind {best.extra['behind']['op']})" if best.timing == BEHIND else ""
+        return "exact" + timed + (" from shipped records" if origin == ORIGIN else ""), best.schedule
 
-    def _bucket(self, wl: Workload, target: Target, space: ScheduleSpace) -> Decision | None:
+    def _bucket(self, wl: Workload, records_id: str, space: ScheduleSpace) -> tuple[str, Schedule] | None:
         """The nearest tuned workload differing only in row dims (`buckets.nearest`): M rounded up, else
         the largest below.
         Failing that, the same in the other 16-bit float dtype (fp16 and bf16 kernels of one schedule
@@ -146,14 +158,14 @@ class Dispatcher:
             changed = " ".join(f"{a}={v}" for a, v in sorted(plain_attrs.items()) if wl.attr.get(a) != v)
             forms.append((plain_op, plain_attrs, f", tuned as {plain_op}" + (f" {changed}" if changed else "")))
         ops = {f[0] for f in forms}
-        best = [rec for rec in best_records(self.db_path, target.id) if rec.workload.get("op") in ops and
+        best = [rec for rec in best_records(self.db_path, records_id) if rec.workload.get("op") in ops and
                 all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
         for op_name, attrs, note in forms:
             pick = nearest([(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
                             if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs], wl.dim[row])
             if pick is not None:
                 size, rec = pick
-                return Decision(wl, target.id, rec.schedule, f"bucket {row}={size}{note}")
+                return f"bucket {row}={size}{note}", rec.schedule
         return None
 
     def sources(self, kclass: str, rows: int | None = None) -> dict[str, int]:

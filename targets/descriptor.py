@@ -142,6 +142,12 @@ def get_target(name: str, extra_dirs: Iterable[str | os.PathLike] = ()) -> Targe
     raise FlashgenError(f"unknown target '{name}'; valid targets: {', '.join(names)}")
 
 
+def siblings(target: Target) -> list[Target]:
+    """The other devices of `target`'s architecture (h200 for h100): a binary built for one runs on
+    the others, and a schedule tuned on one is valid there."""
+    return [t for t in load_targets().values() if t.key == target.key and t.device != target.device]
+
+
 def target_for_device(device_name: str, arch: str) -> Target:
     """The descriptor of a running GPU: by its marketing name, else the first device of its arch."""
     targets = load_targets()

@@ -70,9 +70,14 @@ def test_compile_uses_database_best(capsys, tmp_path):
     assert "database best (3.00 us" in out
     meta = json.loads((tmp_path / "o" / "silu_mul_kernel.json").read_text())
     assert meta["schedule"] == fast
-    # Another device of the same architecture has no records: it gets the default.
+    # Another device of the same architecture, with no records of its own, takes the H200's, and says so;
+    # another architecture does not.
     code, out, _ = run_cli(capsys, "compile", "silu_mul", "--dim", "M=64", "--dim", "N=4096", "--target",
                            "h100", "--db", str(db_path), "--out", str(tmp_path / "p"))
+    assert code == 0 and "database best (3.00 us on NVIDIA H200" in out and "tuned on cuda:sm_90/h200" in out
+    assert json.loads((tmp_path / "p" / "silu_mul_kernel.json").read_text())["schedule"] == fast
+    code, out, _ = run_cli(capsys, "compile", "silu_mul", "--dim", "M=64", "--dim", "N=4096", "--target",
+                           "a100", "--db", str(db_path), "--out", str(tmp_path / "q"))
     assert code == 0 and "analytic default" in out
 
 

@@ -99,6 +99,30 @@ def test_dispatch_exact_bucket_default(tmp_path, capsys):
     assert "bucket M=64" in capsys.readouterr().out
 
 
+def test_dispatch_takes_another_device_of_the_architecture(tmp_path):
+    """An H100 with no records of its own runs the schedules tuned on the H200 (same sm_90 binaries),
+    said so in the decision; its own records, exact or a bucket, come first."""
+    h100 = get_target("h100")
+    db_path = tmp_path / "t.db"
+    s64 = {"block_r": 4, "block_c": 1024, "num_warps": 4}
+    wl = flashgen.workload("rmsnorm", M=64, N=1000, dtype="bf16")
+    with Database(db_path) as db:
+        _record(db, wl, s64, 3.0)
+    d = Dispatcher(h100, db_path)
+    for m, source in ((64, "exact, tuned on cuda:sm_90/h200"), (40, "bucket M=64, tuned on cuda:sm_90/h200")):
+        got = d.choose(flashgen.workload("rmsnorm", M=m, N=1000, dtype="bf16"), h100)
+        assert (got.source, got.kind, got.schedule, got.target) == (source, "other-device record", s64, h100.id)
+    assert d.choose(flashgen.workload("rmsnorm", M=64, N=1024, dtype="bf16"), h100).source == "default"
+    own = {"block_r": 2, "block_c": 512, "num_warps": 8}
+    with Database(db_path) as db:
+        db.add(Record(workload_key=flashgen.workload("rmsnorm", M=32, N=1000, dtype="bf16").key,
+                      workload=flashgen.workload("rmsnorm", M=32, N=1000, dtype="bf16").to_json(),
+                      target_key=h100.id, schedule=own, status="ok", latency_us=2.0, device="NVIDIA H100 80GB HBM3"))
+    d = Dispatcher(h100, db_path)
+    assert (d.choose(wl, h100).source, d.choose(wl, h100).schedule) == ("bucket M=32", own)  # its own bucket first
+    assert d.choose(wl, get_target("h200")).source == "exact"  # the H200 keeps its own
+
+
 def test_dispatch_falls_back_to_the_plain_form(tmp_path):
     """A fused variant (a norm or gate in the prologue, a residual in the epilogue) without records of
     its own runs the schedule tuned for its plain form, which streams the same weights; its own
@@ -240,12 +264,13 @@ def test_mixed_linears_read_the_database_once_per_state(tmp_path, monkeypatch):
     assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16, 1, 3, 16, 200)] == ["w4a16"] * 7
     assert len(reads) == 1
     d = Dispatcher(get_target("h200"), db_path)
-    d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), get_target("h200"))  # a bucket lookup
-    assert len(reads) == 1
+    for _ in range(2):  # a bucket lookup: the H200's records as read above, then once the H100's (none fit)
+        d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), get_target("h200"))
+        assert len(reads) == 2
     with Database(db_path) as db:
         _record(db, w8, {"s": 2}, 7.0)
     assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16)] == ["w8a8"] * 3
-    assert len(reads) == 2
+    assert len(reads) == 3
 
 
 def test_warm_start_compiles_nothing(monkeypatch):
