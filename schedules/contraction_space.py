@@ -15,7 +15,8 @@ on targets with programmatic dependent launch: the first k step's weights are lo
 for the previous kernel), dequant_first (ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more:
 the weight is dequantized by a pointwise kernel of its own, and the dense GEMM's tiles, with the dense
 op's knobs and rules, run on it; targets/staged.py), dequant_chunks (with dequant_first: the weight's
-rows in 2, 4 or 8 chunks, each chunk's dequant overlapping the previous chunk's GEMM), backend (0: the
+rows in 2, 4 or 8 chunks, each chunk's dequant overlapping the previous chunk's GEMM; Triton tiles
+only), backend (0: the
 Triton generator; 1: the Gluon one, targets/gluon: NVIDIA sm_90, operands TMA copies, a ring of
 num_stages mbarrier-guarded slots, asynchronous warpgroup MMA), producer_warps (Gluon: 1, a warp of
 its own issues the copies while the num_warps warps only issue MMAs and the epilogues, persistent or
@@ -244,6 +245,11 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
         if s["ptx_unpack"] or s["operand_scale"]:
             return "a weight dequantized first has no codes to unpack or scale"
         n, chunks = wl.dim["N"], s["dequant_chunks"]
+        if chunks > 1 and s["backend"]:
+            # Measured on the H100, o at M = 4096, medians of 30 runs each: a Gluon tile's chunks beside
+            # the side stream's dequants took 230-484 us from one timing to the next, in one chunk 246-279,
+            # Triton's chunks 224-240. A record of such a schedule says little of its next run.
+            return "Gluon tiles of a weight dequantized first run in one chunk (beside the dequant, their time varies 2x)"
         if chunks > 1 and n % (chunks * 16):  # (16 rows: every chunk's slices start on 16-byte boundaries)
             return f"N={n} does not split into {chunks} chunks of a multiple of 16 rows"
         return why_invalid(dequant_forms(wl, chunks)[1], target, {**s, "dequant_first": 0, "dequant_chunks": 1})
