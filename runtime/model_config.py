@@ -102,6 +102,16 @@ def _float(c: dict, key: str, path: Path, default: float) -> float:
     return float(value)
 
 
+def _bool(c: dict, key: str, path: Path, default: bool = False) -> bool:
+    """A true/false key; a string such as "false" is refused, not read by Python's truthiness."""
+    value = c.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _fail(path, key, f"must be true or false, got {value!r}")
+    return value
+
+
 def _refuse_uncomputed(c: dict, kind: str, path: Path) -> None:
     act = c.get("hidden_act", "silu")
     if act != "silu":
@@ -110,7 +120,7 @@ def _refuse_uncomputed(c: dict, kind: str, path: Path) -> None:
     if prf != 1.0:
         raise _fail(path, "partial_rotary_factor", f"is {prf!r}: this model family rotates the whole head")
     for key, kinds in (("attention_bias", ATTENTION_BIAS), ("mlp_bias", ("llama",))):
-        if c.get(key) and kind not in kinds:
+        if _bool(c, key, path) and kind not in kinds:
             raise _fail(path, key, f"is set, which {kind} models do not compute")
 
 
@@ -119,6 +129,9 @@ def _rope(c: dict, path: Path) -> tuple[float, str, tuple[tuple[str, Any], ...]]
     top-level `rope_theta` (Llama 3.1+ folders)."""
     key = "rope_parameters" if c.get("rope_parameters") is not None else "rope_scaling"
     params = c.get(key) or {}
+    other = c.get("rope_scaling") if key == "rope_parameters" else None
+    if other and _rope_form(other) != _rope_form(params):  # transformers reads one, older code the other
+        raise _fail(path, "rope_scaling", f"({other!r}) disagrees with rope_parameters ({params!r})")
     if not isinstance(params, dict):
         raise _fail(path, key, f"must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -130,7 +143,7 @@ def _rope(c: dict, path: Path) -> tuple[float, str, tuple[tuple[str, Any], ...]]
     if kind in ("llama3", "yarn"):
         rest.setdefault("original_max_position_embeddings",
                         c.get("original_max_position_embeddings", c.get("max_position_embeddings")))
-    needed = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (),
+    needed = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "default": ()}[kind]
     for name in (*needed, *(n for n in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                                         "original_max_position_embeddings", "attention_factor") if n in rest)):
@@ -150,10 +163,20 @@ def _rope(c: dict, path: Path) -> tuple[float, str, tuple[tuple[str, Any], ...]]
     return theta, kind, tuple(sorted(rest.items()))
 
 
+def _rope_form(params: Any) -> Any:
+    """A RoPE parameters object as compared: `type` read as `rope_type`, the theta (kept apart by older
+    configs) left out."""
+    if not isinstance(params, dict):
+        return params
+    form = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
+    form.setdefault("rope_type", params.get("type", "default"))
+    return form
+
+
 def _windows(c: dict, kind: str, layers: int, path: Path) -> tuple[int | None, tuple[bool, ...]]:
     """The sliding window and which layers use it: every Mistral layer; Qwen2's `layer_types` (or, without
     them, the layers from `max_window_layers` on) when `use_sliding_window` is set."""
-    if kind == "llama" or (kind in ("qwen2", "qwen2_moe", *QK_NORM) and not c.get("use_sliding_window", False)):
+    if kind == "llama" or (kind in ("qwen2", "qwen2_moe", *QK_NORM) and not _bool(c, "use_sliding_window", path)):
         return None, ()
     if kind in QK_NORM:  # transformers' Qwen3 windows are not computed here
         raise _fail(path, "use_sliding_window", f"is set, which the decoder does not compute for {kind}")
@@ -237,16 +260,16 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
     layers = _int(c, "num_hidden_layers", path, hi=4096)
     theta, rope_type, rope_params = _rope(c, path)
     window, window_layers = _windows(c, kind, layers, path)
-    attention_bias = bool(c.get("attention_bias", False)) and kind in ATTENTION_BIAS
-    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and bool(c.get("qkv_bias", True))) or attention_bias
+    attention_bias = _bool(c, "attention_bias", path) and kind in ATTENTION_BIAS
+    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and _bool(c, "qkv_bias", path, True)) or attention_bias
     return ModelConfig(
         model_type=kind, vocab_size=_int(c, "vocab_size", path, hi=1 << 24), hidden_size=hidden,
         intermediate_size=_int(c, "intermediate_size", path), num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=_float(c, "rms_norm_eps", path, 1e-6),
         rope_theta=theta, max_position_embeddings=_int(c, "max_position_embeddings", path, default=4096, hi=(1 << 31) - 1),
         sliding_window=window, qkv_bias=qkv_bias,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), o_bias=attention_bias,
-        mlp_bias=bool(c.get("mlp_bias", False)) and kind == "llama", rope_type=rope_type, rope_params=rope_params,
+        tie_word_embeddings=_bool(c, "tie_word_embeddings", path), o_bias=attention_bias,
+        mlp_bias=_bool(c, "mlp_bias", path) and kind == "llama", rope_type=rope_type, rope_params=rope_params,
         window_layers=window_layers,
         eos_token_ids=tuple(dict.fromkeys(_eos(c.get("eos_token_id"), str(path)) + generation_eos)),
         qk_norm=kind in QK_NORM, prequant=_prequant(c, path), **_moe(c, kind, layers, path))

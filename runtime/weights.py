@@ -4,8 +4,9 @@ safetensors weights, sharded or not.
 
 Every tensor the config implies is checked before any is read (present, the expected shape, a float
 dtype), and every tensor in the files must be one the decoder computes with: a checkpoint with more
-layers than its config, a bias the config does not name or an lm_head of another vocabulary is refused
-with the file, the tensor and the expected and found shapes. Shard names stay inside the folder.
+layers than its config, a bias the config does not name, an lm_head of another vocabulary, or a tied
+model's stored lm_head that is not its embedding is refused with the file, the tensor and the expected and
+found shapes. Shard names stay inside the folder.
 """
 from __future__ import annotations
 
@@ -181,7 +182,8 @@ def load_weights(folder: str | Path, config: ModelConfig | None = None,
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    shards = sorted({p for p, _, _ in check_weights(folder, config or ModelConfig.from_folder(folder)).values()})
+    c = config or ModelConfig.from_folder(folder)
+    shards = sorted({p for p, _, _ in check_weights(folder, c).values()})
     out: dict[str, torch.Tensor] = {}
     for path in shards:
         try:
@@ -194,4 +196,20 @@ def load_weights(folder: str | Path, config: ModelConfig | None = None,
                     out[name] = f.get_tensor(name) if index is None else f.get_slice(name)[index]
         except (SafetensorError, OSError, ValueError) as e:
             raise FlashgenError(f"{path} is truncated or not a safetensors file ({e})") from None
+    _check_tied(out, c, take)
     return out
+
+
+def _check_tied(out: dict[str, torch.Tensor], c: ModelConfig,
+                take: Callable[[str], tuple[slice, ...] | None] | None) -> None:
+    """A tied model whose files also store an lm_head must store the embedding there: the decoder computes
+    logits with the embedding, so a different stored head would be silently ignored."""
+    head = out.get("lm_head.weight")
+    if not c.tie_word_embeddings or head is None:
+        return
+    index = take("lm_head.weight") if take is not None else None
+    embed = out["model.embed_tokens.weight"]
+    if not torch.equal(head, embed if index is None else embed[index]):
+        raise FlashgenError("tensor lm_head.weight differs from model.embed_tokens.weight, but the config sets "
+                            "tie_word_embeddings: the decoder would compute logits with the embedding and ignore "
+                            "the stored head")

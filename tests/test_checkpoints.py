@@ -152,6 +152,11 @@ def tiny(tmp_path_factory) -> Path:
     (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
           quantization_config={"quant_method": "awq", "bits": 4, "group_size": 64}),
      "quantization_config is awq: pre-quantized MoE experts are not loaded"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_parameters.factor must be"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope_scaling ({'type': 'linear', 'factor': 2.0}) disagrees with rope_parameters"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(attention_bias=1), "attention_bias must be true or false, got 1"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor is 0.5"),
     (dict(model_type="qwen2", mlp_bias=True), "mlp_bias is set, which qwen2 models do not compute"),
     (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
@@ -210,6 +215,27 @@ def test_weights_are_checked_against_the_config(tiny, tmp_path, damage, message)
     _save(folder, t)
     with pytest.raises(FlashgenError, match=message):
         load_weights(folder)
+
+
+def test_a_tied_model_storing_another_head_is_refused(tiny, tmp_path):
+    """A tied config with a stored lm_head: the embedding's copy loads (also as one rank's vocabulary
+    slice), any other head is refused rather than ignored."""
+    import shutil
+    from flashgen.runtime.tensor_parallel import shard_weights
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    _edit(folder, tie_word_embeddings=True)
+    t = _tensors(folder)
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    _save(folder, t)
+    c = ModelConfig.from_folder(folder)
+    assert torch.equal(load_weights(folder)["lm_head.weight"], t["model.embed_tokens.weight"])
+    assert shard_weights(c, folder, 2, 1)["lm_head.weight"].shape[0] == 48
+    t["lm_head.weight"][60, 3] += 1.0  # (in rank 1's half of the vocabulary)
+    _save(folder, t)
+    for load in (lambda: load_weights(folder), lambda: shard_weights(c, folder, 2, 1)):
+        with pytest.raises(FlashgenError, match="lm_head.weight differs from model.embed_tokens.weight"):
+            load()
 
 
 def test_a_shard_outside_the_folder_is_refused(tiny, tmp_path):
