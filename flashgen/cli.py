@@ -19,6 +19,8 @@ from flashgen.extras import require
 if TYPE_CHECKING:
     import torch
 
+    from flashgen.workload import Workload
+
 EXIT_USAGE = 2
 
 
@@ -63,11 +65,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.paths import out_folder
 
-    [wl] = _workloads(argparse.Namespace(**{**vars(args), "workloads": None}))
+    wl = _workload(args)
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
     out = out_folder(args.out)
-    schedule = json.loads(args.schedule) if args.schedule else None
+    schedule = None if args.schedule is None else \
+        _json_object(_json(args.schedule, "--schedule"), "--schedule", "{knob: value, ...}")
     kernel = flashgen.compile(wl, target, schedule=schedule, db=args.db, targets_dir=args.targets_dir)
     files = kernel.save(out)
     print(f"{wl}  ->  {target.id}")
@@ -78,26 +81,39 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workloads(args: argparse.Namespace) -> list:
-    """The workloads named on the command line, or one per line of --workloads FILE.jsonl."""
+def _workload(args: argparse.Namespace) -> Workload:
+    """The workload named on the command line: an op, its --dim and --attr pairs and --dtype (given once:
+    --dtype and --attr dtype= together are refused, not ranked)."""
     import flashgen
-    from flashgen.workload import read_workloads
 
-    if args.workloads:
-        if args.op:
-            raise FlashgenError("give an op or --workloads, not both")
-        return read_workloads(args.workloads)
     if not args.op:
         raise FlashgenError("name an op (see `flashgen ops`) or pass --workloads FILE.jsonl")
     names = [n for n, _ in args.dim + args.attr]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise FlashgenError(f"--dim/--attr {', '.join(repeated)} given more than once")
-    kw: dict[str, object] = dict(args.dim)
-    kw.update(dict(args.attr))
-    if args.dtype:
+    kw: dict[str, object] = {**dict(args.dim), **dict(args.attr)}
+    if args.dtype is not None:
+        if "dtype" in kw:
+            raise FlashgenError(f"--dtype {args.dtype} and --attr dtype={kw['dtype']} both set the dtype; give one")
         kw["dtype"] = args.dtype
-    return [flashgen.workload(args.op, **kw)]
+    return flashgen.workload(args.op, **kw)
+
+
+def _json(text: str, where: str) -> Any:
+    """`where`'s JSON text as a value, or one line saying why it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # (numbers past int's digit limit are ValueErrors too)
+        raise FlashgenError(f"{where}: not JSON ({e})") from None
+
+
+def _json_object(value: Any, where: str, shape: str) -> dict:
+    """`value` where it is a JSON object: JSON null would otherwise read as "not given", and a list or a
+    number fail far from the option that carried it."""
+    if not isinstance(value, dict):
+        raise FlashgenError(f"{where}: must be a JSON object {shape}, got {json.dumps(value)[:40]}")
+    return value
 
 
 def _fixed_knobs(pairs: list[tuple[str, str]]) -> dict[str, int]:
@@ -114,20 +130,19 @@ def _fixed_knobs(pairs: list[tuple[str, str]]) -> dict[str, int]:
 def _tune_plan(args: argparse.Namespace) -> list[tuple]:
     """(workload, the producer it is timed behind or None) per workload: --behind JSON for all of them,
     or a "behind" of each line of --workloads FILE."""
-    from flashgen.workload import Workload, read_workload_lines
+    from flashgen.workload import parse_workload, read_workload_lines
 
-    if args.workloads and not args.op:
+    if args.workloads is not None:
+        if args.op or args.dim or args.attr or args.dtype is not None:
+            raise FlashgenError("give an op (with --dim, --dtype, --attr) or --workloads, not both")
         plan = read_workload_lines(args.workloads)
         if args.behind is not None and any(p is not None for _, p in plan):
             raise FlashgenError(f"{args.workloads} names producers (\"behind\"): give --behind or those, not both")
     else:
-        plan = [(wl, None) for wl in _workloads(args)]  # (an op and a file together: its error)
+        plan = [(_workload(args), None)]
     if args.behind is None:
         return plan
-    try:
-        producer = Workload.from_json(json.loads(args.behind))
-    except json.JSONDecodeError as e:
-        raise FlashgenError(f"--behind: not JSON ({e})") from None
+    producer = parse_workload(_json(args.behind, "--behind"), "--behind")
     return [(wl, producer) for wl, _ in plan]
 
 
@@ -140,8 +155,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.schedules.space import ScheduleSpace
     from flashgen.schedules.tuner import plot_history, tune, with_schedule
 
-    if args.trials < 1:
-        raise FlashgenError("--trials must be at least 1")
     if args.plot:  # before tuning: a missing extra or a bad path must not waste the tune
         require("matplotlib", "--plot")
         _check_plot_path(args.plot)
@@ -229,7 +242,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.runtime.dispatch import Dispatcher
 
-    [wl] = _workloads(argparse.Namespace(**{**vars(args), "workloads": None}))
+    wl = _workload(args)
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
     d = Dispatcher(target, args.db).choose(wl, target)
@@ -253,20 +266,31 @@ def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], must: str) -
     return parse
 
 
-def _read_prompt(path: str) -> str:
-    """--prompt-file's text ('-': standard input), UTF-8, less the one newline that ends a text file."""
+# Bounds of integer options, checked as they are parsed (a huge value otherwise fails deep inside a library).
+MAX_TRIALS = 1_000_000  # past the valid points of any space (the largest hold about 10^5): more is a typo
+_SEED = _checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1")  # torch's generators take 64 bits
+_NONEMPTY = _checked(str, lambda v: bool(v.strip()), "a non-empty value")  # "" would read as "not given"
+
+
+def _read_utf8(option: str, path: str) -> str:
+    """The text of `option`'s file ('-': standard input), which must be UTF-8, or one line saying why not."""
     from pathlib import Path
 
     name = "standard input" if path == "-" else path
     try:
         data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
-        raise FlashgenError(f"--prompt-file: cannot read {name}: {e.strerror or e}") from None
+        raise FlashgenError(f"{option}: cannot read {name}: {e.strerror or e}") from None
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise FlashgenError(f"--prompt-file: {name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+        raise FlashgenError(f"{option}: {name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
                             f"{e.start})") from None
+
+
+def _read_prompt(path: str) -> str:
+    """--prompt-file's text, less the one newline that ends a text file."""
+    text = _read_utf8("--prompt-file", path)
     return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
 
@@ -395,12 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="generate and build one kernel ahead of time (no GPU needed)")
     c.add_argument("op")
     c.add_argument("--dim", type=_pair, action="append", default=[], metavar="NAME=VALUE")
-    c.add_argument("--dtype", help="activation dtype (bf16, fp16, fp32)")
+    c.add_argument("--dtype", type=_NONEMPTY, help="activation dtype (bf16, fp16, fp32; or --attr dtype=)")
     c.add_argument("--attr", type=_pair, action="append", default=[], metavar="NAME=VALUE",
                    help="another workload attribute, e.g. out_dtype=int8 or style=gptj")
     c.add_argument("--target", required=True, help="target id, architecture or device (see `flashgen targets`)")
-    c.add_argument("--out", required=True, help="folder for source, binary, assembly and metadata")
-    c.add_argument("--schedule", help="a schedule as JSON, instead of the database's best or the default")
+    c.add_argument("--out", required=True, type=_NONEMPTY, help="folder for source, binary, assembly and metadata")
+    c.add_argument("--schedule", help="a schedule as a JSON object, instead of the database's best or the default")
     c.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
     c.add_argument("--targets-dir", help="a folder of extra descriptor files")
     c.set_defaults(func=cmd_compile)
@@ -408,14 +432,16 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="search schedules, measuring on the target, and record them in the database")
     t.add_argument("op", nargs="?")
     t.add_argument("--dim", type=_pair, action="append", default=[], metavar="NAME=VALUE")
-    t.add_argument("--dtype")
+    t.add_argument("--dtype", type=_NONEMPTY)
     t.add_argument("--attr", type=_pair, action="append", default=[], metavar="NAME=VALUE")
-    t.add_argument("--workloads", help="a JSON-lines file of workloads ({op, dims, attrs} per line; a line's "
-                                       "\"behind\": {op, dims, attrs} times it behind that producer, as --behind)")
+    t.add_argument("--workloads", type=_NONEMPTY,
+                   help="a JSON-lines file of workloads ({op, dims, attrs} per line, no other key; a line's "
+                        "\"behind\": {op, dims, attrs} times it behind that producer, as --behind)")
     t.add_argument("--target", required=True)
-    t.add_argument("--trials", type=int, default=64, help="new measurements per workload (default 64)")
+    t.add_argument("--trials", type=_checked(int, lambda v: 1 <= v <= MAX_TRIALS, f"an integer in 1..{MAX_TRIALS}"),
+                   default=64, help=f"new measurements per workload (default 64, at most {MAX_TRIALS})")
     t.add_argument("--strategy", default="evolutionary", choices=("evolutionary", "random", "exhaustive"))
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_SEED, default=0)
     t.add_argument("--fix", type=_pair, action="append", default=[], metavar="KNOB=VALUE",
                    help="propose only schedules with this knob value, e.g. --fix tma=1 (repeatable)")
     t.add_argument("--behind", metavar="JSON",
@@ -439,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="say which schedule the runtime dispatches for a workload, and why")
     e.add_argument("op")
     e.add_argument("--dim", type=_pair, action="append", default=[], metavar="NAME=VALUE")
-    e.add_argument("--dtype")
+    e.add_argument("--dtype", type=_NONEMPTY)
     e.add_argument("--attr", type=_pair, action="append", default=[], metavar="NAME=VALUE")
     e.add_argument("--target", required=True)
     e.add_argument("--db", help="tuning database (default: $FLASHGEN_DB or the user cache folder)")
@@ -461,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample from the k likeliest tokens (0, the default: all)")
     g.add_argument("--top-p", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=1.0,
                    help="sample from the likeliest tokens of this total probability (1, the default: all)")
-    g.add_argument("--seed", type=_checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1"), default=0)
+    g.add_argument("--seed", type=_SEED, default=0)
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
                    help="KV cache size in blocks of 16 tokens")
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
@@ -513,9 +539,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except FlashgenError as e:
         print(f"flashgen: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except json.JSONDecodeError as e:
-        print(f"flashgen: error: --schedule is not valid JSON: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("flashgen: interrupted", file=sys.stderr)

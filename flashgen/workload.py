@@ -5,6 +5,7 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from flashgen.errors import FlashgenError
@@ -105,22 +106,49 @@ def read_workloads(path: str) -> list[Workload]:
     return [wl for wl, _ in read_workload_lines(path)]
 
 
+WORKLOAD_KEYS = ("op", "dims", "attrs")  # what Workload.from_json reads
+
+
+def parse_workload(d: Any, where: str, more: tuple[str, ...] = ()) -> Workload:
+    """A workload from a user's JSON ({op, dims, attrs} and the keys `more` allows): any other key is
+    refused by name, since from_json would skip it and a typo ("attr") would name another workload."""
+    keys = WORKLOAD_KEYS + more
+    if not isinstance(d, dict):
+        raise FlashgenError(f"{where}: must be a JSON object {{{', '.join(keys)}}}, got {json.dumps(d)[:40]}")
+    unknown = sorted(set(d) - set(keys))
+    if unknown:
+        raise FlashgenError(f"{where}: unknown key {', '.join(map(repr, unknown))} (a workload has {', '.join(keys)})")
+    try:
+        return Workload.from_json(d)
+    except FlashgenError as e:
+        raise FlashgenError(f"{where}: {e}") from None
+
+
 def read_workload_lines(path: str) -> list[tuple[Workload, Workload | None]]:
     """Each non-blank line's workload and the producer it names under "behind" ({op, dims, attrs}: the
-    kernel `flashgen tune` times it behind), else None; a bad line is an error naming the file and line."""
+    kernel `flashgen tune` times it behind), else None. The file must be UTF-8; a bad line is refused
+    with its number, and a file with no workload too (it would tune nothing and succeed)."""
     try:
-        lines = open(path).read().splitlines()
+        data = Path(path).read_bytes()
     except OSError as e:
-        raise FlashgenError(f"cannot read {path}: {e.strerror}") from None
+        raise FlashgenError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FlashgenError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
     out = []
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 is text
         if line.strip():
+            where = f"{path}:{n}"
             try:
                 d = json.loads(line)
-                behind = d.get("behind") if isinstance(d, dict) else None
-                out.append((Workload.from_json(d), Workload.from_json(behind) if behind is not None else None))
-            except (json.JSONDecodeError, FlashgenError) as e:
-                raise FlashgenError(f"{path}:{n}: {e}") from None
+            except (ValueError, RecursionError) as e:  # (numbers past int's digit limit are ValueErrors too)
+                raise FlashgenError(f"{where}: not JSON ({e})") from None
+            behind = d.get("behind") if isinstance(d, dict) else None
+            out.append((parse_workload(d, where, ("behind",)),
+                        None if behind is None else parse_workload(behind, f"{where}: behind")))
+    if not out:
+        raise FlashgenError(f"{path} holds no workload; give one {{op, dims, attrs}} per line")
     return out
 
 

@@ -9,7 +9,7 @@ import json
 from flashgen.db.record import Record
 from flashgen.errors import FlashgenError
 from flashgen.schedules.space import ScheduleSpace
-from flashgen.targets.descriptor import load_targets
+from flashgen.targets.descriptor import get_target, load_targets
 from flashgen.workload import Workload
 
 
@@ -22,8 +22,10 @@ def _stored_key(workload_json: dict) -> str:
 
 def record_problem(rec: Record) -> str | None:
     """Why `rec` cannot be stored, or None: a known op with dims a mapping of positive integers in the
-    op's limits, a workload key that is the workload's, knobs of the class's space with integer
-    values (for a target this install knows), and an ok record's finite latency."""
+    op's limits, a workload key that is the workload's, integer knobs, and for a target this install
+    knows, its id (an alias such as "h200" keys records no reader looks up) and only knobs of the class's
+    space there. (Record itself refuses an ok record without a latency above 0.) A schedule that today's
+    rules refuse is stored: it was measured under older ones (`stale_schedule`), and dispatch skips it."""
     w = rec.workload
     if not isinstance(w.get("dims"), dict) or not isinstance(w.get("attrs", {}), dict):
         return "workload must hold dims and attrs objects"
@@ -38,12 +40,27 @@ def record_problem(rec: Record) -> str | None:
     bad = {k: v for k, v in rec.schedule.items() if isinstance(v, bool) or not isinstance(v, int)}
     if bad:
         return f"schedule knobs must be integers, got {bad}"
-    target = load_targets().get(rec.target_key)
-    if target is not None:
-        known = ScheduleSpace(wl, target).knobs()
-        unknown = sorted(set(rec.schedule) - set(known))
-        if unknown:
-            return f"schedule names knobs the {wl.op.kclass} space does not have: {', '.join(unknown)}"
-    if rec.status == "ok" and not (rec.latency_us or 0) > 0:
-        return f"an ok record needs a latency above 0 us, got {rec.latency_us}"
+    targets = load_targets()
+    target = targets.get(rec.target_key)
+    if target is None:
+        try:  # an id in other letter case, or a name `--target` takes
+            named = next((t for t in targets.values() if t.id.lower() == rec.target_key.lower()), None) \
+                or get_target(rec.target_key)
+        except FlashgenError:  # a target this install does not know (another's descriptor): kept as it is
+            return None
+        return (f"target_key {rec.target_key!r} is a name, not a target id: records are keyed by the id "
+                f"(this name reaches {named.id}; `flashgen targets` lists the ids)")
+    unknown = sorted(set(rec.schedule) - set(ScheduleSpace(wl, target).knobs()))
+    if unknown:
+        return f"schedule names knobs the {wl.op.kclass} space on {target.id} does not have: {', '.join(unknown)}"
     return None
+
+
+def stale_schedule(rec: Record) -> str | None:
+    """Why today's space refuses a stored record's schedule (a knob's values or a rule changed since it
+    was measured), or None: such a record stays a measurement for replays and is never served. Call it
+    on records `record_problem` passed."""
+    target = load_targets().get(rec.target_key)
+    if target is None:
+        return None
+    return ScheduleSpace(Workload.from_json(rec.workload), target).why_invalid(rec.schedule)

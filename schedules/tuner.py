@@ -18,6 +18,7 @@ alone (its plain form's where it has none) go first, after the default. Dispatch
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,8 +188,10 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
     seeds = alone_seeds(space, db) if behind is not None else []
     pending = [c for c in ([default] if default is not None else []) + retry + seeds + dense_seeds(space, db)
                if schedule_key(space.complete(c)) not in known]
-    # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5)
-    total = min(trials, sum(1 for _ in itertools.islice(space, trials + len(in_space))) - len(in_space))
+    # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5; islice
+    # takes no stop past sys.maxsize, which a count of trials given through the API may pass)
+    stop = min(trials + len(in_space), sys.maxsize)
+    total = min(trials, sum(1 for _ in itertools.islice(space, stop)) - len(in_space))
     bar = Progress(wl, total, roofline_us(wl, target), progress)
     history: list[float | None] = []
     taken: set[str] = set()  # proposed here but claimed by another tune

@@ -5,7 +5,8 @@ A descriptor file holds one architecture (`key` such as "cuda:sm_90") and the de
 this package's `descriptors/` folder, then from each folder in $FLASHGEN_TARGETS_PATH (os.pathsep
 separated) and any folders passed in. Each file is checked as data (descriptor_check.py). A file whose
 key another file already defines is refused, unless it says `"extends": true`: then its fields override
-that architecture's and its devices are added to (or replace, by name) the devices it had.
+that architecture's and its devices are added to (or replace, by name) the devices it had; what the
+architecture's binaries are built from (vendor, backend, arch, triton_target, warp_size) stays.
 """
 from __future__ import annotations
 
@@ -73,14 +74,19 @@ def _search_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        spec = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    """One file as JSON, checked alone; an extending file is checked once merged with what it extends."""
+    try:  # utf-8-sig: a BOM that an editor wrote is no reason to refuse a file
+        spec = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or bytes that are not UTF-8
         raise FlashgenError(f"target descriptor {path} is unreadable: {e}") from None
     if not isinstance(spec, dict):
         raise FlashgenError(f"target descriptor {path} must hold a JSON object")
-    if spec.get("extends") is True:
-        return spec  # checked once merged with what it extends
+    if not isinstance(spec.get("extends", False), bool):
+        raise FlashgenError(f"target descriptor {path}: extends must be true or false (the file's key names "
+                            f"the architecture it extends), got {spec['extends']!r}")
+    descriptor_check.check_key(path, spec.get("key"))  # what an extending file is looked up by
+    if spec.get("extends"):
+        return spec
     missing = [k for k in REQUIRED if k not in spec]
     if missing:
         raise FlashgenError(f"target descriptor {path} lacks {', '.join(missing)}")
@@ -88,8 +94,6 @@ def _read(path: Path) -> dict[str, Any]:
         raise FlashgenError(f"target descriptor {path}: backend must be one of {', '.join(BACKENDS)}")
     if spec["backend"] == "triton" and "triton_target" not in spec:
         raise FlashgenError(f"target descriptor {path}: a triton target needs triton_target")
-    if not isinstance(spec.get("extends", False), bool):
-        raise FlashgenError(f"target descriptor {path}: extends must be true or false")
     return descriptor_check.check(path, spec)
 
 
@@ -105,13 +109,11 @@ def load_targets(extra_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Targ
         for path in sorted(d.glob("*.json")):
             spec = _read(path)
             key = spec.get("key")
-            if spec.get("extends") is True:
+            if spec.get("extends"):
                 if key not in archs:
-                    raise FlashgenError(f"target descriptor {path} extends {key!r}, which no earlier file defines")
-                base = archs[key]
-                over = {k: v for k, v in spec.items() if k != "extends"}
-                merged = {**base, **over, "devices": {**base["devices"], **over.get("devices", {})}}
-                spec = descriptor_check.check(path, merged)
+                    raise FlashgenError(f"target descriptor {path} extends {key!r}, which no earlier file defines "
+                                        f"(defined: {', '.join(archs)})")
+                spec = descriptor_check.extend(path, archs[key], spec, origin[key])
             elif key in archs:
                 raise FlashgenError(f"target descriptor {path} defines {key!r}, which {origin[key]} defines "
                                     "already; give it another key, or add \"extends\": true to add devices to it")

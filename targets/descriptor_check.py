@@ -4,11 +4,14 @@ What a vendor and architecture imply is filled in where a descriptor leaves it o
 (key, vendor, backend, arch, triton_target, warp_size, dtypes, devices) builds every kernel class:
 integer index types (int32, int64) on any GPU, and per architecture the limits every GPU of it has
 (threads per block and per SM, registers per SM, shared memory per block) from the vendor's tables.
+
+Names become parts of target ids ("cuda:sm_90/h200"), records and file names, so they are plain words.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +19,48 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes as D
 
 VENDORS = {"nvidia": ("triton",), "amd": ("triton",), "cpu": ("tvm",)}
-WARP_SIZES = {"nvidia": (32,), "amd": (64, 32), "cpu": (1,)}
 GPU_IMPLIED_DTYPES = ("int32", "int64")  # indices, block tables, packed words: every GPU computes them
-# Per-architecture limits (NVIDIA CUDA programming guide's tables; AMD CDNA/RDNA ISA documents).
+# The architectures a descriptor may name are those the pinned Triton (3.6) builds every kernel class
+# for, checked by compiling them ahead of time. Others fail late and badly: sm_10 aborts the process
+# inside LLVM, ptxas refuses sm_110, and Triton supports NVIDIA from compute capability 8.0 on.
+# Per NVIDIA architecture its limits (CUDA programming guide's tables):
 NVIDIA_LIMITS = {  # compute capability -> (max threads per SM, shared memory per block in bytes)
-    70: (2048, 98304), 75: (1024, 65536), 80: (2048, 166912), 86: (1536, 101376), 87: (1536, 166912),
-    89: (1536, 101376), 90: (2048, 232448), 100: (2048, 232448), 120: (1536, 101376)}
+    80: (2048, 166912), 86: (1536, 101376), 87: (1536, 166912), 89: (1536, 101376), 90: (2048, 232448),
+    100: (2048, 232448), 103: (2048, 232448), 120: (1536, 101376), 121: (1536, 101376)}
+AMD_WAVES = {  # CDNA and RDNA 3/4 -> wave size, which Triton takes from the arch (wave32 from gfx10 on)
+    "gfx908": 64, "gfx90a": 64, "gfx942": 64, "gfx950": 64, "gfx1100": 32, "gfx1101": 32, "gfx1200": 32,
+    "gfx1201": 32}
+ARCHS: dict[str, dict[str, int]] = {  # vendor -> accepted arch -> its warp size
+    "nvidia": {f"sm_{cc}": 32 for cc in NVIDIA_LIMITS}, "amd": AMD_WAVES, "cpu": {"llvm": 1}}
 AMD_LDS = {"gfx950": 163840}  # bytes of LDS a workgroup may use; 64 KB on the others
+# What a binary is built from: records and cached kernels are keyed by the architecture's key, so these
+# stay as the file that defines the key says; an extending file or a device may not change them.
+IDENTITY = ("vendor", "backend", "arch", "triton_target", "warp_size")
+ARCH_ONLY = ("key", *IDENTITY, "dtypes")  # a Target reads these from the architecture, never a device
 OPTIONAL_COUNTS = ("max_threads_per_block", "max_threads_per_sm", "regs_per_sm", "smem_per_block", "l2_bytes",
                    "clock_mhz")
+DEVICE_FIELDS = ("sm_count", "mem_bandwidth_gbs", "measured_copy_gbs", "peak_tflops", "device_names",
+                 *OPTIONAL_COUNTS)
+# A field outside these is refused: a misspelt limit ("smem_per_blok") would otherwise leave the
+# architecture's default in force without a word.
+TOP_FIELDS = (*ARCH_ONLY, "devices", "extends", *DEVICE_FIELDS)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a device name: no path separators, never "" or ".."
+KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")  # an architecture key: a name, "vendor:arch" by convention
 
 
 def _fail(path: Path, field: str, why: str) -> FlashgenError:
     return FlashgenError(f"target descriptor {path}: {field} {why}")
+
+
+def _known(path: Path, where: str, d: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """Every field of `d` is one a reader reads (the closest known name is suggested)."""
+    import difflib
+
+    for field in d:
+        if field not in fields:
+            near = difflib.get_close_matches(str(field), fields, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f" (known: {', '.join(fields)})"
+            raise _fail(path, f"{where}{field}", f"is not a descriptor field{hint}")
 
 
 def _count(path: Path, field: str, value: Any, minimum: int) -> int:
@@ -37,41 +69,68 @@ def _count(path: Path, field: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _rate(path: Path, field: str, value: Any, positive: bool) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
-        and (value > 0 if positive else value >= 0)
-    if not ok:
-        raise _fail(path, field, f"must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
+def _rate(path: Path, field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _fail(path, field, f"must be a positive number, got {value!r}")
     return float(value)
 
 
+def _choice(path: Path, field: str, value: Any, choices: Collection[str], what: str = "") -> str:
+    """`value` if it is one of `choices` (a JSON list or object given instead is refused, not hashed)."""
+    if not isinstance(value, str) or value not in choices:
+        raise _fail(path, field, f"{what}must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def check_key(path: Path, key: Any) -> str:
+    """The architecture's key, checked before anything is looked up by it (an extending file's too)."""
+    if not isinstance(key, str) or not KEY.fullmatch(key):
+        raise _fail(path, "key", f"must be a name such as 'cuda:sm_89' (letters, digits, . _ - :), got {key!r}")
+    return key
+
+
 def _arch(path: Path, spec: dict[str, Any]) -> None:
-    vendor, arch, backend = spec["vendor"], spec["arch"], spec["backend"]
-    if not isinstance(arch, str) or not arch:
-        raise _fail(path, "arch", f"must be a name such as sm_90 or gfx942, got {arch!r}")
-    if vendor == "nvidia" and not re.fullmatch(r"sm_\d{2,3}a?", arch):
-        raise _fail(path, "arch", f"of an nvidia target must read sm_NN, got {arch!r}")
-    if vendor == "amd" and not re.fullmatch(r"gfx[0-9a-f]{3,4}", arch):
-        raise _fail(path, "arch", f"of an amd target must read gfxNNN, got {arch!r}")
+    """The arch is one Triton (or TVM) builds for; triton_target and warp_size are what it implies,
+    so a file can't name one GPU and build for another."""
+    vendor, backend = spec["vendor"], spec["backend"]
+    arch = _choice(path, "arch", spec["arch"], ARCHS[vendor], f"of {vendor} targets ")
+    warp = spec["warp_size"]
+    if isinstance(warp, bool) or warp != ARCHS[vendor][arch]:
+        raise _fail(path, "warp_size", f"of {arch} must be {ARCHS[vendor][arch]}, got {warp!r}")
     if backend != "triton":
         return
+    want = ["cuda", int(arch[3:])] if vendor == "nvidia" else ["hip", arch]
     tt = spec.get("triton_target")
-    want = ("cuda", int(arch[3:].rstrip("a"))) if vendor == "nvidia" else ("hip", arch)
-    if not isinstance(tt, list) or len(tt) != 2 or tt[0] != want[0] or isinstance(tt[1], bool) \
-            or not isinstance(tt[1], type(want[1])):
-        raise _fail(path, "triton_target", f"must be [{want[0]!r}, {'a compute capability' if vendor == 'nvidia' else 'a gfx name'}] "
-                    f"such as {list(want)}, got {tt!r}")
+    if not isinstance(tt, list) or tt != want or any(isinstance(v, bool) for v in tt):
+        raise _fail(path, "triton_target", f"must be {want} for arch {arch}, got {tt!r}")
+
+
+def _numbers(path: Path, where: str, d: dict[str, Any], least: int) -> None:
+    """The numbers of a file's top level or of one device, where given: counts >= `least` (1 on a GPU;
+    the CPU says 0 for what it lacks, such as shared memory), rates positive. bool is no number."""
+    for field in ("sm_count", *OPTIONAL_COUNTS):
+        if field in d:
+            _count(path, where + field, d[field], least)
+    for field in ("mem_bandwidth_gbs", "measured_copy_gbs"):
+        if field in d:
+            _rate(path, where + field, d[field])
+    if "peak_tflops" in d:
+        peaks = d["peak_tflops"]
+        if not isinstance(peaks, dict) or not peaks:
+            raise _fail(path, f"{where}peak_tflops", f"must map dtype names to TFLOP/s, got {peaks!r}")
+        for name, value in peaks.items():
+            if name not in D.TORCH and name != "tf32":
+                raise _fail(path, f"{where}peak_tflops", f"names an unknown dtype {name!r}")
+            _rate(path, f"{where}peak_tflops.{name}", value)
 
 
 def implied(spec: dict[str, Any]) -> dict[str, Any]:
     """The fields a vendor and architecture imply, for those the file leaves out."""
     vendor, arch = spec["vendor"], spec["arch"]
     if vendor == "nvidia":
-        cc = int(spec["triton_target"][1]) if isinstance(spec.get("triton_target"), list) else 0
-        known = max((c for c in NVIDIA_LIMITS if c <= cc), default=None)
-        threads_sm, smem = NVIDIA_LIMITS[known] if known is not None else (None, None)
-        return {k: v for k, v in {"max_threads_per_block": 1024, "max_threads_per_sm": threads_sm,
-                                  "regs_per_sm": 65536, "smem_per_block": smem}.items() if v is not None}
+        threads_sm, smem = NVIDIA_LIMITS[int(arch[3:])]
+        return {"max_threads_per_block": 1024, "max_threads_per_sm": threads_sm, "regs_per_sm": 65536,
+                "smem_per_block": smem}
     if vendor == "amd":
         return {"max_threads_per_block": 1024, "max_threads_per_sm": 2048, "regs_per_sm": 131072,
                 "smem_per_block": AMD_LDS.get(arch, 65536)}
@@ -80,18 +139,11 @@ def implied(spec: dict[str, Any]) -> dict[str, Any]:
 
 def check(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
     """The descriptor with implied fields filled in; a bad field is a FlashgenError naming it."""
-    if not isinstance(spec.get("key"), str) or not spec["key"]:
-        raise _fail(path, "key", f"must be a non-empty name such as 'cuda:sm_89', got {spec.get('key')!r}")
-    vendor = spec["vendor"]
-    if vendor not in VENDORS:
-        raise _fail(path, "vendor", f"must be one of {', '.join(VENDORS)}, got {vendor!r}")
-    if spec["backend"] not in VENDORS[vendor]:
-        raise _fail(path, "backend", f"of a {vendor} target must be {' or '.join(VENDORS[vendor])}, "
-                    f"got {spec['backend']!r}")
+    check_key(path, spec.get("key"))
+    _known(path, "", spec, TOP_FIELDS)
+    vendor = _choice(path, "vendor", spec["vendor"], VENDORS)
+    _choice(path, "backend", spec["backend"], VENDORS[vendor], f"of {vendor} targets ")
     _arch(path, spec)
-    if spec["warp_size"] not in WARP_SIZES[vendor] or isinstance(spec["warp_size"], bool):
-        raise _fail(path, "warp_size", f"of a {vendor} target must be {' or '.join(map(str, WARP_SIZES[vendor]))}, "
-                    f"got {spec['warp_size']!r}")
     names = spec["dtypes"]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise _fail(path, "dtypes", f"must be a list of dtype names, got {names!r}")
@@ -101,33 +153,43 @@ def check(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
     out = {**implied(spec), **spec}
     if vendor != "cpu":
         out["dtypes"] = names + [n for n in GPU_IMPLIED_DTYPES if n not in names]
-    for field in OPTIONAL_COUNTS:
-        if field in out:
-            _count(path, field, out[field], 0)
+    least = 0 if vendor == "cpu" else 1
+    _numbers(path, "", out, least)
     if not isinstance(spec["devices"], dict) or not spec["devices"]:
         raise _fail(path, "devices", "must name at least one device")
     for dev, d in spec["devices"].items():
         where = f"devices.{dev}"
+        if not NAME.fullmatch(dev):
+            raise _fail(path, f"device name {dev!r}", "must be letters, digits, '.', '_' or '-', starting with a "
+                        "letter or digit (it becomes part of target ids and file names)")
         if not isinstance(d, dict):
             raise _fail(path, where, "must be a JSON object")
-        for field in ("sm_count", "mem_bandwidth_gbs", "peak_tflops"):
-            if field not in d:
-                raise _fail(path, f"device {dev}", f"lacks {field}")
-        _count(path, f"{where}.sm_count", d["sm_count"], 1 if vendor != "cpu" else 0)
-        _rate(path, f"{where}.mem_bandwidth_gbs", d["mem_bandwidth_gbs"], True)
-        if "measured_copy_gbs" in d:
-            _rate(path, f"{where}.measured_copy_gbs", d["measured_copy_gbs"], True)
-        for field in OPTIONAL_COUNTS:
-            if field in d:
-                _count(path, f"{where}.{field}", d[field], 0)
-        peaks = d["peak_tflops"]
-        if not isinstance(peaks, dict) or not peaks:
-            raise _fail(path, f"{where}.peak_tflops", f"must map dtype names to TFLOP/s, got {peaks!r}")
-        for name, value in peaks.items():
-            if name not in D.TORCH and name != "tf32":
-                raise _fail(path, f"{where}.peak_tflops", f"names an unknown dtype {name!r}")
-            _rate(path, f"{where}.peak_tflops.{name}", value, True)
+        missing = [f for f in ("sm_count", "mem_bandwidth_gbs", "peak_tflops") if f not in d]
+        if missing:
+            raise _fail(path, f"device {dev}", f"lacks {', '.join(missing)}")
+        own = [f for f in ARCH_ONLY if f in d]
+        if own:
+            raise _fail(path, f"{where}.{own[0]}", "belongs to the architecture: set it at the top of the file "
+                        "(a device's value would be ignored by some readers and used by others)")
+        _known(path, where + ".", {f: v for f, v in d.items() if f not in ARCH_ONLY}, DEVICE_FIELDS)
+        _numbers(path, where + ".", d, least)
         names_ = d.get("device_names", [])
         if not isinstance(names_, list) or not all(isinstance(n, str) and n for n in names_):
             raise _fail(path, f"{where}.device_names", f"must be a list of names, got {names_!r}")
     return out
+
+
+def extend(path: Path, base: dict[str, Any], spec: dict[str, Any], origin: Path) -> dict[str, Any]:
+    """`base` (the checked architecture `origin` defines) with an extending file's fields over it, checked
+    as one descriptor: the file adds devices (or replaces one of the same name) and may override the
+    architecture's numbers, but not what a binary is built from (IDENTITY), or one key would name two
+    different builds."""
+    for field in IDENTITY:
+        if field in spec and spec[field] != base.get(field):
+            raise _fail(path, field, f"may not change in a file that extends {base['key']} ({origin} has "
+                        f"{base.get(field)!r}, this file {spec[field]!r}); give a different build its own key")
+    devices = spec.get("devices", {})
+    if not isinstance(devices, dict):
+        raise _fail(path, "devices", f"must be a JSON object of devices, got {devices!r}")
+    over = {k: v for k, v in spec.items() if k != "extends"}
+    return check(path, {**base, **over, "devices": {**base["devices"], **devices}})

@@ -147,3 +147,47 @@ def test_a_repeated_dim_is_an_error(capsys, tmp_path):
     code, _, err = run_cli(capsys, "compile", "rmsnorm", "--dim", "M=4", "--dim", "N=64", "--dim", "M=8",
                            "--target", "h200", "--out", str(tmp_path))
     assert code == 2 and "M given more than once" in err
+
+
+# Faults a probe found: each is one line naming what is wrong, before anything is tuned or written.
+WL = {"op": "rmsnorm", "dims": {"M": 3, "N": 64}, "attrs": {"dtype": "fp32"}}
+W = json.dumps(WL)
+TUNE = ["tune", "--target", "cpu", "--trials", "1"]
+ONE = ["rmsnorm", "--dim", "M=3", "--dim", "N=64"]
+PROBED = [  # (argv, the --workloads file's bytes or None, message); {w} is the file's path
+    ([*TUNE, *ONE, "--trials", "99999999999999999999"], None, "argument --trials: must be an integer in 1..1000000"),
+    ([*TUNE, *ONE, "--trials", "0"], None, "argument --trials: must be an integer in 1..1000000, got '0'"),
+    ([*TUNE, *ONE, "--seed", str(2**70)], None, "argument --seed: must be an integer in 0..2**63-1"),
+    ([*TUNE, "--workloads", "{w}"], W.encode() + b"\n\xff\xfe\n", "is not UTF-8 text (byte 0xff at offset"),
+    ([*TUNE, "--workloads", "{w}"], W.replace('"attrs"', '"attr"').encode(),
+     "w.jsonl:1: unknown key 'attr' (a workload has op, dims, attrs, behind)"),
+    ([*TUNE, "--workloads", "{w}"], json.dumps({**WL, "behind": {"op": "rmsnorm", "dim": {"M": 3, "N": 64}}}).encode(),
+     "w.jsonl:1: behind: unknown key 'dim' (a workload has op, dims, attrs)"),
+    ([*TUNE, "--workloads", "{w}"], W.encode() + b"\n[1, 2]\n", "w.jsonl:2: must be a JSON object"),
+    ([*TUNE, "--workloads", "{w}"], b"", "holds no workload; give one {op, dims, attrs} per line"),
+    ([*TUNE, "--workloads", "{w}"], b"\n  \n", "holds no workload"),
+    ([*TUNE, "--workloads", "{w}", "--dim", "M=4"], W.encode(),
+     "give an op (with --dim, --dtype, --attr) or --workloads, not both"),
+    ([*TUNE, *ONE, "--behind", W.replace('"attrs"', '"attr"')], None, "--behind: unknown key 'attr'"),
+    ([*TUNE, *ONE, "--attr", "dtype=fp16", "--dtype", "fp32"], None,
+     "--dtype fp32 and --attr dtype=fp16 both set the dtype; give one"),
+    (["compile", *ONE, "--target", "cpu", "--dtype", "", "--out", "{w}.out"], None,
+     "argument --dtype: must be a non-empty value, got ''"),
+    (["compile", *ONE, "--target", "cpu", "--schedule", "null", "--out", "{w}.out"], None,
+     "--schedule: must be a JSON object {knob: value, ...}, got null"),
+    (["compile", *ONE, "--target", "cpu", "--schedule", "", "--out", "{w}.out"], None, "--schedule: not JSON"),
+    (["compile", *ONE, "--target", "cpu", "--out", ""], None, "argument --out: must be a non-empty value, got ''"),
+    (["db", "list", "--limit", "²", "--db", "{w}.db"], None, "argument --limit: must be a whole number of at least 1"),
+]
+
+
+@pytest.mark.parametrize("argv, file, message", PROBED, ids=[m[:40] for _, _, m in PROBED])
+def test_probed_bad_input_is_one_clear_line_before_any_work(capsys, tmp_path, argv, file, message):
+    w = tmp_path / "w.jsonl"
+    if file is not None:
+        w.write_bytes(file)
+    argv = [a.replace("{w}", str(w)) for a in argv]
+    code, out, err = run_cli(capsys, *argv, *(["--db", str(tmp_path / "t.db")] if argv[0] == "tune" else []))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("flashgen: error: ") and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["w.jsonl"] if file is not None else [])  # no db, no out

@@ -73,8 +73,10 @@ def test_record_from_json_names_missing_field(field: str) -> None:
 def test_record_validation() -> None:
     with pytest.raises(FlashgenError, match="'status' must be one of"):
         make(status="fast")
-    with pytest.raises(FlashgenError, match="'latency_us' is required when status is 'ok'"):
+    with pytest.raises(FlashgenError, match="'latency_us' must be a latency above 0 us when status is 'ok', got None"):
         make(latency=None)
+    with pytest.raises(FlashgenError, match="'latency_us' must be a latency above 0 us when status is 'ok', got 0.0"):
+        make(latency=0.0)  # it measured nothing, and would rank first
     with pytest.raises(FlashgenError, match="'latency_us' must be a finite number"):
         make(latency=float("nan"))
     with pytest.raises(FlashgenError, match="'latency_us' must be a finite number"):
@@ -354,13 +356,17 @@ def _good_line(**change):
 @pytest.mark.parametrize("bad, message", [
     (_good_line(schedule={"block_r": "1", "block_c": 64, "num_warps": 1}), "knobs must be integers"),
     (_good_line(schedule={"block_r": True, "block_c": 64, "num_warps": 1}), "knobs must be integers"),
-    (_good_line(schedule={"block_r": 1, "block_c": 64, "num_warps": 1, "warp_magic": 2}), "does not have: warp_magic"),
+    (_good_line(schedule={"block_r": 1, "block_c": 64, "num_warps": 1, "warp_magic": 2}),
+     r"schedule names knobs the rowwise space on cpu/host does not have: warp_magic"),
     (_good_line(dims={"M": 3}), "missing dim N"),
     (_good_line(dims={"M": 3, "N": -64}), "must be positive"),
     (_good_line(dims={"M": 3, "N": 10 ** 12}), "absurd"),
     (_good_line(dims={"M": 3, "N": "64"}), "dims must be integers"),
     (_good_line(workload_key="rmsnorm-0000000000000000"), "is not the key of its workload"),
     (_good_line(latency_us=0.0), "latency above 0"),
+    (_good_line(target_key="cpu"), r"target_key 'cpu' is a name, not a target id: .*reaches cpu/host"),
+    (_good_line(target_key="CPU/Host"), r"target_key 'CPU/Host' is a name, not a target id"),
+    (_good_line(target_key="h200"), r"target_key 'h200' is a name, not a target id: .*reaches cuda:sm_90/h200"),
     (_good_line(workload={"op": "no_such_op", "dims": {}, "attrs": {}}), "workload"),
     ('{"a": ' * 100000 + "1" + "}" * 100000, "nested too deep"),
     ('{"n": 1' + "0" * 5000 + "}", "numbers too large"),
@@ -401,6 +407,56 @@ def test_rows_that_no_longer_parse_are_skipped_with_a_warning(tmp_path, capsys):
     with pytest.warns(UserWarning):
         assert main(["db", "export", "--db", str(path), str(tmp_path / "out.jsonl")]) == 0
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
+
+
+def test_import_keeps_schedules_older_rules_allowed_and_says_so(tmp_path, capsys):
+    """A record measured under rules since changed (a knob value dropped) is stored and counted, and
+    dispatch never serves it."""
+    import flashgen
+    from flashgen.cli import main
+    stale = _good_line(schedule={"block_r": 1, "block_c": 64, "num_warps": 3}, latency_us=0.5)
+    (tmp_path / "in.jsonl").write_text(_good_line() + "\n" + stale + "\n")
+    assert main(["db", "import", str(tmp_path / "in.jsonl"), "--db", str(tmp_path / "t.db")]) == 0
+    out = capsys.readouterr().out
+    assert "imported 2 new records" in out
+    assert "1 of the file's records have schedules today's space refuses (first: num_warps=3 is not one of" in out
+    with Database(tmp_path / "t.db") as db:
+        rec = json.loads(_good_line())
+        wl = flashgen.Workload.from_json(rec["workload"])
+        assert flashgen.compile(wl, "cpu", db=db).schedule["num_warps"] != 3
+
+
+def test_import_keeps_records_of_a_target_this_install_does_not_know(tmp_path):
+    from flashgen.schedules.record_check import record_problem
+    path = tmp_path / "in.jsonl"
+    path.write_text(_good_line(target_key="tpu:v5/lite", schedule={"any_knob": 1}) + "\n")
+    with Database(tmp_path / "t.db") as db:
+        assert db.import_jsonl(path, check=record_problem) == (1, 0)
+
+
+@pytest.mark.parametrize("damage, params, why", [
+    ("latency_us = -1.0", (), "must be a finite number >= 0 or null, got -1.0"),
+    ("latency_us = ?", (float("nan"),), "above 0 us when status is 'ok', got None"),  # SQLite keeps NaN as NULL
+    ("latency_us = 0.0", (), "above 0 us when status is 'ok', got 0.0"),
+    ("schedule_json = '{broken'", (), "JSONDecodeError: Expecting property name"),
+], ids=["negative", "nan", "zero", "json"])
+def test_a_damaged_row_is_reported_never_served_and_hides_no_best(tmp_path, capsys, damage, params, why):
+    import re
+    path = tmp_path / "t.db"
+    with Database(path) as db:
+        db.add_many([make(5.0, block=1), make(7.0, block=2)])
+    conn = sqlite3.connect(path)
+    conn.execute(f"UPDATE records SET {damage} WHERE id = 1", params)  # the faster one, first in best's order
+    conn.commit()
+    conn.close()
+    warned = f"skipped 1 stored record.*never served .*row id 1: .*{re.escape(why)}"
+    with Database(path, readonly=True) as db:
+        for read in (db.best_all, lambda: [db.best("wk-rmsnorm", "sm_90")], lambda: db.ranked("wk-rmsnorm", "sm_90")):
+            with pytest.warns(UserWarning, match=warned):
+                assert [r.latency_us for r in read()] == [7.0]
+    with pytest.warns(UserWarning, match=warned):
+        assert run_cli(["db", "best", "--db", str(path)]) == 0
+    assert [line.split()[4] for line in capsys.readouterr().out.splitlines()[1:]] == ["7.00"]
 
 
 def test_read_commands_create_nothing(tmp_path, capsys):

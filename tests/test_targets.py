@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from flashgen.errors import FlashgenError
-from flashgen.targets import get_target, load_targets
+from flashgen.targets import descriptor_check, get_target, load_targets
 
 NEW_GPU = {
     "key": "cuda:sm_89", "vendor": "nvidia", "backend": "triton", "arch": "sm_89",
@@ -69,17 +70,17 @@ def _bad_device(**change):
 
 
 @pytest.mark.parametrize("broken, message", [
-    (_bad(warp_size=0), "warp_size of a nvidia target must be 32"),
+    (_bad(warp_size=0), "warp_size of sm_89 must be 32"),
     (_bad(warp_size="32"), "warp_size"),
     (_bad(vendor="intel"), "vendor must be one of"),
-    (_bad(backend="tvm"), "backend of a nvidia target must be triton"),
+    (_bad(backend="tvm"), "backend of nvidia targets must be one of triton,"),
     (_bad(dtypes="fp16"), "dtypes must be a list"),
     (_bad(dtypes=["fp16", "fp4"]), "unknown dtypes fp4"),
-    (_bad(arch="89"), "arch of an nvidia target must read sm_NN"),
+    (_bad(arch="89"), "arch of nvidia targets must be one of sm_80, "),
     (_bad(triton_target=["cuda", "89"]), "triton_target must be"),
     (_bad(triton_target=["hip", 89]), "triton_target must be"),
     (_bad(smem_per_block=-5), "smem_per_block must be a whole number"),
-    (_bad(key=""), "key must be a non-empty name"),
+    (_bad(key=""), "key must be a name such as"),
     (_bad_device(sm_count=0), "devices.l40s.sm_count must be a whole number >= 1"),
     (_bad_device(sm_count=1.5), "devices.l40s.sm_count"),
     (_bad_device(mem_bandwidth_gbs=0), "devices.l40s.mem_bandwidth_gbs must be a positive number"),
@@ -93,6 +94,98 @@ def test_descriptor_fields_are_checked_with_file_and_field_named(tmp_path, broke
     with pytest.raises(FlashgenError, match=message) as e:
         load_targets([tmp_path])
     assert "bad.json" in str(e.value) and "\n" not in str(e.value)
+
+
+H20 = {"sm_count": 78, "mem_bandwidth_gbs": 4000, "peak_tflops": {"bf16": 148}}
+
+
+def _extends(**change):
+    return json.dumps({"key": "cuda:sm_90", "extends": True, "devices": {"h20": H20}, **change})
+
+
+def _amd(**change):
+    return _bad(**{"vendor": "amd", "arch": "gfx942", "warp_size": 64, "triton_target": ["hip", "gfx942"], **change})
+
+
+@pytest.mark.parametrize("broken, field, message", [
+    # 1: an extending file may not change what a binary of its key is built from, nor a device its arch's
+    pytest.param(_extends(arch="sm_80"), "arch", "may not change in a file that extends cuda:sm_90",
+                 id="1-extends-arch"),
+    pytest.param(_extends(vendor="amd"), "vendor", "may not change", id="1-extends-vendor"),
+    pytest.param(_extends(triton_target=["cuda", 80]), "triton_target", "may not change", id="1-extends-triton_target"),
+    pytest.param(_bad_device(arch="sm_90"), "devices.l40s.arch", "belongs to the architecture", id="1-device-arch"),
+    pytest.param(_bad_device(key="cuda:sm_90"), "devices.l40s.key", "belongs to the architecture", id="1-device-key"),
+    # 2: triton_target is what the arch implies
+    pytest.param(_bad(triton_target=["cuda", 80]), "triton_target", r"must be \['cuda', 89\] for arch sm_89",
+                 id="2-sm_89-built-as-sm_80"),
+    pytest.param(_bad(triton_target=["hip", "gfx942"]), "triton_target", "must be", id="2-sm_89-built-as-gfx942"),
+    pytest.param(_amd(triton_target=["hip", "gfx90a"]), "triton_target", "for arch gfx942", id="2-gfx942-as-gfx90a"),
+    # 3: only archs the pinned Triton builds, with the warp size Triton gives them
+    pytest.param(_bad(arch="sm_10", triton_target=["cuda", 10]), "arch", "must be one of sm_80, .*got 'sm_10'",
+                 id="3-sm_10"),
+    pytest.param(_bad(arch="sm_90a", triton_target=["cuda", 90]), "arch", "must be one of", id="3-sm_90a"),
+    pytest.param(_amd(arch="gfx000", triton_target=["hip", "gfx000"]), "arch", "must be one of gfx908", id="3-gfx000"),
+    pytest.param(_amd(warp_size=32), "warp_size", "of gfx942 must be 64", id="3-gfx942-wave32"),
+    # 4: names become target ids and file names
+    pytest.param(_bad(devices={"a/b": NEW_GPU["devices"]["l40s"]}), "device name 'a/b'", "must be letters",
+                 id="4-device-slash"),
+    pytest.param(_bad(devices={"": NEW_GPU["devices"]["l40s"]}), "device name ''", "must be letters",
+                 id="4-device-empty"),
+    pytest.param(_bad(devices={"..": NEW_GPU["devices"]["l40s"]}), "device name '..'", "must be letters",
+                 id="4-device-dotdot"),
+    pytest.param(_extends(devices={"x/y": H20}), "device name 'x/y'", "must be letters", id="4-extends-device-slash"),
+    pytest.param(_bad(key="cuda/sm_89"), "key", "must be a name", id="4-key-slash"),
+    # 5: limits are positive numbers on a GPU; bool is no number
+    pytest.param(_bad(smem_per_block=0), "smem_per_block", ">= 1, got 0", id="5-smem-zero"),
+    pytest.param(_bad(regs_per_sm=-1), "regs_per_sm", ">= 1", id="5-regs-negative"),
+    pytest.param(_bad_device(max_threads_per_block=0), "devices.l40s.max_threads_per_block", ">= 1",
+                 id="5-device-threads-zero"),
+    pytest.param(_bad_device(l2_bytes=True), "devices.l40s.l2_bytes", "got True", id="5-device-l2-bool"),
+    pytest.param(_bad(measured_copy_gbs=0), "measured_copy_gbs", "must be a positive number", id="5-top-copy-zero"),
+    pytest.param(_bad_device(sm_count="132"), "devices.l40s.sm_count", "whole number", id="5-sm_count-string"),
+    pytest.param(_extends(smem_per_block=0), "smem_per_block", ">= 1", id="5-extends-smem-zero"),
+    # 7: a misspelt field would leave a default in force
+    pytest.param(_bad(smem_per_blok=1024), "smem_per_blok", "is not a descriptor field; did you mean 'smem_per_block'",
+                 id="7-top-typo"),
+    pytest.param(_bad_device(l2_byte=1 << 20), "devices.l40s.l2_byte", "did you mean 'l2_bytes'", id="7-device-typo"),
+    pytest.param(_extends(mem_bandwith_gbs=900), "mem_bandwith_gbs", "is not a descriptor field", id="7-extends-typo"),
+    # 6: JSON of the wrong shape and bytes that are not text
+    pytest.param(_bad(vendor=["nvidia"]), "vendor", "must be one of nvidia, amd, cpu", id="6-vendor-list"),
+    pytest.param(_bad(key=["cuda:sm_89"]), "key", "must be a name", id="6-key-list"),
+    pytest.param(_extends(key=["cuda:sm_90"]), "key", "must be a name", id="6-extends-key-list"),
+    pytest.param(_extends(extends=["cuda:sm_90"]), "extends", "must be true or false", id="6-extends-list"),
+    pytest.param(_extends(key="cuda:sm_77"), "'cuda:sm_77'", "no earlier file defines", id="6-extends-unknown"),
+    pytest.param(_extends(devices=[H20]), "devices", "must be a JSON object", id="6-extends-devices-list"),
+    pytest.param(b'{"key": "cuda:sm_89", "vendor": "nvid\xff"}', "is unreadable", "'utf-8' codec", id="6-not-utf8"),
+])
+def test_descriptor_faults_are_one_line_naming_file_and_field(tmp_path, broken, field, message):
+    """What a fault probe found: each was a traceback, an LLVM abort later, or a silently wrong target."""
+    (tmp_path / "bad.json").write_bytes(broken if isinstance(broken, bytes) else broken.encode())
+    with pytest.raises(FlashgenError) as e:
+        load_targets([tmp_path])
+    text = str(e.value)
+    assert text.startswith(f"target descriptor {tmp_path / 'bad.json'}") and "\n" not in text
+    assert field in text and re.search(message, text), text
+
+
+def test_every_accepted_arch_loads_with_what_it_implies(tmp_path):
+    """Each arch in the accepted set loads from a minimal file whose triton_target and warp size are
+    the arch's, and gets its limits filled in; an extending file may restate identity fields unchanged."""
+    for vendor, archs in descriptor_check.ARCHS.items():
+        for arch, warp in archs.items():
+            desc = {**NEW_GPU, "key": f"x:{arch}", "vendor": vendor, "arch": arch, "warp_size": warp,
+                    "devices": {f"d-{arch}": NEW_GPU["devices"]["l40s"]}}
+            if vendor == "cpu":
+                desc["backend"] = "tvm"
+                del desc["triton_target"]
+            else:
+                desc["triton_target"] = ["cuda", int(arch[3:])] if vendor == "nvidia" else ["hip", arch]
+            (tmp_path / f"{arch}.json").write_text(json.dumps(desc))
+    (tmp_path / "z.json").write_text(_extends(vendor="nvidia", arch="sm_90", smem_per_block=200000))
+    targets = load_targets([tmp_path])
+    assert all(targets[f"x:{a}/d-{a}"].get("smem_per_block") for vendor, archs in descriptor_check.ARCHS.items()
+               if vendor != "cpu" for a in archs)
+    assert targets["cuda:sm_90/h20"].get("smem_per_block") == 200000
 
 
 def test_a_builtin_key_is_refused_unless_extended(tmp_path):

@@ -51,6 +51,16 @@ def test_tune_resumes_without_measuring_again(tmp_path):
     assert second.best.latency_us <= first.best.latency_us
 
 
+def test_tune_takes_a_count_of_trials_past_sys_maxsize(tmp_path):
+    """The API takes any count (the CLI bounds --trials): the space runs out, islice does not raise."""
+    wl = flashgen.workload("rmsnorm", M=3, N=64, dtype="fp32")
+    target = get_target("cpu")
+    with Database(tmp_path / "t.db") as db:  # every knob pinned: a space of one schedule
+        res = tune(wl, target, db, 10**20, strategy="exhaustive", progress=None,
+                   fixed=ScheduleSpace(wl, target).default())
+    assert res.measured == 1
+
+
 def test_tune_workloads_file(tmp_path, capsys):
     f = tmp_path / "w.jsonl"
     f.write_text("\n".join(json.dumps(flashgen.workload(op, M=8, N=512, dtype="fp32").to_json())

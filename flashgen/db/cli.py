@@ -15,7 +15,7 @@ _SCHEDULE_WIDTH = 48
 
 
 def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # ("²" is a digit int() refuses)
         raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
     return int(text)
 
@@ -77,11 +77,22 @@ def _show(args: argparse.Namespace, database: Database) -> int:
         count = database.export_jsonl(args.file, force=args.force)
         print(f"exported {count} records from {database.path} to {args.file}")
     elif args.db_command == "import":
-        from flashgen.schedules.record_check import record_problem  # spaces sit above the database
+        from flashgen.schedules.record_check import record_problem, stale_schedule  # spaces sit above the database
 
-        added, skipped = database.import_jsonl(args.file, check=record_problem)
+        stale: list[str] = []
+
+        def check(rec: Record) -> str | None:
+            problem = record_problem(rec)
+            if problem is None and (why := stale_schedule(rec)):
+                stale.append(why)
+            return problem
+
+        added, skipped = database.import_jsonl(args.file, check=check)
         print(f"imported {added} new records from {args.file} into {database.path} "
               f"({skipped} duplicates skipped)")
+        if stale:
+            print(f"{len(stale)} of the file's records have schedules today's space refuses (first: {stale[0]}): "
+                  "kept as measurements for replays, never served")
     return 0
 
 

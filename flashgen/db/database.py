@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from flashgen.db.record import ALONE, BEHIND, STATUSES, Record, canonical_json
-from flashgen.errors import FlashgenError
+from flashgen.errors import FlashgenError, reason
 from flashgen.paths import cache_dir
 
 FORMAT = "flashgen-tuning-db"
@@ -71,7 +71,7 @@ def _claim_alive(owner: str, claimed_at: float) -> bool:
     return True
 
 
-_COLUMNS = ("workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us, "
+_COLUMNS = ("id, workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us, "
             "flashgen_version, device, created_at, extra_json")
 # Records timed behind a producer first (`Record.timing`), then by latency: one timing's latencies only
 # ever compete with each other.
@@ -148,7 +148,8 @@ def _validate_existing(path: Path) -> str:
 
 
 def _row_to_record(row: tuple) -> Record:
-    (workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us,
+    """A row of `_COLUMNS` as a Record, which checks every field as it does a new one."""
+    (_, workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us,
      flashgen_version, device, created_at, extra_json) = row
     return Record(workload_key=workload_key, workload=json.loads(workload_json), target_key=target_key,
                   schedule=json.loads(schedule_json), status=status, latency_us=latency_us,
@@ -156,17 +157,21 @@ def _row_to_record(row: tuple) -> Record:
                   created_at=created_at, extra=json.loads(extra_json))
 
 
-def _records(rows: Iterable[tuple], path: Path) -> list[Record]:
-    """The rows that still parse as Records; the others are skipped with one warning, so the rest of a
-    damaged database can still be listed, exported and served."""
-    out, bad = [], 0
+def _records(rows: Iterable[tuple], path: Path, warn: bool = True) -> list[Record]:
+    """The rows that are still valid Records. The others (changed or damaged since they were written:
+    JSON that does not parse, a latency below 0, NaN or none for an ok record, ...) are never served:
+    they are skipped with one warning naming the first and why, so the rest of a damaged database can
+    still be listed, exported and served."""
+    out, bad = [], []
     for row in rows:
         try:
             out.append(_row_to_record(row))
-        except (ValueError, TypeError, RecursionError, FlashgenError):
-            bad += 1
-    if bad:
-        warnings.warn(f"flashgen: {path}: skipped {bad} stored record(s) that no longer parse", stacklevel=3)
+        except (ValueError, TypeError, RecursionError, FlashgenError) as exc:
+            bad.append((row[0], exc))
+    if bad and warn:
+        row_id, exc = bad[0]
+        warnings.warn(f"flashgen: {path}: skipped {len(bad)} stored record(s) that no longer parse or are damaged, "
+                      f"never served (the first, row id {row_id}: {reason(exc)})", stacklevel=3)
     return out
 
 
@@ -330,13 +335,20 @@ class Database:
         return _records(rows, self.path)
 
     def best_all(self, target_key: str | None = None) -> list[Record]:
-        """`best` of every (workload_key, target_key), sorted by those keys."""
+        """`best` of every (workload_key, target_key), sorted by those keys. Where a pair's first row is
+        damaged, `best` answers for it (skipping that row, with its warning): one bad row never hides the
+        workload's other records."""
         clause, params = ("AND target_key = ?", (target_key,)) if target_key is not None else ("", ())
         rows = self._conn.execute(
             f"SELECT {_COLUMNS} FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY workload_key, "
             f"target_key ORDER BY {_PREFERRED}) AS place FROM records WHERE status = 'ok' "
-            f"{clause}) WHERE place = 1 ORDER BY workload_key, target_key", params)
-        return _records(rows, self.path)
+            f"{clause}) WHERE place = 1 ORDER BY workload_key, target_key", params).fetchall()
+        best = {(r.workload_key, r.target_key): r for r in _records(rows, self.path, warn=False)}
+        for row in rows:
+            pair = (row[1], row[3])
+            if pair not in best and (rec := self.best(*pair)) is not None:
+                best[pair] = rec
+        return [best[pair] for pair in sorted(best)]
 
     def measured_schedule_keys(self, workload_key: str, target_key: str) -> set[str]:
         """Schedules already tried, whatever the outcome: a crash is not worth repeating."""

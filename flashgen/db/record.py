@@ -87,8 +87,9 @@ class Record:
                 raise FlashgenError(f"Record field {name!r} must be a finite number >= 0 or null, "
                                     f"got {value!r}.")
             object.__setattr__(self, name, float(value))
-        if self.status == "ok" and self.latency_us is None:
-            raise FlashgenError("Record field 'latency_us' is required when status is 'ok'.")
+        if self.status == "ok" and not (self.latency_us or 0) > 0:  # 0 us measured nothing; it would rank first
+            raise FlashgenError(f"Record field 'latency_us' must be a latency above 0 us when status is 'ok', "
+                                f"got {self.latency_us!r}.")
         try:
             datetime.fromisoformat(self.created_at)
         except ValueError:
