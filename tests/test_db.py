@@ -439,7 +439,9 @@ def test_import_keeps_records_of_a_target_this_install_does_not_know(tmp_path):
     ("latency_us = ?", (float("nan"),), "above 0 us when status is 'ok', got None"),  # SQLite keeps NaN as NULL
     ("latency_us = 0.0", (), "above 0 us when status is 'ok', got 0.0"),
     ("schedule_json = '{broken'", (), "JSONDecodeError: Expecting property name"),
-], ids=["negative", "nan", "zero", "json"])
+    ("latency_us = 1.0", (), "no longer hash to the content hash written with them"),  # valid, but edited
+    ("schedule_json = '{\"block\": 9, \"warps\": 4}'", (), "no longer hash to the content hash"),
+], ids=["negative", "nan", "zero", "json", "edited-latency", "edited-schedule"])
 def test_a_damaged_row_is_reported_never_served_and_hides_no_best(tmp_path, capsys, damage, params, why):
     import re
     path = tmp_path / "t.db"

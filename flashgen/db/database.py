@@ -72,7 +72,7 @@ def _claim_alive(owner: str, claimed_at: float) -> bool:
 
 
 _COLUMNS = ("id, workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us, "
-            "flashgen_version, device, created_at, extra_json")
+            "flashgen_version, device, created_at, extra_json, content_hash")
 # Records timed behind a producer first (`Record.timing`), then by latency: one timing's latencies only
 # ever compete with each other.
 _PREFERRED = (f"IFNULL(json_extract(extra_json, '$.timing'), '{ALONE}') = '{BEHIND}' DESC, latency_us, id")
@@ -148,13 +148,18 @@ def _validate_existing(path: Path) -> str:
 
 
 def _row_to_record(row: tuple) -> Record:
-    """A row of `_COLUMNS` as a Record, which checks every field as it does a new one."""
+    """A row of `_COLUMNS` as a Record, which checks every field as it does a new one, and whose content
+    must still hash to the hash written with it: a row edited in place (a latency made smaller, a
+    schedule changed) is refused rather than served."""
     (_, workload_key, workload_json, target_key, schedule_json, status, latency_us, spread_us,
-     flashgen_version, device, created_at, extra_json) = row
-    return Record(workload_key=workload_key, workload=json.loads(workload_json), target_key=target_key,
-                  schedule=json.loads(schedule_json), status=status, latency_us=latency_us,
-                  spread_us=spread_us, flashgen_version=flashgen_version, device=device,
-                  created_at=created_at, extra=json.loads(extra_json))
+     flashgen_version, device, created_at, extra_json, content_hash) = row
+    record = Record(workload_key=workload_key, workload=json.loads(workload_json), target_key=target_key,
+                    schedule=json.loads(schedule_json), status=status, latency_us=latency_us,
+                    spread_us=spread_us, flashgen_version=flashgen_version, device=device,
+                    created_at=created_at, extra=json.loads(extra_json))
+    if record.content_hash != content_hash:
+        raise FlashgenError("its fields no longer hash to the content hash written with them: changed since")
+    return record
 
 
 def _records(rows: Iterable[tuple], path: Path, warn: bool = True) -> list[Record]:
