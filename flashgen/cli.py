@@ -294,12 +294,24 @@ def _read_prompt(path: str) -> str:
     return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 
 
+def _prompt_argument(text: str) -> str:
+    """--prompt's text, which must be UTF-8: Python hands bytes of another encoding over as lone
+    surrogates (0xff as '\\udcff'), which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"character U+{code:04X}"
+        raise FlashgenError(f"--prompt is not UTF-8 text ({byte} at character {e.start})") from None
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a Hugging Face model folder, printing text as tokens arrive; with --tp N, in N ranks
     (spawned here, or this process being one of torchrun's)."""
     from pathlib import Path
 
-    prompt_text = args.prompt if args.prompt_file is None else _read_prompt(args.prompt_file)
+    prompt_text = _prompt_argument(args.prompt) if args.prompt_file is None else _read_prompt(args.prompt_file)
 
     import torch
 

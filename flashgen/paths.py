@@ -27,7 +27,8 @@ def writable(folder: Path) -> Path:
 
 def out_folder(path: str, option: str = "--out") -> Path:
     """An output folder path the OS can hold (each name and the whole path within its limits), and not
-    an existing file; checked before any work, so that a long compile does not end in an OSError."""
+    an existing file, below a folder it can be written in; checked before any work, so that a long
+    compile does not end in an OSError."""
     from flashgen.errors import FlashgenError
 
     out = Path(path)
@@ -42,6 +43,10 @@ def out_folder(path: str, option: str = "--out") -> Path:
                             f"files inside it (the limit is {path_max})")
     if _exists(out) and not out.is_dir():
         raise FlashgenError(f"{option} {out} exists and is not a folder")
+    if not anchor.is_dir():  # (a file on the way: the folder cannot be made)
+        raise FlashgenError(f"{option} {out}: {anchor} is a file, not a folder")
+    if not os.access(anchor, os.W_OK | os.X_OK):  # (read-only: the compile would be lost)
+        raise FlashgenError(f"{option} {out}: the folder {anchor} is not writable")
     return out
 
 

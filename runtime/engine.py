@@ -118,8 +118,12 @@ class Request:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine._record`)."""
-    logits = logits.float() / p.temperature
+    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine._record`). The
+    largest logit is subtracted before dividing, in float64, so a tiny temperature tends to greedy
+    instead of overflowing to inf - inf = NaN, and any top_p > 0 keeps the likeliest token (float32
+    rounds a temperature or top_p of 1e-300 to 0)."""
+    logits = logits.double()
+    logits = (logits - logits.max()) / p.temperature
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

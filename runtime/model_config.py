@@ -239,7 +239,18 @@ def _generation_eos(folder: Path) -> tuple[int, ...]:
         g = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FlashgenError(f"{path} is unreadable: {e}") from None
-    return _eos(g.get("eos_token_id") if isinstance(g, dict) else None, str(path))
+    if not isinstance(g, dict):  # (a list or a number would otherwise read as "no EOS ids")
+        raise FlashgenError(f"{path} is not a JSON object")
+    return _eos(g.get("eos_token_id"), str(path))
+
+
+def _eos_in_vocab(ids: tuple[int, ...], vocab_size: int, where: Path) -> tuple[int, ...]:
+    """`ids` where each is a token the model can produce: an EOS id past the vocabulary never comes, so
+    generation would never stop where the folder says it does."""
+    for i in ids:
+        if i >= vocab_size:
+            raise FlashgenError(f"{where}: eos_token_id {i} is past the model's vocab_size of {vocab_size}")
+    return ids
 
 
 def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelConfig:
@@ -262,8 +273,11 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
     window, window_layers = _windows(c, kind, layers, path)
     attention_bias = _bool(c, "attention_bias", path) and kind in ATTENTION_BIAS
     qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and _bool(c, "qkv_bias", path, True)) or attention_bias
+    vocab = _int(c, "vocab_size", path, hi=1 << 24)
+    eos = _eos_in_vocab(_eos(c.get("eos_token_id"), str(path)), vocab, path) + \
+        _eos_in_vocab(generation_eos, vocab, path.with_name("generation_config.json"))
     return ModelConfig(
-        model_type=kind, vocab_size=_int(c, "vocab_size", path, hi=1 << 24), hidden_size=hidden,
+        model_type=kind, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=_int(c, "intermediate_size", path), num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=_float(c, "rms_norm_eps", path, 1e-6),
         rope_theta=theta, max_position_embeddings=_int(c, "max_position_embeddings", path, default=4096, hi=(1 << 31) - 1),
@@ -271,7 +285,7 @@ def parse(c: dict, path: Path, generation_eos: tuple[int, ...] = ()) -> ModelCon
         tie_word_embeddings=_bool(c, "tie_word_embeddings", path), o_bias=attention_bias,
         mlp_bias=_bool(c, "mlp_bias", path) and kind == "llama", rope_type=rope_type, rope_params=rope_params,
         window_layers=window_layers,
-        eos_token_ids=tuple(dict.fromkeys(_eos(c.get("eos_token_id"), str(path)) + generation_eos)),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
         qk_norm=kind in QK_NORM, prequant=_prequant(c, path), **_moe(c, kind, layers, path))
 
 

@@ -6,7 +6,9 @@ Every tensor the config implies is checked before any is read (present, the expe
 dtype), and every tensor in the files must be one the decoder computes with: a checkpoint with more
 layers than its config, a bias the config does not name, an lm_head of another vocabulary, or a tied
 model's stored lm_head that is not its embedding is refused with the file, the tensor and the expected and
-found shapes. Shard names stay inside the folder.
+found shapes. Shard names stay inside the folder; a sharded folder's index must name every tensor in the
+shard that holds it, no tensor may be stored twice, and a model.safetensors beside an index that does not
+name it is refused. Float weights must be finite (NaN or inf is refused as it is read).
 """
 from __future__ import annotations
 
@@ -108,25 +110,35 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[s
     return tensors
 
 
-def _shards(folder: Path) -> list[Path]:
+def _shards(folder: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The weight files, and the index's map of tensor name -> file where the folder is sharded. A
+    model.safetensors beside an index that does not name it is refused: transformers would load that
+    file and this loader the index's, so which weights the folder holds is not clear."""
     index = folder / "model.safetensors.index.json"
     if not index.exists():
         if (folder / "model.safetensors").exists():
-            return [folder / "model.safetensors"]
+            return [folder / "model.safetensors"], None
         raise FlashgenError(f"{folder} has no model.safetensors nor model.safetensors.index.json")
     try:
-        names = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        items = list(weight_map.items())
     except (OSError, KeyError, TypeError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FlashgenError(f"{index} is unreadable: {e}") from None
-    root, shards = folder.resolve(), []
-    for name in sorted(set(names)):
+    root, where = folder.resolve(), {}
+    for tensor, name in items:
         path = (folder / str(name)).resolve()
         if not isinstance(name, str) or path.parent != root:
             raise FlashgenError(f"{index} names a shard outside the folder: {name!r}")
+        where[tensor] = path
+    shards = sorted(set(where.values()))
+    for path in shards:
         if not path.exists():
-            raise FlashgenError(f"{folder}: shard {name} named by the index is missing")
-        shards.append(path)
-    return shards
+            raise FlashgenError(f"{folder}: shard {path.name} named by the index is missing")
+    single = (folder / "model.safetensors").resolve()
+    if single.exists() and single not in shards:
+        raise FlashgenError(f"{folder} holds both model.safetensors and {index.name}, which does not name it: "
+                            "remove the one that is not the model")
+    return shards, where
 
 
 def _headers(shards: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
@@ -138,6 +150,8 @@ def _headers(shards: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if name in out:  # (the later file's copy would silently win)
+                        raise FlashgenError(f"tensor {name} is stored twice, in {out[name][0].name} and {path.name}")
                     s = f.get_slice(name)
                     out[name] = (path, s.get_dtype(), tuple(s.get_shape()))
         except (SafetensorError, OSError, ValueError) as e:
@@ -147,7 +161,10 @@ def _headers(shards: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]
 
 def check_weights(folder: str | Path, c: ModelConfig) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """The checkpoint's tensors, each checked against what `c` implies (module docstring)."""
-    found = _headers(_shards(Path(folder)))
+    shards, index = _shards(Path(folder))
+    found = _headers(shards)
+    if index is not None:
+        _check_index(index, found)
     want = expected_tensors(c)
     for name, (shape, dtypes) in want.items():
         if name not in found:
@@ -173,6 +190,22 @@ def check_weights(folder: str | Path, c: ModelConfig) -> dict[str, tuple[Path, s
     return found
 
 
+def _check_index(index: dict[str, Path], found: dict[str, tuple[Path, str, tuple[int, ...]]]) -> None:
+    """The index must say where every tensor is: one it names that its shard lacks means a shard of
+    another save (or a cut-short one), and one it does not name is not part of the model it describes."""
+    for name, path in sorted(index.items()):
+        if name not in found:
+            raise FlashgenError(f"model.safetensors.index.json names tensor {name} in {path.name}, which does "
+                                "not hold it (a shard of another save, or one cut short?)")
+        if found[name][0] != path:
+            raise FlashgenError(f"model.safetensors.index.json names tensor {name} in {path.name}, but it is "
+                                f"in {found[name][0].name}")
+    unnamed = sorted(set(found) - set(index))
+    if unnamed:
+        raise FlashgenError(f"{found[unnamed[0]][0].name} holds tensor {unnamed[0]}, which "
+                            "model.safetensors.index.json does not name")
+
+
 def load_weights(folder: str | Path, config: ModelConfig | None = None,
                  take: Callable[[str], tuple[slice, ...] | None] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by name (model.safetensors, or the shards its index names), checked
@@ -188,16 +221,33 @@ def load_weights(folder: str | Path, config: ModelConfig | None = None,
     for path in shards:
         try:
             if take is None:
-                out.update(load_file(str(path)))
-                continue
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    index = take(name)
-                    out[name] = f.get_tensor(name) if index is None else f.get_slice(name)[index]
+                got = load_file(str(path))
+            else:
+                with safe_open(str(path), framework="pt") as f:
+                    got = {}
+                    for name in f.keys():
+                        index = take(name)
+                        got[name] = f.get_tensor(name) if index is None else f.get_slice(name)[index]
         except (SafetensorError, OSError, ValueError) as e:
             raise FlashgenError(f"{path} is truncated or not a safetensors file ({e})") from None
+        _check_finite(path, got)
+        out.update(got)
     _check_tied(out, c, take)
     return out
+
+
+def _check_finite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every float tensor finite: one NaN or infinity in a weight makes every logit NaN downstream, which
+    greedy decoding turns into token 0 over and over, a wrong answer that looks like output. Checked in
+    slices, so no copy of a whole tensor is made."""
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            continue
+        flat = t.reshape(-1)
+        for part in flat.split(1 << 24):
+            if not torch.isfinite(part.float() if t.element_size() == 1 else part).all():
+                raise FlashgenError(f"{path.name}: tensor {name} holds NaN or infinite values: the decoder would "
+                                    "compute NaN logits from it")
 
 
 def _check_tied(out: dict[str, torch.Tensor], c: ModelConfig,

@@ -42,6 +42,15 @@ def _discard(folder: Path, why: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _remove(path: Path) -> None:
+    """Whatever lies where an entry goes: a damaged entry's folder, or a stray file (which rmtree leaves,
+    so every later store of the kernel would fail)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def discard(key: str, why: str) -> None:
     """Drops an entry its reader found unusable, with the one-line warning."""
     _discard(entry(key), why)
@@ -96,7 +105,7 @@ def store(key: str, files: Mapping[str, bytes]) -> dict[str, Path]:
             os.rename(stage, folder)
         except OSError:  # another process stored the same kernel first, or a damaged entry is in the way
             if lookup(key) is None:
-                shutil.rmtree(folder, ignore_errors=True)
+                _remove(folder)
                 os.rename(stage, folder)
     except OSError as e:
         raise FlashgenError(f"cannot write the kernel cache {cache_dir()} ({e.strerror or e}); "

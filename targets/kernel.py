@@ -205,7 +205,9 @@ class Kernel:
     def save(self, out_dir: str | os.PathLike) -> list[Path]:
         """Write source, binary, assembly and metadata JSON. The JSON, whose sha256 values describe every
         file, is removed first and written last: where it exists, the files beside it are the ones it
-        describes, and a save cut short leaves none (its staging folder goes at the next save)."""
+        describes, and a save cut short leaves none (its staging folder goes at the next save). Files
+        the JSON it replaces listed and this save does not write (another target's binary, say) are
+        removed with it, so the folder never mixes two kernels; other files are left alone."""
         out = Path(out_dir)
         meta_name = f"{self.name}.json"
         try:
@@ -216,12 +218,17 @@ class Kernel:
             raise FlashgenError(f"cannot write to {out}: {e.strerror or e}") from None
         try:
             files = self.files()
-            meta = {**self.metadata, "files": sorted(files) + [meta_name],
+            meta = {**self.metadata, "workload": self.workload.to_json(), "workload_key": self.workload.key,
+                    "files": sorted(files) + [meta_name],
                     "sha256": {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}}
             files[meta_name] = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
             for name, data in files.items():
                 (stage / name).write_bytes(data)
+            stale = _listed_files(out / meta_name) - set(files)
             (out / meta_name).unlink(missing_ok=True)
+            for name in stale:
+                if (out / name).is_symlink() or (out / name).is_file():
+                    (out / name).unlink(missing_ok=True)
             for name in [*(n for n in files if n != meta_name), meta_name]:
                 os.replace(stage / name, out / name)
             return [out / name for name in files]
@@ -229,6 +236,18 @@ class Kernel:
             raise FlashgenError(f"cannot write to {out}: {e.strerror or e}") from None
         finally:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _listed_files(meta: Path) -> set[str]:
+    """The plain file names an earlier save's JSON lists (none where it is absent or unreadable: then
+    nothing is known to be flashgen's, and nothing is removed)."""
+    try:
+        listed = json.loads(meta.read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    if not isinstance(listed, list):
+        return set()
+    return {n for n in listed if isinstance(n, str) and n not in ("", ".", "..") and Path(n).name == n}
 
 
 STAGE_PREFIX = ".flashgen-"  # staging folders of `Kernel.save`, named by the writing process's id

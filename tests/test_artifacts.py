@@ -135,3 +135,36 @@ def test_out_is_whole_or_has_no_metadata_and_leaves_no_staging(tmp_path, monkeyp
     for name, digest in meta["sha256"].items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
     assert not list(out.glob(".flashgen-*"))
+
+
+def test_a_save_over_another_kernel_leaves_none_of_its_files(tmp_path):
+    """Saving a cpu kernel where an h200 kernel of the same name was saved: the files the old JSON listed
+    (its runnable .py, .cubin, .ptx) go, so the folder never holds a kernel the new JSON does not
+    describe; files flashgen did not list there (a user's notes, a file the old JSON names outside the
+    folder) are left alone."""
+    out = tmp_path / "out"
+    gpu = flashgen.compile(WL, target="h200", schedule={"block_r": 1, "block_c": 256, "num_warps": 2})
+    old = {p.name for p in gpu.save(out)}
+    (out / "notes.txt").write_text("mine")
+    meta = json.loads((out / f"{gpu.name}.json").read_text())
+    (tmp_path / "outside.txt").write_text("x")
+    meta["files"] += ["../outside.txt", "sub/x", 3]
+    (out / f"{gpu.name}.json").write_text(json.dumps(meta))
+    cpu = flashgen.compile(flashgen.workload("rmsnorm", M=8, N=200, dtype="fp32"), target="cpu")
+    new = {p.name for p in cpu.save(out)}
+    assert {f"{gpu.name}.cubin", f"{gpu.name}.py"} <= old - new
+    assert {p.name for p in out.iterdir()} == new | {"notes.txt"}
+    assert (tmp_path / "outside.txt").exists()
+    saved = json.loads((out / f"{cpu.name}.json").read_text())
+    assert saved["workload_key"] == cpu.workload.key and saved["workload"] == cpu.workload.to_json()
+
+
+def test_a_stray_file_where_an_entry_goes_is_replaced():
+    """A file (not a folder) at an entry's path was left by rmtree and failed every later store with
+    "set FLASHGEN_CACHE_DIR to a writable folder"; it is replaced by the entry."""
+    key = artifacts.artifact_key({"probe": "stray"})
+    folder = artifacts.entry(key)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.write_text("junk")
+    found = artifacts.store(key, {"a.bin": b"abc"})
+    assert folder.is_dir() and found["a.bin"].read_bytes() == b"abc"

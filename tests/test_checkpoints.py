@@ -267,3 +267,98 @@ def test_nothing_is_sized_from_a_huge_max_position(tiny, tmp_path):
     out = eng.generate([[1, 2, 3]])[0]
     assert len(out.output) == 32 and model.cos_sin.shape == (8 * 16, 16)
     assert model.table_width(eng.cache) == 8
+
+
+def _shard(folder: Path, tensors: dict[str, torch.Tensor], parts: dict[str, list[str]],
+           weight_map: dict[str, str] | None = None) -> None:
+    """Replace model.safetensors by the shards `parts` (file -> tensor names) and an index: `weight_map`,
+    or the true one."""
+    (folder / "model.safetensors").unlink()
+    for name, keys in parts.items():
+        _save(folder, {k: tensors[k] for k in keys}, name)
+    true = {k: name for name, keys in parts.items() for k in keys}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map or true}))
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("nan", r"model\.safetensors: tensor model\.layers\.0\.mlp\.up_proj\.weight holds NaN or infinite values"),
+    ("inf", r"model\.safetensors: tensor model\.norm\.weight holds NaN or infinite values"),
+    ("bf16-inf", r"tensor model\.norm\.weight holds NaN or infinite values"),
+    ("index-names-absent", r"index\.json names tensor model\.layers\.9\.mlp\.up_proj\.weight in a\.safetensors, "
+                           r"which does not hold it"),
+    ("index-wrong-shard", r"index\.json names tensor model\.norm\.weight in b\.safetensors, but it is in a\.safetensors"),
+    ("index-unnamed", r"b\.safetensors holds tensor model\.norm\.weight, which model\.safetensors\.index\.json "
+                      r"does not name"),
+    ("twice", r"tensor model\.norm\.weight is stored twice, in a\.safetensors and b\.safetensors"),
+    ("single-and-index", r"holds both model\.safetensors and model\.safetensors\.index\.json, which does not name it"),
+])
+def test_weights_the_decoder_would_compute_wrong_are_refused(tiny, tmp_path, damage, message):
+    """NaN or infinite weights (greedy decoding of NaN logits prints token 0 forever), and a sharded folder
+    whose index and shards disagree on where a tensor is, or which holds a tensor twice (the later copy
+    would win), or a model.safetensors beside an index that does not name it (transformers loads the one,
+    this loader the other): refused in one line naming the file and tensor."""
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    t = _tensors(folder)
+    names = sorted(t)
+    rest = [n for n in names if n != "model.norm.weight"]
+    if damage == "nan":
+        t["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+        _save(folder, t)
+    elif damage in ("inf", "bf16-inf"):
+        t["model.norm.weight"][7] = float("-inf")
+        if damage == "bf16-inf":
+            t["model.norm.weight"] = t["model.norm.weight"].bfloat16()
+        _save(folder, t)
+    elif damage == "index-names-absent":
+        _shard(folder, t, {"a.safetensors": names}, {**{n: "a.safetensors" for n in names},
+                                                     "model.layers.9.mlp.up_proj.weight": "a.safetensors"})
+    elif damage == "index-wrong-shard":
+        _shard(folder, t, {"a.safetensors": ["model.norm.weight", rest[0]], "b.safetensors": rest[1:]},
+               {**{n: "b.safetensors" for n in rest[1:]}, rest[0]: "a.safetensors", "model.norm.weight": "b.safetensors"})
+    elif damage == "index-unnamed":
+        _shard(folder, t, {"a.safetensors": rest[1:], "b.safetensors": ["model.norm.weight", rest[0]]},
+               {**{n: "a.safetensors" for n in rest[1:]}, rest[0]: "b.safetensors"})
+    elif damage == "twice":
+        _shard(folder, t, {"a.safetensors": names, "b.safetensors": ["model.norm.weight"]})
+    else:
+        _save(folder, {k: v * 0 for k, v in t.items()}, "other.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "other.safetensors"
+                                                                                        for n in names}}))
+    with pytest.raises(FlashgenError, match=message) as e:
+        load_weights(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_a_consistent_sharded_folder_loads_as_the_single_file(tiny, tmp_path):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    t = _tensors(folder)
+    names = sorted(t)
+    _shard(folder, t, {"a.safetensors": names[:5], "b.safetensors": names[5:]})
+    loaded = load_weights(folder)
+    assert loaded.keys() == t.keys() and all(torch.equal(loaded[k], t[k]) for k in t)
+
+
+@pytest.mark.parametrize("file,content,message", [
+    ("config.json", dict(eos_token_id=[2, 96]), r"config\.json: eos_token_id 96 is past the model's vocab_size of 96"),
+    ("generation_config.json", {"eos_token_id": 1000}, r"generation_config\.json: eos_token_id 1000 is past the "
+                                                      r"model's vocab_size of 96"),
+    ("generation_config.json", [1, 2], r"generation_config\.json is not a JSON object"),
+    ("generation_config.json", 7, r"generation_config\.json is not a JSON object"),
+])
+def test_eos_ids_the_model_cannot_produce_are_refused(tiny, tmp_path, file, content, message):
+    """An EOS id past the vocabulary never comes (generation would not stop where the folder says), and a
+    generation_config.json that is not an object would read as "no EOS ids"."""
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    if file == "config.json":
+        _edit(folder, **content)
+    else:
+        (folder / file).write_text(json.dumps(content))
+    with pytest.raises(FlashgenError, match=message) as e:
+        ModelConfig.from_folder(folder)
+    assert "\n" not in str(e.value)

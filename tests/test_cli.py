@@ -115,6 +115,22 @@ def test_unwritable_out(capsys, tmp_path):
     assert blocker.read_text() == "x"
 
 
+@pytest.mark.parametrize("where", ["out", "parent"])
+def test_a_read_only_out_is_refused_before_the_compile(capsys, tmp_path, monkeypatch, where):
+    """A folder that cannot be written (a read-only mount; root passes mode bits, so access(2) is
+    stubbed) is one line before any compile, not an OSError after it."""
+    import flashgen.paths
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(flashgen.paths.os, "access", lambda p, mode: False if str(p) == str(locked) else real(p, mode))
+    monkeypatch.setattr(flashgen, "compile", lambda *a, **k: pytest.fail("compiled into a folder it cannot write"))
+    out = locked if where == "out" else locked / "sub" / "o"
+    code, _, err = run_cli(capsys, "compile", "rmsnorm", "--dim", "M=1", "--dim", "N=8", "--target", "h200",
+                           "--out", str(out))
+    assert code == 2 and err == f"flashgen: error: --out {out}: the folder {locked} is not writable\n"
+
+
 def test_console_script_exit_code(tmp_path):
     """The installed entry point: a real process, exit code 2, no traceback."""
     env = {**os.environ, "FLASHGEN_CACHE_DIR": str(tmp_path)}

@@ -80,6 +80,17 @@ def test_requests_this_engine_cannot_serve_finish_with_their_reason(model):
     assert "exceeds the model's context" in eng.generate([[3] * 1020], SamplingParams(max_new_tokens=8))[0].error
 
 
+@pytest.mark.parametrize("params", [dict(temperature=1e-300), dict(temperature=5e-324),
+                                    dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-46),
+                                    dict(temperature=1e-300, top_k=3)])
+def test_extreme_valid_sampling_is_greedy_not_an_error(model, params):
+    """A temperature or top_p that `add` accepts but float32 rounds to 0 (1e-300 made the logits inf - inf
+    = NaN, and top_p 1e-300 kept no token: "sampling failed" for a valid request) samples as its limit
+    does: the greedy token."""
+    out = Engine(model, num_blocks=16).generate([PROMPTS[0]], SamplingParams(max_new_tokens=6, seed=5, **params))[0]
+    assert out.error == "" and out.output == solo(model, PROMPTS[0], 6)
+
+
 def test_a_request_failing_to_sample_fails_alone(model):
     """One request whose sampling raises in its prefill step (NaN temperature) and one in a later decode
     step (top_p 0: nothing to draw from), both past `add`'s checks: each fails with its reason, the

@@ -155,3 +155,14 @@ def test_cache_blocks_are_bounded_by_free_memory(folder, capsys, monkeypatch):
     # 2 layers x 100000 blocks x 16 tokens x 2 KV heads x 16 dims x 2 (k, v) x 4 bytes = 0.8 GB, plus the weights
     assert re.search(r"KV cache of 100000 blocks needs about 0\.8 GB, and cpu has 0\.1 GB free; pass fewer "
                      r"--cache-blocks", err), err
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("w1 \udcff w2", "--prompt is not UTF-8 text (byte 0xff at character 3)"),
+    ("\ud800", "--prompt is not UTF-8 text (character U+D800 at character 0)"),
+])
+def test_a_prompt_argument_not_utf8_is_one_line(folder, capsys, prompt, message):
+    """Bytes of another encoding reach Python's argv as lone surrogates, which the tokenizer raised on
+    (a TypeError traceback)."""
+    assert main(["generate", "--model", str(folder), "--prompt", prompt]) == 2
+    assert capsys.readouterr().err == f"flashgen: error: {message}\n"

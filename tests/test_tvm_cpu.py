@@ -218,6 +218,34 @@ def test_saved_kernel_reloads_and_runs(tmp_path):
         tvm_backend.launcher_from_binary(wl, other, binary)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("sha256"), "records no sha256 of rmsnorm_kernel.so, so nothing says the binary is whole"),
+    (lambda m: m.update(sha256="x"), "records no sha256 of rmsnorm_kernel.so"),
+    (lambda m: m["sha256"].pop("rmsnorm_kernel.so"), "records no sha256 of rmsnorm_kernel.so"),
+    (lambda m: m.pop("entry"), "the kernel JSON names no entry"),
+    (lambda m: m.pop("workload"), "the kernel JSON of rmsnorm_kernel records no workload"),
+    (lambda m: m["workload"]["dims"].update(N=128), 'was compiled for {"attrs": {"dtype": "fp32"}, "dims": {"M": 8, '
+                                                     '"N": 128}, "op": "rmsnorm"}, not for rmsnorm M=8 N=64'),
+    (lambda m: m["workload"]["attrs"].update(dtype="bf16"), "was compiled for .*bf16.*, not for rmsnorm"),
+    (lambda m: m.update(tools=None), "this kernel was built by TVM None"),
+    (lambda m: m.update(signature=[{"x": 1}]), "the kernel JSON's signature of rmsnorm_kernel is malformed"),
+    (lambda m: m.update(signature=3), "the kernel JSON's signature of rmsnorm_kernel is malformed"),
+])
+def test_a_saved_kernel_its_json_does_not_vouch_for_is_refused(tmp_path, edit, message):
+    """A JSON without the .so's sha256 let a cut-short binary load; another workload's JSON ran a kernel
+    whose dims are compiled in; malformed fields were KeyError/TypeError tracebacks: each is one line.
+    A row dim (M) other than the compiled one loads, as a call's would."""
+    wl = workload("rmsnorm", M=8, N=64, dtype="fp32")
+    kernel(wl).save(tmp_path)
+    meta = json.loads((tmp_path / "rmsnorm_kernel.json").read_text())
+    binary = (tmp_path / "rmsnorm_kernel.so").read_bytes()
+    tvm_backend.launcher_from_binary(wl.with_dims(M=3), meta, binary)
+    edit(meta)
+    with pytest.raises(FlashgenError, match=message) as e:
+        tvm_backend.launcher_from_binary(wl, meta, binary[:-100] if "sha256" in message else binary)
+    assert "\n" not in str(e.value)
+
+
 def _counting_compiles(monkeypatch) -> list:
     """Calls of TVM's compile from now on (the backend imports llvm.py's functions at each build)."""
     llvm, calls = sys.modules["flashgen.targets.tvm_backend.llvm"], []

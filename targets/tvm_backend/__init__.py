@@ -104,15 +104,43 @@ def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
 
 
 def launcher_from_binary(wl: Workload, metadata: Mapping[str, Any], binary: bytes) -> TVMLauncher:
-    """A launcher for a saved kernel: its metadata JSON and the bytes of its .so. A binary that is not
-    the one its JSON records, or one built by another TVM (whose calling convention it has), is refused."""
-    digest = metadata.get("sha256", {}).get(f"{metadata['entry']}.so")
-    if digest is not None and hashlib.sha256(binary).hexdigest() != digest:
-        raise FlashgenError(f"{metadata['entry']}.so does not match the sha256 its JSON records: "
+    """A launcher for a saved kernel: its metadata JSON and the bytes of its .so. A JSON that is not one
+    `Kernel.save` wrote for `wl` (another workload's: its dims are compiled in; one without the .so's
+    sha256: nothing then says the binary is whole), a binary that is not the one its JSON records, or
+    one built by another TVM (whose calling convention it has), is refused in one line."""
+    entry = metadata.get("entry") if isinstance(metadata, Mapping) else None
+    if not isinstance(entry, str) or not entry:
+        raise FlashgenError("the kernel JSON names no entry: it is not one `flashgen compile` wrote")
+    compiled = _compiled_in(metadata.get("workload"), wl)
+    if compiled is None:
+        raise FlashgenError(f"the kernel JSON of {entry} records no workload: it is not one `flashgen compile` wrote")
+    if compiled != _compiled_in(wl.to_json(), wl):
+        raise FlashgenError(f"the kernel {entry} was compiled for {json.dumps(metadata['workload'], sort_keys=True)}, "
+                            f"not for {wl}")
+    digests = metadata.get("sha256")
+    digest = digests.get(f"{entry}.so") if isinstance(digests, Mapping) else None
+    if not isinstance(digest, str):
+        raise FlashgenError(f"the kernel JSON records no sha256 of {entry}.so, so nothing says the binary is "
+                            "whole: compile it again")
+    if hashlib.sha256(binary).hexdigest() != digest:
+        raise FlashgenError(f"{entry}.so does not match the sha256 its JSON records: "
                             "it was changed or cut short since it was written")
-    built = metadata.get("tools", {}).get("tvm")
+    tools = metadata.get("tools")
+    built = tools.get("tvm") if isinstance(tools, Mapping) else None
     if built != tvm_version():
         raise FlashgenError(f"this kernel was built by TVM {built}, and this is TVM {tvm_version()}: "
                             "compile it again with this installation")
-    args = [Arg(**a) for a in metadata["signature"]]
-    return TVMLauncher(wl, args, load_library(binary, metadata["entry"]), metadata["entry"])
+    try:
+        args = [Arg(**a) for a in metadata["signature"]]
+    except (KeyError, TypeError) as e:
+        raise FlashgenError(f"the kernel JSON's signature of {entry} is malformed ({e})") from None
+    return TVMLauncher(wl, args, load_library(binary, entry), entry)
+
+
+def _compiled_in(form: Any, wl: Workload) -> Any:
+    """What of a workload's JSON a kernel has compiled in: its op, attrs and dims less the row dims (read
+    off the tensors at each call), so that a kernel is loaded for any row count and no other workload."""
+    if not isinstance(form, Mapping) or not isinstance(form.get("dims"), Mapping):
+        return None
+    return {"op": form.get("op"), "attrs": form.get("attrs"),
+            "dims": {k: v for k, v in form["dims"].items() if k not in wl.op.row_dims}}
