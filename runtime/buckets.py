@@ -16,6 +16,7 @@ from typing import Sequence, TypeVar
 from flashgen.db import Database
 from flashgen.db.record import Record
 from flashgen.db.shipped import TunedRecords, shipped_database
+from flashgen.schedules.record_check import unservable
 
 T = TypeVar("T")
 
@@ -45,9 +46,9 @@ def _state(path: Path) -> tuple:
 
 
 def best_records(db_path: str | os.PathLike | None, target_id: str) -> list[Record]:
-    """The best record of every workload on `target_id`: the user's database at `db_path` (if there is
-    one), then the shipped records for workloads it lacks; the database is read again only after its
-    file changed."""
+    """The best servable record of every workload on `target_id` (a stale top record gives way to the
+    workload's next, as in the exact lookup): the user's database at `db_path` (if there is one), then
+    the shipped records for workloads it lacks; the database is read again only after its file changed."""
     path = Path(db_path) if db_path is not None else None
     state = _state(path) if path is not None else (None, None)
     shipped = shipped_database()
@@ -57,7 +58,7 @@ def best_records(db_path: str | os.PathLike | None, target_id: str) -> list[Reco
         return hit[1]
     user = Database(path, readonly=True) if state[0] is not None else None
     try:
-        records = [rec for rec, _ in TunedRecords(user, shipped).best_all(target_id)]
+        records = [rec for rec, _ in TunedRecords(user, shipped).best_all(target_id, lambda r: unservable(r) is None)]
     finally:
         if user is not None:
             user.close()

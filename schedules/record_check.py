@@ -64,3 +64,13 @@ def stale_schedule(rec: Record) -> str | None:
     if target is None:
         return None
     return ScheduleSpace(Workload.from_json(rec.workload), target).why_invalid(rec.schedule)
+
+
+def unservable(rec: Record) -> str | None:
+    """Why dispatch never serves a stored record, or None: its schedule is stale, or its workload is one
+    today's flashgen refuses (its op changed since). `db best` and the bucket reads pass such records
+    over to the workload's next, as the exact lookup does."""
+    try:
+        return stale_schedule(rec)
+    except FlashgenError as e:
+        return f"workload: {e}"

@@ -97,6 +97,13 @@ def _read(path: Path) -> dict[str, Any]:
     return descriptor_check.check(path, spec)
 
 
+def _not_a_folder(d: Path) -> FlashgenError:
+    """Why a named target folder can't be read: a file given for the folder is told apart from a typo."""
+    if d.exists():
+        return FlashgenError(f"target folder {d} is a file, not a folder; name the folder that holds descriptor files")
+    return FlashgenError(f"target folder {d} does not exist")
+
+
 def load_targets(extra_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Target]:
     """Every device of every descriptor, by target id; each also answers to its aliases."""
     archs: dict[str, dict[str, Any]] = {}
@@ -104,7 +111,7 @@ def load_targets(extra_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Targ
     for d in _search_dirs(extra_dirs):
         if not d.is_dir():
             if d != BUILTIN:
-                raise FlashgenError(f"target folder {d} does not exist")
+                raise _not_a_folder(d)
             continue
         for path in sorted(d.glob("*.json")):
             spec = _read(path)

@@ -46,6 +46,7 @@ DEVICE_FIELDS = ("sm_count", "mem_bandwidth_gbs", "measured_copy_gbs", "peak_tfl
 TOP_FIELDS = (*ARCH_ONLY, "devices", "extends", *DEVICE_FIELDS)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a device name: no path separators, never "" or ".."
 KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")  # an architecture key: a name, "vendor:arch" by convention
+ARCH_NAME = re.compile(r"sm_[0-9]+|gfx[0-9a-f]+")  # what a key's last ":" part names when it names an arch
 
 
 def _fail(path: Path, field: str, why: str) -> FlashgenError:
@@ -87,6 +88,16 @@ def check_key(path: Path, key: Any) -> str:
     if not isinstance(key, str) or not KEY.fullmatch(key):
         raise _fail(path, "key", f"must be a name such as 'cuda:sm_89' (letters, digits, . _ - :), got {key!r}")
     return key
+
+
+def _key_arch(path: Path, spec: dict[str, Any]) -> None:
+    """A key that names an arch ("cuda:sm_89") names the file's own: records and cached kernels are filed
+    under the key, so "cuda:sm_89" over sm_86 builds would mix them with another install's true sm_89
+    ones. A key naming no arch ("cuda:sm_90-lab", "cpu") is free: a different build needs its own key."""
+    named = spec["key"].rpartition(":")[2]
+    if ARCH_NAME.fullmatch(named) and named != spec["arch"]:
+        raise _fail(path, "key", f"{spec['key']!r} names arch {named}, but the file's arch is {spec['arch']}; "
+                    "make them agree, or give a key whose last part names no arch")
 
 
 def _arch(path: Path, spec: dict[str, Any]) -> None:
@@ -144,6 +155,7 @@ def check(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
     vendor = _choice(path, "vendor", spec["vendor"], VENDORS)
     _choice(path, "backend", spec["backend"], VENDORS[vendor], f"of {vendor} targets ")
     _arch(path, spec)
+    _key_arch(path, spec)
     names = spec["dtypes"]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise _fail(path, "dtypes", f"must be a list of dtype names, got {names!r}")

@@ -194,6 +194,9 @@ PROBED = [  # (argv, the --workloads file's bytes or None, message); {w} is the 
     (["compile", *ONE, "--target", "cpu", "--schedule", "", "--out", "{w}.out"], None, "--schedule: not JSON"),
     (["compile", *ONE, "--target", "cpu", "--out", ""], None, "argument --out: must be a non-empty value, got ''"),
     (["db", "list", "--limit", "²", "--db", "{w}.db"], None, "argument --limit: must be a whole number of at least 1"),
+    (["targets", "--targets-dir", "{w}"], W.encode(), "w.jsonl is a file, not a folder"),
+    (["compile", *ONE, "--target", "cpu", "--targets-dir", "{w}", "--out", "{w}.out"], W.encode(),
+     "w.jsonl is a file, not a folder"),
 ]
 
 

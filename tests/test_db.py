@@ -139,6 +139,10 @@ def test_best_ignores_faster_failures(tmp_path: Path) -> None:
         assert [(r.workload_key, r.target_key, r.schedule["block"]) for r in db.best_all()] == [
             ("wk-other", "sm_90", 9), ("wk-rmsnorm", "gfx942", 7), ("wk-rmsnorm", "sm_90", 2)]
         assert [r.schedule["block"] for r in db.best_all("gfx942")] == [7]
+        not_2_nor_7 = lambda rec: rec.schedule["block"] not in (2, 7)  # noqa: E731
+        assert db.best("wk-rmsnorm", "sm_90", not_2_nor_7).schedule == {"block": 6}  # the next, in best's order
+        assert [(r.workload_key, r.target_key, r.schedule["block"]) for r in db.best_all(usable=not_2_nor_7)] == [
+            ("wk-other", "sm_90", 9), ("wk-rmsnorm", "sm_90", 6)]  # gfx942 has no other: not listed
         assert db.measured_schedule_keys("wk-rmsnorm", "sm_90") == {
             make(block=b).schedule_key for b in (1, 2, 3, 4, 5, 6)}
         assert [r.schedule["block"] for r in db.records(status="timeout")] == [4]
@@ -279,12 +283,17 @@ def run_cli(argv: list[str]) -> int:
     return args.func(args)
 
 
+def rows(block_c: int) -> dict[str, int]:
+    """A rowwise schedule today's space accepts for WORKLOAD on H200 and mi300x (`db best` serves no other)."""
+    return {"block_c": block_c, "block_r": 1, "num_warps": 1}
+
+
 def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db_path, other, log = str(tmp_path / "a.db"), str(tmp_path / "b.db"), str(tmp_path / "log.jsonl")
     with Database(db_path) as db:
-        db.add_many([make(9.0, block=1, target_key=H200), make(4.25, block=2, target_key=H200),
-                     make(1.0, status="wrong_result", block=3, target_key=H200),
-                     make(7.0, block=4, target_key="rocm:gfx942/mi300x")])
+        db.add_many([make(9.0, target_key=H200, **rows(256)), make(4.25, target_key=H200, **rows(512)),
+                     make(1.0, status="wrong_result", target_key=H200, **rows(1024)),
+                     make(7.0, target_key="rocm:gfx942/mi300x", **rows(2048))])
 
     assert run_cli(["db", "list", "--db", db_path]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -292,7 +301,7 @@ def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
                                 "schedule", "workload_key"]
     assert len(lines) == 5
     assert lines[1].split() == ["rmsnorm", "M=128,N=4096", H200, "ok", "9.00", "0.90", "alone",
-                                '{"block":1}', "wk-rmsnorm"]
+                                '{"block_c":256,"block_r":1,"num_warps":1}', "wk-rmsnorm"]
     assert lines[3].split()[3:5] == ["wrong_result", "1.00"]
 
     assert run_cli(["db", "list", "--db", db_path, "--target", "sm_90", "--status", "ok",
@@ -526,6 +535,35 @@ def test_db_target_takes_compile_names_and_refuses_unknown_ones(tmp_path, capsys
     assert "cpu/host" in capsys.readouterr().out
     assert main(["db", "list", "--db", str(path), "--target", "h900"]) == 2
     assert "unknown target" in capsys.readouterr().err
+
+
+def test_db_best_shows_what_dispatch_serves(tmp_path, capsys):
+    """`db best` passes over records whose schedules today's space refuses, as dispatch does, shows the
+    next valid one, and counts what it passed over (on the targets shown)."""
+    import flashgen
+    from flashgen.cli import main
+    from flashgen.compiler import choose_schedule
+    from flashgen.targets import get_target
+    wl, other = (flashgen.workload("rmsnorm", M=m, N=64, dtype="fp32") for m in (3, 5))
+    stale = {"block_r": 1, "block_c": 64, "num_warps": 3}  # num_warps=3: valid once, not today
+    valid = {"block_r": 2, "block_c": 64, "num_warps": 1}
+    renamed = {"op": "rmsnorm_v0", "dims": {"M": 3, "N": 64}, "attrs": {}}  # an op flashgen no longer has
+    lines = [_good_line(latency_us=1.0, schedule=stale), _good_line(latency_us=2.0, schedule=valid),
+             _good_line(latency_us=0.5, schedule=stale, dims={"M": 5, "N": 64}, workload_key=other.key),
+             _good_line(latency_us=0.5, workload=renamed, workload_key="rmsnorm_v0-0")]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    path = tmp_path / "t.db"
+    with Database(path) as db:
+        db.import_jsonl(tmp_path / "in.jsonl")
+    assert main(["db", "best", "--db", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [(row.split()[1], row.split()[4]) for row in out[1:-1]] == [("M=3,N=64", "2.00")]
+    assert out[-1].startswith("(3 stale records passed over: today's space refuses their schedules, so dispatch "
+                              "never serves them; first: num_warps=3 is not one of"), out[-1]
+    assert choose_schedule(wl, get_target("cpu"), path, None)[0] == valid
+    assert "database best" not in choose_schedule(other, get_target("cpu"), path, None)[1]
+    assert main(["db", "best", "--db", str(path), "--target", "h200"]) == 0
+    assert capsys.readouterr().out == "no records\n"
 
 
 def test_compile_serves_the_best_record_whose_schedule_is_still_valid(tmp_path):

@@ -226,6 +226,24 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     assert mixed == fallbacks | {"w4a16 linear (torch on the dequantized weight on cpu)"}
 
 
+def test_bucket_passes_over_a_stale_top_record(tmp_path):
+    """A bucket's fastest record whose schedule today's space refuses gives way to that workload's next
+    record, as the exact lookup does, instead of hiding the workload from every nearby M."""
+    h200 = get_target("h200")
+    db_path = tmp_path / "t.db"
+    stale = {"block_r": 4, "block_c": 1024, "num_warps": 3}  # num_warps=3: no space admits it today
+    valid = {"block_r": 4, "block_c": 1024, "num_warps": 4}
+    wl64 = flashgen.workload("rmsnorm", M=64, N=1000, dtype="bf16")
+    assert not ScheduleSpace(wl64, h200).is_valid(stale) and ScheduleSpace(wl64, h200).is_valid(valid)
+    with Database(db_path) as db:
+        _record(db, wl64, stale, 1.0)
+        _record(db, wl64, valid, 3.0)
+    d = Dispatcher(h200, db_path)
+    for m in (64, 40):
+        got = d.choose(flashgen.workload("rmsnorm", M=m, N=1000, dtype="bf16"), h200)
+        assert (got.source, got.schedule) == ("exact" if m == 64 else "bucket M=64", valid)
+
+
 def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
     """Decode records of one batch size tuned at several context capacities: a call takes the nearest
     capacity's schedule, whichever record the database lists first."""
@@ -258,9 +276,10 @@ def test_mixed_linears_read_the_database_once_per_state(tmp_path, monkeypatch):
     db_path, h200 = tmp_path / "t.db", "cuda:sm_90/h200"
     w4 = flashgen.workload("gemm_w4a16", M=16, N=1000, K=768, G=128, dtype="bf16")
     w8 = flashgen.workload("gemm_w8a8", M=16, N=1000, K=768, dtype="bf16")
+    s4, s8 = (ScheduleSpace(wl, get_target("h200")).default() for wl in (w4, w8))  # served: valid today
     with Database(db_path) as db:
-        _record(db, w4, {"s": 1}, 10.0)
-        _record(db, w8, {"s": 1}, 14.0)
+        _record(db, w4, s4, 10.0)
+        _record(db, w8, s8, 14.0)
     assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16, 1, 3, 16, 200)] == ["w4a16"] * 7
     assert len(reads) == 1
     d = Dispatcher(get_target("h200"), db_path)
@@ -268,7 +287,7 @@ def test_mixed_linears_read_the_database_once_per_state(tmp_path, monkeypatch):
         d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), get_target("h200"))
         assert len(reads) == 2
     with Database(db_path) as db:
-        _record(db, w8, {"s": 2}, 7.0)
+        _record(db, w8, {**s8, "num_stages": 3 if s8["num_stages"] != 3 else 2}, 7.0)
     assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16)] == ["w8a8"] * 3
     assert len(reads) == 3
 

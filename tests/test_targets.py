@@ -135,6 +135,12 @@ def _amd(**change):
                  id="4-device-dotdot"),
     pytest.param(_extends(devices={"x/y": H20}), "device name 'x/y'", "must be letters", id="4-extends-device-slash"),
     pytest.param(_bad(key="cuda/sm_89"), "key", "must be a name", id="4-key-slash"),
+    # 8: a key that names an arch names the file's: records and kernels are filed under it
+    pytest.param(_bad(key="cuda:sm_90"), "key", "'cuda:sm_90' names arch sm_90, but the file's arch is sm_89",
+                 id="8-key-sm_90-over-sm_89"),
+    pytest.param(_bad(key="sm_86"), "key", "names arch sm_86, but the file's arch is sm_89", id="8-bare-key"),
+    pytest.param(_amd(key="rocm:gfx90a"), "key", "names arch gfx90a, but the file's arch is gfx942",
+                 id="8-key-gfx90a-over-gfx942"),
     # 5: limits are positive numbers on a GPU; bool is no number
     pytest.param(_bad(smem_per_block=0), "smem_per_block", ">= 1, got 0", id="5-smem-zero"),
     pytest.param(_bad(regs_per_sm=-1), "regs_per_sm", ">= 1", id="5-regs-negative"),
@@ -166,6 +172,24 @@ def test_descriptor_faults_are_one_line_naming_file_and_field(tmp_path, broken, 
     text = str(e.value)
     assert text.startswith(f"target descriptor {tmp_path / 'bad.json'}") and "\n" not in text
     assert field in text and re.search(message, text), text
+
+
+def test_a_key_that_names_no_arch_is_free(tmp_path):
+    """A different build of an arch needs its own key; one naming no arch may say anything."""
+    for key in ("cuda:sm_89-lab", "lab", "cuda:l40s"):
+        (tmp_path / "l40s.json").write_text(_bad(key=key))
+        assert load_targets([tmp_path])[f"{key}/l40s"].arch == "sm_89"
+
+
+def test_a_file_given_for_a_target_folder_is_named_a_file(tmp_path, monkeypatch):
+    (tmp_path / "l40s.json").write_text(json.dumps(NEW_GPU))
+    with pytest.raises(FlashgenError, match=r"target folder .*l40s\.json is a file, not a folder"):
+        load_targets([tmp_path / "l40s.json"])
+    with pytest.raises(FlashgenError, match=r"target folder .*missing does not exist"):
+        load_targets([tmp_path / "missing"])
+    monkeypatch.setenv("FLASHGEN_TARGETS_PATH", str(tmp_path / "l40s.json"))
+    with pytest.raises(FlashgenError, match="is a file, not a folder"):
+        get_target("l40s")
 
 
 def test_every_accepted_arch_loads_with_what_it_implies(tmp_path):

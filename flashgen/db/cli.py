@@ -72,7 +72,7 @@ def _show(args: argparse.Namespace, database: Database) -> int:
         if len(shown) < len(records):
             print(f"({len(shown)} of {len(records)} records shown)")
     elif args.db_command == "best":
-        _print_records(_on(database.best_all(), args.target_ids))
+        _print_served(database, args.target_ids)
     elif args.db_command == "export":
         count = database.export_jsonl(args.file, force=args.force)
         print(f"exported {count} records from {database.path} to {args.file}")
@@ -94,6 +94,27 @@ def _show(args: argparse.Namespace, database: Database) -> int:
             print(f"{len(stale)} of the file's records have schedules today's space refuses (first: {stale[0]}): "
                   "kept as measurements for replays, never served")
     return 0
+
+
+def _print_served(database: Database, ids: set[str] | None) -> None:
+    """`best_all` as dispatch serves it: per workload and target, the first record whose schedule
+    today's space accepts (`unservable`), and a line counting the stale ones passed over."""
+    from flashgen.schedules.record_check import unservable  # spaces sit above the database
+
+    passed: dict[str, str] = {}  # content hash -> why (best_all may ask of one record twice)
+
+    def served(rec: Record) -> bool:
+        if ids is not None and rec.target_key not in ids:
+            return True  # not shown: no space to build
+        why = unservable(rec)
+        if why:
+            passed[rec.content_hash] = why
+        return why is None
+
+    _print_records(_on(database.best_all(usable=served), ids))
+    if passed:
+        print(f"({len(passed)} stale records passed over: today's space refuses their schedules, so dispatch "
+              f"never serves them; first: {next(iter(passed.values()))})")
 
 
 def _target_ids(name: str) -> set[str]:

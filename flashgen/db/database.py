@@ -18,6 +18,7 @@ from flashgen.errors import FlashgenError, reason
 from flashgen.paths import cache_dir
 
 FORMAT = "flashgen-tuning-db"
+Usable = Callable[[Record], bool]  # whether a best-of read may answer with a record
 MEMORY = ":memory:"  # a path that opens a private in-memory database (the shipped records' reader)
 SCHEMA_VERSION = 1
 _BUSY_TIMEOUT_S = 60.0
@@ -325,11 +326,11 @@ class Database:
     def count(self) -> int:
         return self._conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
 
-    def best(self, workload_key: str, target_key: str) -> Record | None:
+    def best(self, workload_key: str, target_key: str, usable: Usable = lambda rec: True) -> Record | None:
         """The fastest correct record, of those timed behind a producer where the workload has any (it
-        was tuned for the place it runs in), else of those timed alone; ties go to the earliest."""
-        ranked = self.ranked(workload_key, target_key)
-        return ranked[0] if ranked else None
+        was tuned for the place it runs in), else of those timed alone; ties go to the earliest. Of
+        those, the first `usable` accepts: dispatch passes over schedules today's space refuses."""
+        return next((rec for rec in self.ranked(workload_key, target_key) if usable(rec)), None)
 
     def ranked(self, workload_key: str, target_key: str) -> list[Record]:
         """Every correct record of the workload in `best`'s order, so a caller can serve the first whose
@@ -339,19 +340,19 @@ class Database:
             f"AND status = 'ok' ORDER BY {_PREFERRED}", (workload_key, target_key))
         return _records(rows, self.path)
 
-    def best_all(self, target_key: str | None = None) -> list[Record]:
+    def best_all(self, target_key: str | None = None, usable: Usable = lambda rec: True) -> list[Record]:
         """`best` of every (workload_key, target_key), sorted by those keys. Where a pair's first row is
-        damaged, `best` answers for it (skipping that row, with its warning): one bad row never hides the
-        workload's other records."""
+        damaged or not `usable`, `best` answers for it (skipping that row, a damaged one with its warning):
+        one bad row never hides the workload's other records."""
         clause, params = ("AND target_key = ?", (target_key,)) if target_key is not None else ("", ())
         rows = self._conn.execute(
             f"SELECT {_COLUMNS} FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY workload_key, "
             f"target_key ORDER BY {_PREFERRED}) AS place FROM records WHERE status = 'ok' "
             f"{clause}) WHERE place = 1 ORDER BY workload_key, target_key", params).fetchall()
-        best = {(r.workload_key, r.target_key): r for r in _records(rows, self.path, warn=False)}
+        best = {(r.workload_key, r.target_key): r for r in _records(rows, self.path, warn=False) if usable(r)}
         for row in rows:
             pair = (row[1], row[3])
-            if pair not in best and (rec := self.best(*pair)) is not None:
+            if pair not in best and (rec := self.best(*pair, usable)) is not None:
                 best[pair] = rec
         return [best[pair] for pair in sorted(best)]
 

@@ -94,16 +94,18 @@ class TunedRecords:
         """The first record in `Database.best`'s order that `usable` accepts (a schedule still valid in
         today's space): the user's where the user has one, else a shipped one."""
         for db, origin in self._sources():
-            rec = next((r for r in db.ranked(workload_key, target_key) if usable(r)), None)
+            rec = db.best(workload_key, target_key, usable)
             if rec is not None:
                 return rec, origin
         return None
 
-    def best_all(self, target_key: str | None = None) -> list[tuple[Record, str]]:
-        """The best record of every (workload, target) either source has, the user's where both do."""
+    def best_all(self, target_key: str | None = None,
+                 usable: Callable[[Record], bool] = lambda rec: True) -> list[tuple[Record, str]]:
+        """The best record `usable` accepts of every (workload, target) either source has, the user's
+        where both do."""
         out: dict[tuple[str, str], tuple[Record, str]] = {}
         for db, origin in self._sources():
-            for rec in db.best_all(target_key):
+            for rec in db.best_all(target_key, usable):
                 out.setdefault((rec.workload_key, rec.target_key), (rec, origin))
         return [out[k] for k in sorted(out)]
 
