@@ -17,8 +17,11 @@ from flashgen.errors import FlashgenError
 from flashgen.extras import require
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
+    from flashgen.runtime.engine import SamplingParams
     from flashgen.workload import Workload
 
 EXIT_USAGE = 2
@@ -320,26 +323,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from flashgen.runtime.tensor_parallel import check_gpus, check_tp
 
     check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
+    params = _sampling(args, Path(args.model))
     if args.tp > 1 and torch.cuda.is_available():
         check_gpus(args.tp, torch.cuda.device_count())
     if args.tp == 1:
-        _generate(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args, prompt_text)
+        _generate(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args, prompt_text, params)
     elif under_torchrun():
-        _generate(start_rank(args.tp), args, prompt_text)
+        _generate(start_rank(args.tp), args, prompt_text, params)
         stop_rank()
     else:
-        launch(args.tp, _generate, (args, prompt_text))
+        launch(args.tp, _generate, (args, prompt_text, params))
     return 0
 
 
-def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str) -> None:
+def _sampling(args: argparse.Namespace, folder: Path) -> SamplingParams:
+    """The request's sampling: each of --temperature, --top-k and --top-p where given, else the model
+    folder's generation_config.json setting (greedy unless it sets do_sample), else SamplingParams'
+    default. The file is checked even where every flag is given: a broken one is never half-read."""
+    from flashgen.runtime.engine import SamplingParams
+    from flashgen.runtime.model_config import sampling_defaults
+
+    given = {k: v for k in ("temperature", "top_k", "top_p") if (v := getattr(args, k)) is not None}
+    return SamplingParams(max_new_tokens=args.max_new_tokens, seed=args.seed, **{**sampling_defaults(folder), **given})
+
+
+def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, params: SamplingParams) -> None:
     """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints)."""
     import math
     from pathlib import Path
 
     import torch
 
-    from flashgen.runtime.engine import Engine, SamplingParams
+    from flashgen.runtime.engine import Engine
     from flashgen.runtime.memory import cache_bytes, check_fits
     from flashgen.runtime.model import Decoder
     from flashgen.runtime.tensor_parallel import ShardedDecoder, shard_config
@@ -359,8 +374,7 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str) 
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
     engine = Engine(model, num_blocks=args.cache_blocks, tp=args.tp)
     prompt = tok.encode(prompt_text).ids
-    rid = engine.add(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                            top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+    rid = engine.add(prompt, params)
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
     shown = ""
@@ -494,11 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     at_least = lambda low: lambda v: v >= low  # noqa: E731
     g.add_argument("--max-new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"), default=64)
     g.add_argument("--temperature", type=_checked(float, lambda v: 0 <= v < math.inf, "a finite number of at least 0"),
-                   default=0.0, help="0 (the default): greedy")
-    g.add_argument("--top-k", type=_checked(int, at_least(0), "an integer of at least 0"), default=0,
-                   help="sample from the k likeliest tokens (0, the default: all)")
-    g.add_argument("--top-p", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=1.0,
-                   help="sample from the likeliest tokens of this total probability (1, the default: all)")
+                   help="0: greedy (default: the model's generation_config.json if it sets do_sample, else 0)")
+    g.add_argument("--top-k", type=_checked(int, at_least(0), "an integer of at least 0"),
+                   help="sample from the k likeliest tokens (default: the model's generation_config.json, else 0: all)")
+    g.add_argument("--top-p", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                   help="sample from the likeliest tokens of this total probability (default: the model's "
+                        "generation_config.json, else 1: all)")
     g.add_argument("--seed", type=_SEED, default=0)
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
                    help="KV cache size in blocks of 16 tokens")

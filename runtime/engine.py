@@ -25,11 +25,13 @@ The engine never loses a request; each one ends in `finished` (taken out by `pop
   integer or lies outside the model's vocabulary. That is the caller's bug, and no engine could serve
   it. A well-formed request that this engine cannot serve (longer than the model's context or than the
   whole KV cache) is accepted and finished at once with its reason, so that it alone is refused.
-- In a step, an error that belongs to one request (its sampling) fails that request alone. One that
-  belongs to none (the forward or a replay raised) fails every request of the step with its reason
-  and frees their blocks; `step` then returns normally, so the engine keeps serving the waiting
-  requests and a serving loop needs no handler. Token ids are checked at `add` because an
-  out-of-vocabulary id on a GPU is a device-side assert, which no engine survives.
+- In a step, an error that belongs to one request fails that request alone: its sampling raised, or
+  its row of logits holds a NaN or +inf ("the logits at step N are NaN or inf", step 0 its prefill),
+  which would otherwise be read as some token (argmax of NaNs is 0). One that belongs to none (the
+  forward or a replay raised) fails every request of the step with its reason and frees their blocks;
+  `step` then returns normally, so the engine keeps serving the waiting requests and a serving loop
+  needs no handler. Token ids are checked at `add` because an out-of-vocabulary id on a GPU is a
+  device-side assert, which no engine survives.
 - `abort` finishes a waiting or running request with error "aborted".
 
 Split over tensor-parallel ranks (`tp`; runtime/tensor_parallel.py), every rank runs this engine on the
@@ -50,7 +52,7 @@ from numbers import Integral, Real
 import torch
 
 from flashgen.errors import FlashgenError, one_line
-from flashgen.runtime.graphs import DecodeGraphs, greedy
+from flashgen.runtime.graphs import NON_FINITE, DecodeGraphs, greedy
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.model import Batch, Decoder
 from flashgen.runtime.tensor_parallel import agree
@@ -140,7 +142,7 @@ class _Pending:
     """A replayed decode step whose tokens are on their way to the host: valid once `ready` has run
     (None: already there)."""
     reqs: list[Request]
-    tokens: torch.Tensor  # [len(reqs)] int64, pinned for a copy from a GPU
+    tokens: torch.Tensor  # [len(reqs)] int64 (NON_FINITE marks kept), pinned for a copy from a GPU
     ready: torch.cuda.Event | None
 
 
@@ -288,17 +290,18 @@ class Engine:
             if self.chain and all(r.params.temperature <= 0 for r in batch_reqs):
                 self.pending = self._pending(batch_reqs)
                 return
-            chosen = self.graphs.chosen(len(seqs)).tolist()
+            chosen = self.graphs.chosen(len(seqs))
         else:
             dev = self.model.device
             batch = Batch(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                           torch.tensor(slots, device=dev), seqs, lens, ctx)
             logits = self.model.forward(batch, self.cache)
-            chosen = greedy(logits).tolist()  # every row's, in one device-to-host copy
-        self._record(batch_reqs, chosen, logits)
+            chosen = greedy(logits)
+        self._record(batch_reqs, chosen.tolist(), logits)  # every row's, in one copy to the host
 
     def _pending(self, reqs: list[Request]) -> _Pending:
-        """The step just replayed for `reqs`, its greedy tokens copied to the host behind it."""
+        """The step just replayed for `reqs`, its greedy tokens (NON_FINITE marks kept) copied to the host
+        behind it."""
         chosen = self.graphs.chosen(len(reqs))
         gpu = chosen.is_cuda
         tokens = torch.empty(len(reqs), dtype=torch.int64, pin_memory=gpu)
@@ -321,9 +324,10 @@ class Engine:
         return self._pending(p.reqs)
 
     def _record(self, reqs: list[Request], chosen: list[int], logits: torch.Tensor | None) -> None:
-        """Append each request's token (greedy, or sampled from its row of `logits`: a sampling error
-        fails that request alone), retire the finished. A request already done gets no token: one
-        stopped in the step before this chained one (retired then) or aborted inside it (retired now)."""
+        """Append each request's token (greedy, or sampled from its row of `logits`: a sampling error or
+        a NON_FINITE mark in `chosen` fails that request alone), retire the finished. A request already
+        done gets no token: one stopped in the step before this chained one (retired then) or aborted
+        inside it (retired now)."""
         running = {r.id for r in self.running}
         sampled = any(not r.done and r.params.temperature > 0 for r in reqs)
         picks = self._picks(reqs, chosen, logits) if self.model.rank == 0 or not sampled else [None] * len(reqs)
@@ -341,12 +345,15 @@ class Engine:
 
     @staticmethod
     def _picks(reqs: list[Request], chosen: list[int], logits: torch.Tensor | None) -> list[int | str | None]:
-        """Each request's token (greedy, or sampled from its row of `logits`), why its sampling failed,
-        or None for a request already done."""
+        """Each request's token (greedy, or sampled from its row of `logits`), why it has none (its
+        logits are not finite, or its sampling failed), or None for a request already done."""
         picks: list[int | str | None] = []
         for i, (req, top) in enumerate(zip(reqs, chosen)):
             if req.done:
                 picks.append(None)
+            elif top == NON_FINITE:
+                n = len(req.output)
+                picks.append(f"the logits at step {n} (new token {n + 1}) are NaN or inf")
             elif req.params.temperature <= 0:
                 picks.append(top)
             else:

@@ -14,6 +14,8 @@ the host then only copies positions, slots and context lengths, which it knows i
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -30,15 +32,21 @@ def _chunk(vocab: int) -> int:
     return next(c for c in range(min(vocab, 1024), 0, -1) if vocab % c == 0)
 
 
+NON_FINITE = -1  # `greedy`'s token for a row whose logits hold a NaN or +inf
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its first highest logit, [rows] int64, as torch.argmax gives it, in two
     reductions (every chunk's max, then the best chunk): torch reduces one long row in a single block
-    (36 us for a 128k vocabulary on an H200), the chunks in many."""
+    (36 us for a 128k vocabulary on an H200), the chunks in many. A row whose logits hold a NaN or +inf
+    gets NON_FINITE instead of the 0 argmax would read from NaNs; the chunk maxima show both (max
+    propagates NaN), so the check reads [rows, vocab / chunk] values, not the logits again."""
     rows, vocab = logits.shape
     chunk = _chunk(vocab)
     best, at = logits.reshape(rows, vocab // chunk, chunk).max(-1)  # max(dim) returns the first maximum, too
     which = best.argmax(-1, keepdim=True)
-    return (at.gather(-1, which) + which * chunk).squeeze(-1)
+    tokens = (at.gather(-1, which) + which * chunk).squeeze(-1)
+    return tokens.masked_fill(~(best < math.inf).all(-1), NON_FINITE)  # (NaN < inf is false)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -73,6 +81,7 @@ class _Graph:
     inputs: torch.Tensor   # [4, input_columns(b)] int64: tokens, positions, slots, context lengths
     tables: torch.Tensor   # [b, width] int32
     logits: torch.Tensor   # [b, vocab]
+    chosen: torch.Tensor   # [b] int64: `greedy`'s tokens, NON_FINITE marks kept (the inputs hold them cleared)
     rows: tuple[tuple[int, int], ...] = ()  # (sequence, blocks) whose tables `tables` holds
 
 
@@ -110,8 +119,9 @@ class DecodeGraphs:
         return g.logits[:len(seqs)]
 
     def chosen(self, n: int) -> torch.Tensor:
-        """The greedy tokens [n] (int64, on the device) of the last replay of the bucket of n sequences."""
-        return self.graphs[bucket_for(n, self.sizes)].inputs[0, :n]
+        """The greedy tokens [n] (int64, on the device; NON_FINITE marks a row whose logits are not) of the
+        last replay of the bucket of n sequences."""
+        return self.graphs[bucket_for(n, self.sizes)].chosen[:n]
 
     def _capture(self, b: int) -> _Graph:
         """Capture the bucket's step over padding-only inputs, after a warm-up call of the same shapes
@@ -125,9 +135,10 @@ class DecodeGraphs:
             tokens, positions, slots, ctx = inputs[:, :b]
             batch = Batch(tokens, positions, slots, [], [1] * b, [], tables=tables, ctx_lens=ctx.to(torch.int32))
             logits = self.model.forward(batch, self.cache)
-            tokens.copy_(greedy(logits))  # the next step's tokens, for a replay with tokens=None
-            return logits
+            chosen = greedy(logits)
+            tokens.copy_(chosen.clamp(min=0))  # the next step's tokens (a replay with tokens=None): ids the embedding holds
+            return logits, chosen
 
-        graph, logits = cuda_graph(step, dev, self.pool)
-        self.graphs[b] = _Graph(graph, inputs, tables, logits)
+        graph, (logits, chosen) = cuda_graph(step, dev, self.pool)
+        self.graphs[b] = _Graph(graph, inputs, tables, logits, chosen)
         return self.graphs[b]

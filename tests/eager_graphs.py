@@ -14,6 +14,7 @@ class EagerGraphs:
     def __init__(self, model: Decoder, cache):
         self.model, self.cache = model, cache
         self.last: tuple[list[int], torch.Tensor] | None = None
+        self.picked: torch.Tensor | None = None  # the last step's greedy tokens, NON_FINITE marks kept
         self.chained = 0
         self.rows: dict[int, int] = {}  # decode rows computed per sequence
 
@@ -31,8 +32,9 @@ class EagerGraphs:
         batch = Batch(tokens, torch.tensor(positions), torch.tensor(slots), seqs, [1] * len(seqs),
                       [p + 1 for p in positions])
         logits = self.model.forward(batch, self.cache)
-        self.last = (list(seqs), greedy(logits))
+        self.picked = greedy(logits)
+        self.last = (list(seqs), self.picked.clamp(min=0))  # as the graph's inputs keep them: no NON_FINITE
         return logits
 
     def chosen(self, n: int) -> torch.Tensor:
-        return self.last[1][:n]
+        return self.picked[:n]

@@ -362,3 +362,21 @@ def test_eos_ids_the_model_cannot_produce_are_refused(tiny, tmp_path, file, cont
     with pytest.raises(FlashgenError, match=message) as e:
         ModelConfig.from_folder(folder)
     assert "\n" not in str(e.value)
+
+
+def test_sampling_defaults_read_generation_config_as_transformers_writes_it(tiny, tmp_path):
+    """A sampling folder's file (do_sample true) gives its settings; one transformers writes for greedy
+    decoding (no do_sample) gives no temperature, so generation stays greedy."""
+    import shutil
+
+    from flashgen.runtime.model_config import sampling_defaults
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20,
+                                  eos_token_id=[5, 9]).save_pretrained(folder)
+    assert sampling_defaults(folder) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert ModelConfig.from_folder(folder).eos_token_ids == (5, 9)
+    transformers.GenerationConfig(eos_token_id=5).save_pretrained(folder)
+    assert sampling_defaults(folder) == {}
+    (folder / "generation_config.json").unlink()
+    assert sampling_defaults(folder) == {}

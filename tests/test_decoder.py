@@ -167,6 +167,9 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
     import flashgen
     db = tmp_path / "t.db"
     from flashgen.db import Database
+    from flashgen.schedules.space import ScheduleSpace
+    from flashgen.targets import get_target
+    h200 = get_target("h200")
     with Database(db) as d:
         for op, m, lat in (("gemm_w4a16", 16, 10.0), ("gemm_w8a8", 16, 14.0), ("gemm_w4a8", 16, 11.0),
                            ("gemm_w4a16", 256, 40.0), ("gemm_w8a8", 256, 25.0), ("gemm_w4a8", 64, 14.0),
@@ -174,11 +177,13 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
             kw = {"G": 128} if op in ("gemm_w4a16", "gemm_w4a8") else {}
             wl = flashgen.workload(op, M=m, N=4096, K=4096, dtype="fp16", **kw)
             d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200",
-                         schedule={"s": 1}, status="ok", latency_us=lat, device="NVIDIA H200"))
+                         schedule=ScheduleSpace(wl, h200).default(), status="ok", latency_us=lat,
+                         device="NVIDIA H200"))  # a schedule today's space serves
         old = flashgen.workload("gemm_w4a16", M=256, N=4096, K=4096, G=128, dtype="fp16").to_json()
         del old["attrs"]["pack"]  # measured before the interleaved layout: another kernel, not counted
         d.add(Record(workload_key="gemm_w4a16-00000000000000ff", workload=old, target_key="cuda:sm_90/h200",
-                     schedule={"s": 1}, status="ok", latency_us=1.0, device="NVIDIA H200"))
+                     schedule=ScheduleSpace(flashgen.Workload.from_json(old), h200).default(), status="ok",
+                     latency_us=1.0, device="NVIDIA H200"))
     # each mode's latency at the call's M, from its records at other M (`latency_at`)
     assert choose(db, 4096, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # bandwidth-bound: 4-bit weights (10 / 14 / 11)
     assert choose(db, 4096, 4096, 64, "cuda:sm_90/h200") == "w4a8"      # 16 / 16.2 / 14, measured at M=64

@@ -1,7 +1,7 @@
 """The engine never loses a request: malformed requests are refused at `add` in one line; a request that
-fails in a step fails alone (sampling) or with its step (forward), its blocks freed; admission is first
-come, first served, so a long request is not starved; requests can be aborted; finished ones are handed
-over, not kept. On the CPU, tiny random Llama."""
+fails in a step fails alone (sampling, NaN/inf logits) or with its step (forward), its blocks freed;
+admission is first come, first served, so a long request is not starved; requests can be aborted;
+finished ones are handed over, not kept. On the CPU, tiny random Llama."""
 from __future__ import annotations
 
 import math
@@ -204,3 +204,60 @@ def test_finished_requests_are_handed_over_not_kept(model):
     run_out(eng)
     assert [r.id for r in eng.pop_finished()] == [refused, short, long]      # in the order they finished
     assert eng.pop_finished() == [] and not eng.finished
+
+
+def poison(monkeypatch, model: Decoder, seq: int, call: int, value: float) -> None:
+    """Make `model`'s forward number `call` (0: the next) put `value` in the logits of sequence `seq`
+    (NaN: the whole row; inf: one entry), as a model overflowing on that sequence would."""
+    forward, calls = model.forward, iter(range(1 << 30))
+
+    def poisoned(batch, cache, **kw):
+        logits = forward(batch, cache, **kw)
+        if next(calls) == call and seq in batch.seqs:
+            logits = logits.clone()
+            logits[batch.seqs.index(seq), 5 if math.isinf(value) else slice(None)] = value
+        return logits
+    monkeypatch.setattr(model, "forward", poisoned)
+
+
+@pytest.mark.parametrize("value, temperature", [(math.nan, 0.0), (math.inf, 0.0), (math.nan, 0.8), (math.inf, 0.8)])
+def test_non_finite_logits_fail_their_request_alone(model, monkeypatch, value, temperature):
+    """Greedy read a row of NaNs as token 0 and a row with an inf as that token, and sampling failed with
+    torch's message: the request fails naming the step, its tokens so far kept, and the requests batched
+    with it give their solo outputs."""
+    want = [solo(model, p, 6) for p in (PROMPTS[0], PROMPTS[2])]
+    eng = Engine(model, num_blocks=16)
+    ids = [eng.add(p, SamplingParams(max_new_tokens=6)) for p in (PROMPTS[0], PROMPTS[2])]
+    bad = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=6, temperature=temperature, seed=2))
+    poison(monkeypatch, model, bad, call=2, value=value)  # (call 0 is the prefill: step 2 of every request)
+    run_out(eng)
+    assert eng.finished[bad].error == "the logits at step 2 (new token 3) are NaN or inf"
+    assert len(eng.finished[bad].output) == 2
+    assert [eng.finished[i].output for i in ids] == want and not any(eng.finished[i].error for i in ids)
+    assert all_free(eng)
+
+
+def test_a_minus_inf_logit_is_a_token_never_drawn(model, monkeypatch):
+    """-inf is a logit of probability 0 (a masked token), not a fault: the request goes on as it would."""
+    want = solo(model, PROMPTS[1], 6)
+    eng = Engine(model, num_blocks=16)
+    rid = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=6))
+    poison(monkeypatch, model, rid, call=2, value=-math.inf)
+    run_out(eng)
+    assert not eng.finished[rid].error and eng.finished[rid].output == want
+
+
+def test_non_finite_logits_in_a_chained_step_fail_their_request(model, monkeypatch):
+    """A chained step's tokens reach the host without its logits: the mark travels with them."""
+    want = [solo(model, p, 10) for p in (PROMPTS[0], PROMPTS[2])]
+    eng = Engine(model, num_blocks=16)
+    eng.graphs = EagerGraphs(model, eng.cache)
+    ids = [eng.add(p, SamplingParams(max_new_tokens=10)) for p in (PROMPTS[0], PROMPTS[2])]
+    bad = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=10))
+    poison(monkeypatch, model, bad, call=4, value=math.nan)  # a replay with tokens=None (call 1 is the first replay)
+    run_out(eng)
+    assert eng.graphs.chained >= 3
+    assert eng.finished[bad].error == "the logits at step 4 (new token 5) are NaN or inf"
+    assert len(eng.finished[bad].output) == 4
+    assert [eng.finished[i].output for i in ids] == want and not any(eng.finished[i].error for i in ids)
+    assert all_free(eng)

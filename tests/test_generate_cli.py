@@ -1,10 +1,14 @@
 """`flashgen generate` and `flashgen bench-model` on the CPU: sampling ranges and prompt files are one
-line and exit 2 before a model loads; bench-model's defaults follow the device, and a run that would not
-fit in memory is refused with its estimate before anything is allocated."""
+line and exit 2 before a model loads; the folder's generation_config.json gives the sampling defaults
+and its tokenizer_config.json the BOS and EOS of a prompt, each checked; bench-model's defaults follow
+the device, and a run that would not fit in memory is refused with its estimate before anything is
+allocated."""
 from __future__ import annotations
 
 import io
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +170,115 @@ def test_a_prompt_argument_not_utf8_is_one_line(folder, capsys, prompt, message)
     (a TypeError traceback)."""
     assert main(["generate", "--model", str(folder), "--prompt", prompt]) == 2
     assert capsys.readouterr().err == f"flashgen: error: {message}\n"
+
+
+def _with_json(folder: Path, tmp_path: Path, name: str, content: object) -> Path:
+    """A copy of `folder` whose file `name` holds `content` (an object: merged into the file there)."""
+    m = _copy(folder, tmp_path)
+    if isinstance(content, dict) and (m / name).exists():
+        content = {**json.loads((m / name).read_text()), **content}
+    (m / name).write_text(json.dumps(content))
+    return m
+
+
+@pytest.fixture
+def added(monkeypatch):
+    """The (prompt, params) of every request `flashgen generate` adds to its engine."""
+    from flashgen.runtime.engine import Engine
+    seen, add = [], Engine.add
+
+    def recorded(self, prompt, params):
+        seen.append((prompt, params))
+        return add(self, prompt, params)
+    monkeypatch.setattr(Engine, "add", recorded)
+    return seen
+
+
+SAMPLES = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}
+
+
+@pytest.mark.parametrize("file, flags, want", [
+    (SAMPLES, [], (0.7, 5, 0.9)),
+    (SAMPLES, ["--temperature", "0"], (0.0, 5, 0.9)),                 # a flag wins: greedy
+    (SAMPLES, ["--top-k", "3", "--top-p", "1"], (0.7, 3, 1.0)),
+    ({**SAMPLES, "do_sample": False}, [], (0.0, 5, 0.9)),              # not sampling: greedy
+    ({"temperature": 0.7}, [], (0.0, 0, 1.0)),                         # do_sample absent: greedy
+    ({"temperature": 0.7}, ["--temperature", "0.5"], (0.5, 0, 1.0)),
+    ({"do_sample": True}, [], (1.0, 0, 1.0)),                          # transformers' temperature
+    ({"do_sample": True, "temperature": None, "top_k": None}, [], (1.0, 0, 1.0)),  # null: not set
+    ({}, [], (0.0, 0, 1.0)),
+])
+def test_generation_config_gives_the_sampling_defaults(folder, tmp_path, capsys, added, file, flags, want):
+    """The folder's temperature (where do_sample is true), top_k and top_p, unless a flag says otherwise;
+    they were ignored, so a folder meant to sample decoded greedily."""
+    m = _with_json(folder, tmp_path, "generation_config.json", file)
+    assert main(["generate", "--model", str(m), "--prompt", "w1 w2", "--max-new-tokens", "2", *flags]) == 0
+    (_, p), = added
+    assert (p.temperature, p.top_k, p.top_p) == want
+    assert len(capsys.readouterr().out.split()) == 2
+
+
+@pytest.mark.parametrize("file, message", [
+    ({"temperature": -1}, ": temperature must be a finite number >= 0, got -1"),
+    ({"temperature": float("nan")}, ": temperature must be a finite number >= 0, got nan"),
+    ({"temperature": float("inf")}, ": temperature must be a finite number >= 0, got inf"),
+    ({"temperature": "0.7"}, ": temperature must be a finite number >= 0, got '0.7'"),
+    ({"top_p": 0}, ": top_p must be a number in (0, 1], got 0"),
+    ({"top_p": 1.5}, ": top_p must be a number in (0, 1], got 1.5"),
+    ({"top_k": 2.5}, ": top_k must be an integer >= 0, got 2.5"),
+    ({"top_k": -1}, ": top_k must be an integer >= 0, got -1"),
+    ({"top_k": True}, ": top_k must be an integer >= 0, got True"),
+    ({"do_sample": "true"}, ": do_sample must be true or false, got 'true'"),
+    ({"do_sample": 1}, ": do_sample must be true or false, got 1"),
+    ([1, 2], " is not a JSON object"),
+])
+def test_bad_generation_config_sampling_is_one_line(folder, tmp_path, capsys, added, file, message):
+    """Refused naming the file and key before the model loads, even where flags override every value."""
+    m = _with_json(folder, tmp_path, "generation_config.json", file)
+    assert main(["generate", "--model", str(m), "--prompt", "w1", "--temperature", "0.5", "--top-k", "1",
+                 "--top-p", "1"]) == 2
+    assert capsys.readouterr().err == f"flashgen: error: {m / 'generation_config.json'}{message}\n"
+    assert not added
+
+
+def _bos_template(m: Path) -> None:
+    """Make `m`'s tokenizer.json add w1 as a BOS in front of every prompt, as Llama's do with <s>."""
+    from tokenizers import Tokenizer, processors
+    tok = Tokenizer.from_file(str(m / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="w1 $A", special_tokens=[("w1", 1)])
+    tok.save(str(m / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("template, config, want", [
+    (False, {"add_bos_token": True, "bos_token": "w1"}, [1, 5, 6]),
+    (True, {"add_bos_token": True, "bos_token": {"content": "w1", "special": True}}, [1, 5, 6]),  # one, not two
+    (True, {"add_bos_token": False}, [5, 6]),
+    (True, {"add_eos_token": True, "eos_token": "w2"}, [5, 6, 2]),  # (add_bos_token absent: false)
+    (False, {"add_bos_token": True, "add_eos_token": True, "bos_token": "w1", "eos_token": "w2"}, [1, 5, 6, 2]),
+    (True, {"add_bos_token": None, "bos_token": "w3"}, [1, 5, 6]),  # neither flag set: tokenizer.json's own
+    (True, None, [1, 5, 6]),
+    (False, None, [5, 6]),
+])
+def test_tokenizer_config_decides_bos_and_eos(folder, tmp_path, added, template, config, want):
+    """tokenizer_config.json's add_bos_token / add_eos_token replace what tokenizer.json's post-processor
+    adds, as transformers reads them; they were ignored, so a prompt could lack the BOS the model was
+    trained with (or hold one it was not)."""
+    m = _with_json(folder, tmp_path, "tokenizer_config.json", config) if config is not None else _copy(folder, tmp_path)
+    if template:
+        _bos_template(m)
+    assert main(["generate", "--model", str(m), "--prompt", "w5 w6", "--max-new-tokens", "1"]) == 0
+    assert added[0][0] == want
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"add_bos_token": "true", "bos_token": "w1"}, "add_bos_token must be true or false, got 'true'"),
+    ({"add_eos_token": 1, "eos_token": "w2"}, "add_eos_token must be true or false, got 1"),
+    ({"add_bos_token": True}, "add_bos_token is true, but bos_token names no token (got None)"),
+    ({"add_bos_token": True, "bos_token": {"special": True}}, "add_bos_token is true, but bos_token names no token"),
+    ({"add_bos_token": True, "bos_token": "<s>"}, "bos_token '<s>' is not a token of tokenizer.json"),
+])
+def test_bad_tokenizer_config_is_one_line(folder, tmp_path, capsys, config, message):
+    m = _with_json(folder, tmp_path, "tokenizer_config.json", config)
+    assert main(["generate", "--model", str(m), "--prompt", "w1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flashgen: error: {m / 'tokenizer_config.json'}: {message}") and err.count("\n") == 1, err

@@ -2,6 +2,8 @@
 dispatch by shape (exact record, nearest tuned bucket, default) and warm starts that compile nothing."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -327,13 +329,17 @@ def test_decode_graph_buckets_and_padding():
 def test_greedy_is_argmax_with_first_index_on_ties(vocab):
     """The two-reduction greedy choice against torch.argmax on fresh random rows, bf16 (many ties among
     the top values), a prime vocabulary (chunks of one) and a row whose maximum repeats in other chunks."""
-    from flashgen.runtime.graphs import greedy
+    from flashgen.runtime.graphs import NON_FINITE, greedy
     g = torch.Generator().manual_seed(vocab)
     for rows in (1, 3, 64):
         x = (torch.randn(rows, vocab, generator=g) * 4).to(torch.bfloat16)
         x[0, vocab // 3] = x[0, vocab - 1] = x[0, 1] = x[0].max() + 1  # ties across chunks: the first wins
         assert torch.equal(greedy(x), x.argmax(-1)), rows
         assert greedy(x).dtype == torch.int64 and greedy(x)[0] == 1
+        if rows == 3:  # a NaN anywhere or a +inf marks its row; a -inf is a token never chosen
+            y = x.clone()
+            y[0, vocab - 2], y[1, 7 % vocab], y[2, 0] = math.nan, math.inf, -math.inf
+            assert greedy(y).tolist() == [NON_FINITE, NON_FINITE, x[2].argmax().item()]
 
 
 def test_pad_block_is_never_handed_out_and_pads_tables():
