@@ -645,6 +645,31 @@ def test_decoder_cuda_graphs_match_eager():
     assert [o[:len(s)] for o, s in zip(whole[0], stopped[0])] == stopped[0] and len(stopped[0][1]) <= 5
 
 
+def test_nan_logits_in_replayed_steps_fail_their_requests():
+    """Logits that turn NaN inside chained steps replayed from CUDA graphs (the lm_head poisoned in place,
+    as an overflow would) fail every request naming the step, instead of decoding token 0 on; the
+    chained inputs stay valid ids (no device-side assert), and the blocks are freed."""
+    from flashgen.runtime.bench import CONFIGS, random_weights
+    from flashgen.runtime.engine import Engine, SamplingParams
+    from flashgen.runtime.model import Decoder
+    c = CONFIGS["tiny"]
+    model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
+    eng = Engine(model, num_blocks=64, cuda_graphs=True)
+    ids = [eng.add(p, SamplingParams(max_new_tokens=12)) for p in ([1, 2, 3] * 5, [9] * 7)]
+    for _ in range(4):
+        eng.step()
+    assert eng.graphs.graphs and all(len(r.output) >= 2 for r in eng.running)
+    model.lm_head[5] = float("nan")  # every row's logit of token 5, from the next replay on
+    while eng.running or eng.waiting:
+        eng.step()
+    for i in ids:
+        r = eng.finished[i]
+        assert r.error.startswith("the logits at step ") and r.error.endswith(" are NaN or inf"), r.error
+        assert 2 <= len(r.output) < 12
+    m = eng.cache.manager  # every block but the graphs' pad block is free again
+    assert sorted(m.free) + [m.pad] == list(range(len(eng.cache.k[0]))) and not m.tables
+
+
 @pytest.mark.parametrize("mode", ["w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed"])
 def test_quantized_linear_on_gpu(mode):
     """A layer quantized on the GPU (no dequantized copy kept there) against the same weight quantized
