@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flashgen.errors import FlashgenError
@@ -323,38 +324,53 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from flashgen.runtime.tensor_parallel import check_gpus, check_tp
 
     check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
-    params = _sampling(args, Path(args.model))
+    params, cap = _sampling(args, Path(args.model))
     if args.tp > 1 and torch.cuda.is_available():
         check_gpus(args.tp, torch.cuda.device_count())
     if args.tp == 1:
-        _generate(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args, prompt_text, params)
+        _generate(torch.device("cuda" if torch.cuda.is_available() else "cpu"), args, prompt_text, params, cap)
     elif under_torchrun():
-        _generate(start_rank(args.tp), args, prompt_text, params)
+        _generate(start_rank(args.tp), args, prompt_text, params, cap)
         stop_rank()
     else:
-        launch(args.tp, _generate, (args, prompt_text, params))
+        launch(args.tp, _generate, (args, prompt_text, params, cap))
     return 0
 
 
-def _sampling(args: argparse.Namespace, folder: Path) -> SamplingParams:
-    """The request's sampling: each of --temperature, --top-k and --top-p where given, else the model
-    folder's generation_config.json setting (greedy unless it sets do_sample), else SamplingParams'
-    default. The file is checked even where every flag is given: a broken one is never half-read."""
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+DEFAULT_NEW_TOKENS = 64
+
+
+def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, int | None]:
+    """The request's decoding: each flag where given, else the model folder's generation_config.json
+    setting (runtime/generation_config.py), else SamplingParams' default; and the file's max_length, the
+    cap on prompt + new tokens where neither --max-new-tokens nor the file's max_new_tokens says how
+    many (None: no cap). The file is checked even where every flag is given: a broken one is never
+    half-read."""
     from flashgen.runtime.engine import SamplingParams
-    from flashgen.runtime.model_config import sampling_defaults
+    from flashgen.runtime.generation_config import generation_defaults
 
-    given = {k: v for k in ("temperature", "top_k", "top_p") if (v := getattr(args, k)) is not None}
-    return SamplingParams(max_new_tokens=args.max_new_tokens, seed=args.seed, **{**sampling_defaults(folder), **given})
+    defaults = generation_defaults(folder)
+    cap = defaults.pop("max_length", None)
+    if args.max_new_tokens is not None or "max_new_tokens" in defaults:
+        cap = None
+    n = args.max_new_tokens or defaults.pop("max_new_tokens", DEFAULT_NEW_TOKENS)
+    defaults.pop("max_new_tokens", None)
+    given = {k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None}
+    return SamplingParams(max_new_tokens=n, seed=args.seed, **{**defaults, **given}), cap
 
 
-def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, params: SamplingParams) -> None:
-    """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints)."""
+def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, params: SamplingParams,
+              cap: int | None) -> None:
+    """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints);
+    `cap`: generation_config.json's max_length where it bounds the new tokens (`_sampling`)."""
     import math
     from pathlib import Path
 
     import torch
 
     from flashgen.runtime.engine import Engine
+    from flashgen.runtime.generation_config import within_max_length
     from flashgen.runtime.memory import cache_bytes, check_fits
     from flashgen.runtime.model import Decoder
     from flashgen.runtime.tensor_parallel import ShardedDecoder, shard_config
@@ -374,7 +390,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
     engine = Engine(model, num_blocks=args.cache_blocks, tp=args.tp)
     prompt = tok.encode(prompt_text).ids
-    rid = engine.add(prompt, params)
+    n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
+    rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
     shown = ""
@@ -506,14 +523,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read the prompt from this UTF-8 file ('-': standard input), for prompts longer than "
                              "an argument can carry; a final newline is not part of it")
     at_least = lambda low: lambda v: v >= low  # noqa: E731
-    g.add_argument("--max-new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"), default=64)
+    g.add_argument("--max-new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"),
+                   help=f"(default: the model's generation_config.json max_new_tokens, else {DEFAULT_NEW_TOKENS} "
+                        "within its max_length)")
     g.add_argument("--temperature", type=_checked(float, lambda v: 0 <= v < math.inf, "a finite number of at least 0"),
                    help="0: greedy (default: the model's generation_config.json if it sets do_sample, else 0)")
     g.add_argument("--top-k", type=_checked(int, at_least(0), "an integer of at least 0"),
-                   help="sample from the k likeliest tokens (default: the model's generation_config.json, else 0: all)")
+                   help="sample from the k likeliest tokens, 0: all (default: the model's generation_config.json, "
+                        "else 50, as transformers)")
     g.add_argument("--top-p", type=_checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                    help="sample from the likeliest tokens of this total probability (default: the model's "
                         "generation_config.json, else 1: all)")
+    g.add_argument("--min-p", type=_checked(float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+                   help="drop tokens less likely than this times the likeliest (default: the model's "
+                        "generation_config.json, else 0: none)")
+    g.add_argument("--repetition-penalty", type=_checked(float, lambda v: 0 < v < math.inf, "a finite number above 0"),
+                   help="divide the positive logits of tokens already in the prompt or output by this, multiply "
+                        "the negative ones, greedy or sampling (default: the model's generation_config.json, "
+                        "else 1: none)")
     g.add_argument("--seed", type=_SEED, default=0)
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
                    help="KV cache size in blocks of 16 tokens")

@@ -2,17 +2,19 @@
 prefills of newly admitted requests and one decode token of every running one.
 
 A request is admitted when the cache can hold its prompt plus its remaining new tokens; one that could
-never fit is refused with a clear error, and the others go on unharmed. Sampling is greedy
-(temperature 0) or by temperature, top-k and top-p, with a per-request seed; a request ends at a stop
-token (by default the model's EOS ids) or after max_new_tokens. On a GPU, steps in which every sequence brings one token replay CUDA
-graphs (runtime/graphs.py); steps with prefills run eagerly.
+never fit is refused with a clear error, and the others go on unharmed. Sampling is greedy (temperature
+0) or by temperature, top-k, top-p and min-p, with a per-request seed, either after a repetition
+penalty, all as transformers applies them (`distribution`); a request ends at a stop token (by default
+the model's EOS ids) or after max_new_tokens. On a GPU, steps in which every sequence brings one token
+replay CUDA graphs (runtime/graphs.py); steps with prefills run eagerly.
 
-When every request of a replayed step is greedy, the engine does not wait for its tokens: the step stays
-pending, and the next `step` call first replays the step after it (same sequences, the tokens the graph
-chose, still on the device) and only then reads the pending step's tokens, so the GPU never idles while
-the host does its bookkeeping. A step is chained only while no request waits to join and none reaches
-max_new_tokens; a request that meets a stop token in a pending step has one more token computed, and
-discarded (its cache blocks are still its own when that step runs: the stream orders every later use).
+When every request of a replayed step is plain greedy (no repetition penalty), the engine does not wait
+for its tokens: the step stays pending, and the next `step` call first replays the step after it (same
+sequences, the tokens the graph chose, still on the device) and only then reads the pending step's
+tokens, so the GPU never idles while the host does its bookkeeping. A step is chained only while no
+request waits to join and none reaches max_new_tokens; a request that meets a stop token in a pending
+step has one more token computed, and discarded (its cache blocks are still its own when that step
+runs: the stream orders every later use).
 
 Requests are admitted first come, first served: a waiting request that does not fit yet holds back those
 that came after it, so a long one is admitted once the running requests before it have finished, not
@@ -35,9 +37,10 @@ The engine never loses a request; each one ends in `finished` (taken out by `pop
 - `abort` finishes a waiting or running request with error "aborted".
 
 Split over tensor-parallel ranks (`tp`; runtime/tensor_parallel.py), every rank runs this engine on the
-same requests, so admission, block tables and chaining agree without a message. Greedy tokens need
-none either: every rank's logits are the same all-gathered bytes, so its argmax is rank 0's (and a
-chained step's replay is not held up). A step that samples takes rank 0's tokens, broadcast. A step
+same requests, so admission, block tables and chaining agree without a message. Plain greedy tokens
+need none either: every rank's logits are the same all-gathered bytes, so its argmax is rank 0's (and a
+chained step's replay is not held up). A step that samples (or penalizes) takes rank 0's tokens,
+broadcast. A step
 that fails on one rank cannot go on on the others, so under `tp` it raises (FlashgenError, one line)
 after failing its requests, and the group stops.
 """
@@ -64,8 +67,16 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int = 0
     stop_tokens: tuple[int, ...] | None = None  # None: the model's EOS ids (config.json, generation_config.json)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the token is the argmax of the raw logits, which the step's graph picks itself (no
+        logits need reach the host)."""
+        return self.temperature <= 0 and self.repetition_penalty == 1.0
 
 
 def _is_int(x: object) -> bool:
@@ -86,6 +97,10 @@ def check_request(prompt: list[int], p: SamplingParams, vocab_size: int) -> None
         raise FlashgenError(f"top_p must be in (0, 1], got {p.top_p!r}")
     if not (_is_int(p.top_k) and p.top_k >= 0):
         raise FlashgenError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+    if not (_is_real(p.min_p) and 0 <= p.min_p <= 1):
+        raise FlashgenError(f"min_p must be in [0, 1], got {p.min_p!r}")
+    if not (_is_real(p.repetition_penalty) and 0 < p.repetition_penalty < math.inf):
+        raise FlashgenError(f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty!r}")
     if not (_is_int(p.max_new_tokens) and p.max_new_tokens >= 1):
         raise FlashgenError(f"max_new_tokens must be an integer >= 1, got {p.max_new_tokens!r}")
     if not (_is_int(p.seed) and 0 <= p.seed < 2 ** 63):
@@ -119,12 +134,21 @@ class Request:
             (bool(self.output) and self.output[-1] in self.params.stop_tokens)
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """A token drawn at temperature p.temperature > 0 (greedy rows are picked in `Engine._record`). The
-    largest logit is subtracted before dividing, in float64, so a tiny temperature tends to greedy
-    instead of overflowing to inf - inf = NaN, and any top_p > 0 keeps the likeliest token (float32
-    rounds a temperature or top_p of 1e-300 to 0)."""
+def distribution(logits: torch.Tensor, p: SamplingParams, seen: list[int]) -> torch.Tensor:
+    """The float64 probabilities a request's next token is drawn from, processed in transformers' order:
+    the repetition penalty on every token in `seen` (prompt and output; a positive logit divided by it, a
+    negative one multiplied), then temperature, top-k, top-p and min-p. At temperature 0 (greedy after a
+    penalty) all the mass is on the penalized argmax. The largest logit is subtracted before dividing, in
+    float64, so a tiny temperature tends to greedy instead of overflowing to inf - inf = NaN, and any
+    top_p > 0 keeps the likeliest token (float32 rounds a temperature or top_p of 1e-300 to 0)."""
     logits = logits.double()
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(seen, device=logits.device).unique()
+        hit = logits[ids]
+        logits = logits.index_copy(0, ids, torch.where(hit < 0, hit * p.repetition_penalty,
+                                                         hit / p.repetition_penalty))
+    if p.temperature <= 0:
+        return torch.zeros_like(logits).index_fill(0, logits.argmax().view(1), 1.0)
     logits = (logits - logits.max()) / p.temperature
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -134,6 +158,16 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int
         sorted_p, idx = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < p.top_p
         probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+    if p.min_p > 0:  # (relative to the likeliest token, which every filter before keeps)
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator, seen: list[int]) -> int:
+    """A token drawn from `distribution` (plain greedy rows are picked in the step's graph instead)."""
+    probs = distribution(logits, p, seen)
+    if p.temperature <= 0:
+        return int(probs.argmax())
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
@@ -287,7 +321,7 @@ class Engine:
         seqs = [r.id for r in batch_reqs]
         if self.graphs is not None and len(tokens) == len(seqs) and self.graphs.fits(len(seqs)):
             logits = self.graphs.run(seqs, tokens, positions, slots)
-            if self.chain and all(r.params.temperature <= 0 for r in batch_reqs):
+            if self.chain and all(r.params.plain_greedy for r in batch_reqs):
                 self.pending = self._pending(batch_reqs)
                 return
             chosen = self.graphs.chosen(len(seqs))
@@ -329,7 +363,7 @@ class Engine:
         done gets no token: one stopped in the step before this chained one (retired then) or aborted
         inside it (retired now)."""
         running = {r.id for r in self.running}
-        sampled = any(not r.done and r.params.temperature > 0 for r in reqs)
+        sampled = any(not r.done and not r.params.plain_greedy for r in reqs)
         picks = self._picks(reqs, chosen, logits) if self.model.rank == 0 or not sampled else [None] * len(reqs)
         if self.model.tp > 1 and sampled:  # (greedy tokens need no message: module docstring)
             picks = agree(picks, self.model)
@@ -354,11 +388,11 @@ class Engine:
             elif top == NON_FINITE:
                 n = len(req.output)
                 picks.append(f"the logits at step {n} (new token {n + 1}) are NaN or inf")
-            elif req.params.temperature <= 0:
+            elif req.params.plain_greedy:
                 picks.append(top)
             else:
                 try:
-                    picks.append(sample(logits[i], req.params, req.generator))
+                    picks.append(sample(logits[i], req.params, req.generator, req.tokens))
                 except Exception as e:
                     picks.append(f"sampling failed: {one_line(e)}")
         return picks

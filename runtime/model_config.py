@@ -5,8 +5,8 @@ Every key that changes what the model computes is either computed (RoPE scaling 
 biases, an explicit head_dim, tied embeddings, sliding windows per layer, EOS ids, experts and their
 routing) or refused in one
 line naming it: a folder never loads to compute something other than what its config says. Sizes and
-ranges are checked before anything is allocated from them. generation_config.json adds EOS ids and the
-defaults of sampling (`sampling_defaults`), checked as strictly.
+ranges are checked before anything is allocated from them. generation_config.json adds EOS ids (its
+decoding settings: runtime/generation_config.py).
 """
 from __future__ import annotations
 
@@ -249,36 +249,6 @@ def json_object(path: Path) -> dict:
 def _generation_eos(folder: Path) -> tuple[int, ...]:
     path = folder / "generation_config.json"
     return _eos(json_object(path).get("eos_token_id"), str(path))
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-SAMPLING_KEYS = {  # generation_config.json key: (whether a value is valid, what it must be)
-    "temperature": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0"),
-    "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-}
-
-
-def sampling_defaults(folder: str | Path) -> dict[str, Any]:
-    """generation_config.json's sampling settings, as SamplingParams fields (runtime/engine.py), each
-    checked. top_k and top_p are taken as given; the temperature only where do_sample is true (1.0 where
-    it gives none, as transformers samples), so a folder that does not sample decodes greedily."""
-    path = Path(folder) / "generation_config.json"
-    g = json_object(path)
-    found = {}
-    for key, (valid, must) in SAMPLING_KEYS.items():
-        if g.get(key) is not None:
-            if not valid(g[key]):
-                raise _fail(path, key, f"must be {must}, got {g[key]!r}")
-            found[key] = g[key]
-    if _bool(g, "do_sample", path):
-        found.setdefault("temperature", 1.0)
-    else:
-        found.pop("temperature", None)
-    return found
 
 
 def _eos_in_vocab(ids: tuple[int, ...], vocab_size: int, where: Path) -> tuple[int, ...]:

@@ -364,19 +364,24 @@ def test_eos_ids_the_model_cannot_produce_are_refused(tiny, tmp_path, file, cont
     assert "\n" not in str(e.value)
 
 
-def test_sampling_defaults_read_generation_config_as_transformers_writes_it(tiny, tmp_path):
+def test_generation_defaults_read_generation_config_as_transformers_writes_it(tiny, tmp_path):
     """A sampling folder's file (do_sample true) gives its settings; one transformers writes for greedy
-    decoding (no do_sample) gives no temperature, so generation stays greedy."""
+    decoding (no do_sample) gives no temperature, so generation stays greedy, and transformers' top-k of
+    50 for a user who samples all the same."""
     import shutil
 
-    from flashgen.runtime.model_config import sampling_defaults
+    from flashgen.runtime.generation_config import generation_defaults
     folder = tmp_path / "m"
     shutil.copytree(tiny, folder)
-    transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20,
-                                  eos_token_id=[5, 9]).save_pretrained(folder)
-    assert sampling_defaults(folder) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, min_p=0.02,
+                                  repetition_penalty=1.05, max_length=4096, eos_token_id=[5, 9]).save_pretrained(folder)
+    assert generation_defaults(folder) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.02,
+                                           "repetition_penalty": 1.05, "max_length": 4096}
     assert ModelConfig.from_folder(folder).eos_token_ids == (5, 9)
     transformers.GenerationConfig(eos_token_id=5).save_pretrained(folder)
-    assert sampling_defaults(folder) == {}
+    assert generation_defaults(folder) == {"top_k": 50}
+    transformers.GenerationConfig(num_beams=3, eos_token_id=5).save_pretrained(folder)
+    with pytest.raises(FlashgenError, match="num_beams is 3, which asks for beam search"):
+        generation_defaults(folder)
     (folder / "generation_config.json").unlink()
-    assert sampling_defaults(folder) == {}
+    assert generation_defaults(folder) == {"top_k": 50}

@@ -49,13 +49,16 @@ def test_logits_match_transformers(checkpoint):
     assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
-def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
-    """Greedy decoding by transformers' full forward at every step. (Its cached `generate` can part from
-    its own full forward on near-ties: seen on a random Llama, a 0.06 logit gap at step 9.)"""
+def hf_greedy(hf, prompt: list[int], steps: int, repetition_penalty: float = 1.0) -> list[int]:
+    """Greedy decoding by transformers' full forward at every step, after its repetition penalty. (Its
+    cached `generate` can part from its own full forward on near-ties: seen on a random Llama, a 0.06
+    logit gap at step 9.)"""
+    penalize = transformers.RepetitionPenaltyLogitsProcessor(repetition_penalty)
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            ids = torch.tensor([seq])
+            seq.append(int(penalize(ids, hf(ids).logits[:, -1]).argmax()))
     return seq[len(prompt):]
 
 
@@ -67,6 +70,59 @@ def test_greedy_generation_matches_transformers(checkpoint):
     for prompt, req in zip(PROMPTS, outs):
         assert req.output == hf_greedy(hf, prompt, 32), (kind, prompt)
     assert any("linear" in f for f in model.fallbacks)  # the CPU's torch fallbacks are reported
+
+
+def test_greedy_with_a_repetition_penalty_matches_transformers(checkpoint):
+    """A penalized greedy request picks the argmax of penalized logits, token for token with transformers,
+    in a batch whose plain greedy requests keep chaining their steps (CPU stand-in for the CUDA graphs)
+    until the penalized one joins, and still give their solo outputs."""
+    kind, hf, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    eng = Engine(model, num_blocks=64)
+    eng.graphs = EagerGraphs(model, eng.cache)
+    plain = [eng.add(p, SamplingParams(max_new_tokens=24)) for p in (PROMPTS[0], PROMPTS[2])]
+    for _ in range(4):
+        eng.step()
+    chained = eng.graphs.chained
+    assert chained >= 1
+    penalized = eng.add(PROMPTS[1], SamplingParams(max_new_tokens=16, repetition_penalty=3.0))
+    while eng.waiting or eng.running or eng.pending:
+        eng.step()
+    assert eng.finished[penalized].output == hf_greedy(hf, PROMPTS[1], 16, 3.0), kind
+    assert eng.finished[penalized].output != hf_greedy(hf, PROMPTS[1], 16), kind  # the penalty changed something
+    assert [eng.finished[i].output for i in plain] == [hf_greedy(hf, p, 24) for p in (PROMPTS[0], PROMPTS[2])]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.7, top_k=12, top_p=0.8, min_p=0.05, repetition_penalty=1.3),
+    dict(temperature=1.3, min_p=0.2),
+    dict(temperature=0.5, top_p=0.95, repetition_penalty=0.7),  # a penalty below 1 favours the seen tokens
+    dict(temperature=1.0, top_k=3),
+    dict(temperature=0.0, repetition_penalty=2.5),
+])
+def test_the_sampling_distribution_is_transformers(params):
+    """`distribution` against transformers' own processors in its order (penalty, temperature, top-k,
+    top-p, min-p; do_sample as generate sets it), in float64, on fresh random logits with some negative
+    ones among the seen tokens."""
+    from flashgen.runtime.engine import distribution
+    torch.manual_seed(len(repr(params)))
+    logits = torch.randn(300, dtype=torch.float64)
+    seen = torch.randint(0, 300, (40,)).tolist() + [int(logits.argmax())] * 2
+    p = SamplingParams(**params)
+    procs = [transformers.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)]
+    if p.temperature > 0:
+        procs += [transformers.TemperatureLogitsWarper(p.temperature)]
+        procs += [transformers.TopKLogitsWarper(p.top_k)] if p.top_k else []
+        procs += [transformers.TopPLogitsWarper(p.top_p)] if p.top_p < 1 else []
+        procs += [transformers.MinPLogitsWarper(p.min_p)] if p.min_p else []
+    scores = transformers.LogitsProcessorList(procs)(torch.tensor([seen]), logits[None].clone())[0]
+    ours = distribution(logits, p, seen)
+    if p.temperature > 0:
+        want = torch.softmax(scores, -1)
+        assert torch.equal(ours > 0, want > 0) and 1 < int((ours > 0).sum()) < 300
+        torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-15)
+    else:
+        assert ours[int(scores.argmax())] == 1 and ours.sum() == 1 and int(scores.argmax()) != int(logits.argmax())
 
 
 def test_engine_sampling_stops_and_refusals(checkpoint):

@@ -36,6 +36,8 @@ def folder(tmp_path_factory):
     ("--top-p", "nan", r"a number in \(0, 1\]"), ("--temperature", "-1", "a finite number of at least 0"),
     ("--temperature", "inf", "a finite number of at least 0"), ("--temperature", "nan", "a finite number of at least 0"),
     ("--top-k", "-3", "an integer of at least 0"), ("--top-k", "2.5", "an integer of at least 0"),
+    ("--min-p", "1.5", r"a number in \[0, 1\]"), ("--min-p", "-0.1", r"a number in \[0, 1\]"),
+    ("--repetition-penalty", "0", "a finite number above 0"), ("--repetition-penalty", "inf", "a finite number above 0"),
     ("--seed", "-1", r"an integer in 0..2\*\*63-1"), ("--seed", str(2**63), r"an integer in 0..2\*\*63-1"),
     ("--cache-blocks", "-1", "an integer of at least 1"),
 ])
@@ -195,27 +197,56 @@ def added(monkeypatch):
 
 
 SAMPLES = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}
+FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 @pytest.mark.parametrize("file, flags, want", [
-    (SAMPLES, [], (0.7, 5, 0.9)),
-    (SAMPLES, ["--temperature", "0"], (0.0, 5, 0.9)),                 # a flag wins: greedy
-    (SAMPLES, ["--top-k", "3", "--top-p", "1"], (0.7, 3, 1.0)),
-    ({**SAMPLES, "do_sample": False}, [], (0.0, 5, 0.9)),              # not sampling: greedy
-    ({"temperature": 0.7}, [], (0.0, 0, 1.0)),                         # do_sample absent: greedy
-    ({"temperature": 0.7}, ["--temperature", "0.5"], (0.5, 0, 1.0)),
-    ({"do_sample": True}, [], (1.0, 0, 1.0)),                          # transformers' temperature
-    ({"do_sample": True, "temperature": None, "top_k": None}, [], (1.0, 0, 1.0)),  # null: not set
-    ({}, [], (0.0, 0, 1.0)),
+    (SAMPLES, [], (0.7, 5, 0.9, 0.0, 1.0)),
+    (SAMPLES, ["--temperature", "0"], (0.0, 5, 0.9, 0.0, 1.0)),          # a flag wins: greedy
+    (SAMPLES, ["--top-k", "3", "--top-p", "1"], (0.7, 3, 1.0, 0.0, 1.0)),
+    ({**SAMPLES, "do_sample": False}, [], (0.0, 5, 0.9, 0.0, 1.0)),       # not sampling: greedy
+    ({**SAMPLES, "do_sample": False}, ["--temperature", "0.5"], (0.5, 5, 0.9, 0.0, 1.0)),  # the file's top-k/p then
+    ({"temperature": 0.7}, [], (0.0, 50, 1.0, 0.0, 1.0)),                 # do_sample absent: greedy
+    ({"temperature": 0.7}, ["--temperature", "0.5"], (0.5, 50, 1.0, 0.0, 1.0)),
+    ({"do_sample": True}, [], (1.0, 50, 1.0, 0.0, 1.0)),                  # transformers' temperature and top-k
+    ({"do_sample": True, "temperature": None, "top_k": None}, [], (1.0, 50, 1.0, 0.0, 1.0)),  # null: not set
+    ({"do_sample": True, "top_k": 0}, [], (1.0, 0, 1.0, 0.0, 1.0)),       # 0: every token, as transformers
+    ({"do_sample": True, "min_p": 0.1, "repetition_penalty": 1.05}, [], (1.0, 50, 1.0, 0.1, 1.05)),
+    ({"repetition_penalty": 1.2}, [], (0.0, 50, 1.0, 0.0, 1.2)),          # penalized greedy
+    ({"repetition_penalty": 1.2, "min_p": 0.1}, ["--repetition-penalty", "1", "--min-p", "0"], (0.0, 50, 1.0, 0.0, 1.0)),
+    ({}, [], (0.0, 50, 1.0, 0.0, 1.0)),
 ])
 def test_generation_config_gives_the_sampling_defaults(folder, tmp_path, capsys, added, file, flags, want):
-    """The folder's temperature (where do_sample is true), top_k and top_p, unless a flag says otherwise;
-    they were ignored, so a folder meant to sample decoded greedily."""
+    """The folder's settings as transformers' generate reads them, unless a flag says otherwise; they were
+    ignored (a folder meant to sample decoded greedily), then its repetition penalty and min_p were."""
     m = _with_json(folder, tmp_path, "generation_config.json", file)
     assert main(["generate", "--model", str(m), "--prompt", "w1 w2", "--max-new-tokens", "2", *flags]) == 0
     (_, p), = added
-    assert (p.temperature, p.top_k, p.top_p) == want
+    assert tuple(getattr(p, f) for f in FIELDS) == want
     assert len(capsys.readouterr().out.split()) == 2
+
+
+@pytest.mark.parametrize("file, flags, want", [
+    ({"max_new_tokens": 3}, [], 3),
+    ({"max_new_tokens": 3}, ["--max-new-tokens", "5"], 5),
+    ({"max_length": 6}, [], 4),                                  # a prompt of 2 tokens: 4 more
+    ({"max_length": 200}, [], 64),                               # the default, within it
+    ({"max_length": 6, "max_new_tokens": 7}, [], 7),             # max_new_tokens overrides it, as in transformers
+    ({"max_length": 6}, ["--max-new-tokens", "9"], 9),
+])
+def test_generation_config_gives_the_length(folder, tmp_path, capsys, added, file, flags, want):
+    m = _with_json(folder, tmp_path, "generation_config.json", file)
+    assert main(["generate", "--model", str(m), "--prompt", "w1 w2", *flags]) == 0
+    (_, p), = added
+    assert p.max_new_tokens == want and len(capsys.readouterr().out.split()) == want
+
+
+def test_a_prompt_at_max_length_is_one_line(folder, tmp_path, capsys, added):
+    m = _with_json(folder, tmp_path, "generation_config.json", {"max_length": 3})
+    assert main(["generate", "--model", str(m), "--prompt", "w1 w2 w3"]) == 2
+    assert capsys.readouterr().err == (f"flashgen: error: the prompt's 3 tokens reach {m / 'generation_config.json'}'s "
+                                       "max_length of 3; pass --max-new-tokens to generate past it\n")
+    assert not added
 
 
 @pytest.mark.parametrize("file, message", [
@@ -228,17 +259,41 @@ def test_generation_config_gives_the_sampling_defaults(folder, tmp_path, capsys,
     ({"top_k": 2.5}, ": top_k must be an integer >= 0, got 2.5"),
     ({"top_k": -1}, ": top_k must be an integer >= 0, got -1"),
     ({"top_k": True}, ": top_k must be an integer >= 0, got True"),
+    ({"min_p": 2}, ": min_p must be a number in [0, 1], got 2"),
+    ({"repetition_penalty": 0}, ": repetition_penalty must be a finite number > 0, got 0"),
+    ({"repetition_penalty": -1.1}, ": repetition_penalty must be a finite number > 0, got -1.1"),
+    ({"max_new_tokens": 0}, ": max_new_tokens must be an integer >= 1, got 0"),
+    ({"max_length": 2.5}, ": max_length must be an integer >= 1, got 2.5"),
     ({"do_sample": "true"}, ": do_sample must be true or false, got 'true'"),
     ({"do_sample": 1}, ": do_sample must be true or false, got 1"),
+    ({"num_beams": 4}, ": num_beams is 4, which asks for beam search; flashgen decodes greedily or by sampling only "
+                       "(remove the key to decode without it)"),
+    ({"no_repeat_ngram_size": 3}, ": no_repeat_ngram_size is 3, which asks for an n-gram ban; flashgen decodes "
+                                  "greedily or by sampling only (remove the key to decode without it)"),
+    ({"suppress_tokens": [5]}, ": suppress_tokens is [5], which asks for suppressed tokens; flashgen decodes "
+                               "greedily or by sampling only (remove the key to decode without it)"),
+    ({"min_new_tokens": 4}, ": min_new_tokens is 4, which asks for a minimum length; flashgen decodes greedily or "
+                            "by sampling only (remove the key to decode without it)"),
     ([1, 2], " is not a JSON object"),
 ])
 def test_bad_generation_config_sampling_is_one_line(folder, tmp_path, capsys, added, file, message):
-    """Refused naming the file and key before the model loads, even where flags override every value."""
+    """Refused naming the file and key before the model loads, even where flags override every value; a
+    setting that asks for a decoding flashgen does not do is refused rather than left out."""
     m = _with_json(folder, tmp_path, "generation_config.json", file)
     assert main(["generate", "--model", str(m), "--prompt", "w1", "--temperature", "0.5", "--top-k", "1",
-                 "--top-p", "1"]) == 2
+                 "--top-p", "1", "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err == f"flashgen: error: {m / 'generation_config.json'}{message}\n"
     assert not added
+
+
+def test_settings_that_change_nothing_are_taken(folder, tmp_path, capsys, added):
+    """Neutral values of the refused keys, and keys that leave the tokens alone, decode as without them."""
+    m = _with_json(folder, tmp_path, "generation_config.json", {
+        "num_beams": 1, "no_repeat_ngram_size": 0, "suppress_tokens": None, "bad_words_ids": [], "typical_p": 1.0,
+        "repetition_penalty": 1.0, "pad_token_id": 0, "use_cache": True, "cache_implementation": "hybrid"})
+    assert main(["generate", "--model", str(m), "--prompt", "w1 w2", "--max-new-tokens", "2"]) == 0
+    (_, p), = added
+    assert (p.temperature, p.repetition_penalty) == (0.0, 1.0) and len(capsys.readouterr().out.split()) == 2
 
 
 def _bos_template(m: Path) -> None:

@@ -643,6 +643,10 @@ def test_decoder_cuda_graphs_match_eager():
         prompts, SamplingParams(max_new_tokens=16, stop_tokens=stops))] for g in (False, True)]
     assert stopped[0] == stopped[1]
     assert [o[:len(s)] for o, s in zip(whole[0], stopped[0])] == stopped[0] and len(stopped[0][1]) <= 5
+    # a repetition penalty: the penalized argmax, read from the replay's logits rather than the graph's pick
+    penalized = [[r.output for r in Engine(model, num_blocks=64, cuda_graphs=g).generate(
+        prompts, SamplingParams(max_new_tokens=16, repetition_penalty=2.0))] for g in (False, True)]
+    assert penalized[0] == penalized[1] and penalized[0] != whole[0]
 
 
 def test_nan_logits_in_replayed_steps_fail_their_requests():

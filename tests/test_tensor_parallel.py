@@ -42,7 +42,8 @@ def run(model: Decoder, tp: int | None = None) -> dict:
     """Every token's logits of PROMPT, and 8 tokens of each of PROMPTS, batched: greedy, and sampled."""
     engine = Engine(model, num_blocks=48, tp=tp)
     greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8))
-    sampled = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, seed=11))
+    sampled = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.9, top_k=50, min_p=0.01,
+                                                      repetition_penalty=1.3, seed=11))
     return {"logits": prefill_logits(model, PROMPT), "tokens": [r.output for r in greedy],
             "sampled": [r.output for r in sampled]}
 
