@@ -147,6 +147,8 @@ def distribution(logits: torch.Tensor, p: SamplingParams, seen: list[int]) -> to
         hit = logits[ids]
         logits = logits.index_copy(0, ids, torch.where(hit < 0, hit * p.repetition_penalty,
                                                          hit / p.repetition_penalty))
+        logits = logits.nan_to_num(nan=math.nan, posinf=torch.finfo(logits.dtype).max)  # (a tiny penalty's
+        # overflow: +inf - +inf would be NaN below; at the largest finite value those tokens tie instead)
     if p.temperature <= 0:
         return torch.zeros_like(logits).index_fill(0, logits.argmax().view(1), 1.0)
     logits = (logits - logits.max()) / p.temperature

@@ -96,6 +96,14 @@ def test_extreme_valid_sampling_is_greedy_not_an_error(model, params):
     assert out.error == "" and out.output == solo(model, PROMPTS[0], 6)
 
 
+def test_a_tiny_repetition_penalty_samples_the_seen_tokens(model):
+    """A penalty of 5e-324, which `add` accepts, overflows the seen tokens' positive logits to inf: they
+    tie at the top instead of making the row NaN ("sampling failed"), so only seen tokens are drawn."""
+    p = SamplingParams(max_new_tokens=6, temperature=1.0, repetition_penalty=5e-324, seed=2)
+    out = Engine(model, num_blocks=16).generate([PROMPTS[1]], p)[0]
+    assert out.error == "" and len(out.output) == 6 and set(out.output) <= set(PROMPTS[1])
+
+
 def test_a_request_failing_to_sample_fails_alone(model):
     """One request whose sampling raises in its prefill step (NaN temperature) and one in a later decode
     step (top_p 0: nothing to draw from), both past `add`'s checks: each fails with its reason, the
