@@ -185,8 +185,11 @@ class _Pending:
 class Engine:
     def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True,
                  chain: bool = True, tp: int | None = None):
-        """`cuda_graphs` applies when the model runs its generated attention on a GPU and its steps are
-        capturable (`Decoder.capturable`); it keeps one cache block for the graphs' padding rows. `chain`
+        """`num_blocks` cache blocks hold the requests' keys and values; one more, the pad block, takes the
+        graphs' padding rows. Every engine keeps it, with or without graphs, so that a step's workloads
+        (the cache's size, the block tables' width) and thus its kernels and results are the same both
+        ways. `cuda_graphs` applies when the model runs its generated attention on a GPU and its steps are
+        capturable (`Decoder.capturable`). `chain`
         lets greedy graph steps run ahead of the host (module docstring); without it every step waits for
         its tokens. `tp`, when given, is the tensor-parallel degree the model must have been built for (a
         `ShardedDecoder` in each rank: runtime/tensor_parallel.py)."""
@@ -197,7 +200,7 @@ class Engine:
         self.model = model
         graphs = cuda_graphs and model.uses_tables and model.capturable
         self.cache = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype,
-                                  model.device, pad_block=graphs)
+                                  model.device, pad_block=True)
         self.graphs = DecodeGraphs(model, self.cache) if graphs else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []

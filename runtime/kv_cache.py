@@ -3,8 +3,8 @@
 Per layer, k and v live in [num_blocks, block_size, Hkv, D] tensors (the layout of the paged attention
 ops); a sequence owns a list of blocks, its block table, and grows one block at a time. Blocks of
 finished sequences return to the free list at once, so requests can join between steps. A manager may
-keep one block out of circulation, the pad block: the padding rows of a CUDA-graph decode step write
-their key and value there, so they never touch a real sequence's blocks.
+keep one block out of circulation, the pad block, past its `num_blocks`: the padding rows of a CUDA-graph
+decode step write their key and value there, so they never touch a real sequence's blocks.
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from flashgen.errors import FlashgenError
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, pad_block: bool = False):
         self.block_size = block_size
-        usable = num_blocks - 1 if pad_block else num_blocks
-        self.pad: int | None = usable if pad_block else None  # the last block, never handed out
-        self.free = list(range(usable - 1, -1, -1))
+        self.pad: int | None = num_blocks if pad_block else None  # the block after the others, never handed out
+        self.free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
 
     def blocks_for(self, tokens: int) -> int:
@@ -59,7 +58,7 @@ class BlockManager:
 class PagedKVCache:
     def __init__(self, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, pad_block: bool = False):
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        shape = (num_blocks + int(pad_block), block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.manager = BlockManager(num_blocks, block_size, pad_block)

@@ -32,7 +32,7 @@ def solo(model: Decoder, prompt: list[int], n: int) -> list[int]:
 
 def all_free(eng: Engine) -> bool:
     m = eng.cache.manager
-    return sorted(m.free) == list(range(len(eng.cache.k[0]))) and not m.tables
+    return sorted(m.free) + [m.pad] == list(range(len(eng.cache.k[0]))) and not m.tables  # (the pad block last)
 
 
 def run_out(eng: Engine) -> None:

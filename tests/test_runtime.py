@@ -344,7 +344,7 @@ def test_greedy_is_argmax_with_first_index_on_ties(vocab):
 
 def test_pad_block_is_never_handed_out_and_pads_tables():
     from flashgen.runtime.kv_cache import BlockManager
-    m = BlockManager(5, 16, pad_block=True)
+    m = BlockManager(4, 16, pad_block=True)  # four blocks to hand out, and the pad block after them
     assert m.pad == 4 and m.reserve(0, 40) == [0, 1, 2] and m.reserve(1, 16) == [3]
     assert not m.can_hold(2, 1)                                          # the pad block is not free
     assert m.padded_tables([1, 0], 4, rows=4) == [[3, 0, 0, 0], [0, 1, 2, 0], [4, 4, 4, 4], [4, 4, 4, 4]]
