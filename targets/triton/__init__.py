@@ -12,7 +12,7 @@ from flashgen import __version__
 from flashgen.targets import artifacts, staged
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
-from flashgen.targets.triton.build import ast_source, compile_aot, compile_options, for_target, load_compiled
+from flashgen.targets.triton.build import ast_source, compile_aot, compile_options, for_target, load_compiled, stride_hints
 from flashgen.targets.triton.codegen import generate
 from flashgen.targets.triton.emit import KernelSource
 from flashgen.targets.triton.harness import runnable_source
@@ -22,11 +22,13 @@ from flashgen.workload import Schedule, Workload
 ASM = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
 
 
-def cache_key(ks: KernelSource, schedule: Schedule, target: Target) -> str:
-    """Everything the build reads: the source, its constants, Triton's options and what the descriptor
-    gives Triton (backend, architecture, warp size), not the descriptor's name."""
+def cache_key(ks: KernelSource, wl: Workload, schedule: Schedule, target: Target) -> str:
+    """Everything the build reads: the source, its constants, the strides it is promised divisible
+    (`stride_hints`: the binary relies on them), Triton's options and what the descriptor gives Triton
+    (backend, architecture, warp size), not the descriptor's name."""
     return artifacts.artifact_key({"source": ks.source, "options": compile_options(ks, schedule),
                                    "constexprs": {a.name: a.value for a in ks.args if a.kind == "constexpr"},
+                                   "divisible": stride_hints(ks, wl),
                                    "triton_target": list(target.triton_target), "warp_size": target.warp_size,
                                    "triton": triton.__version__, "flashgen": __version__})
 
@@ -48,7 +50,7 @@ def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     if parts is not None:
         return staged.kernel(wl, schedule, target, *(build(w, s, target) for w, s in parts))
     ks = for_target(generate(wl, schedule), target)
-    key = cache_key(ks, schedule, target)
+    key = cache_key(ks, wl, schedule, target)
     files = artifacts.lookup(key)
     info = _info(files) if files is not None else None
     if info is None:

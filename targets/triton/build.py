@@ -14,6 +14,7 @@ from typing import Any
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
+from flashgen.ir import expr as E
 from flashgen.paths import cache_dir, writable
 from flashgen.targets.descriptor import Target
 from flashgen.targets.triton.emit import PDL, KernelSource
@@ -58,11 +59,16 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def stride_hints(ks: KernelSource, wl: Workload) -> dict[str, bool]:
-    """Strides promised divisible by 16 in the binary (true of the workload's contiguous tensors)."""
+    """Strides promised divisible by 16 in the binary: those of the workload's contiguous tensors that
+    are, and that no row dim enters. One binary serves every row count of its workload (runtime
+    dispatch), so a stride made of a row dim (a block table's width) must not be promised from the
+    row count it was compiled for."""
     hints = {}
     for a in ks.args:
         if a.kind == "stride":
-            hints[a.name] = contiguous_strides(wl.shape(a.tensor))[a.axis] % DIVISIBILITY == 0
+            inner = wl.op.tensors[a.tensor].shape[a.axis + 1:]
+            varies = any(isinstance(x, E.Dim) and x.name in wl.op.row_dims for e in inner for x in E.walk(e))
+            hints[a.name] = not varies and contiguous_strides(wl.shape(a.tensor))[a.axis] % DIVISIBILITY == 0
     return hints
 
 
