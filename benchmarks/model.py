@@ -216,11 +216,13 @@ def main() -> None:
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
         write_results(args.name, ("system", "batch", "ttft_s", "tokens_per_s", "limit_tokens_per_s", "of_limit",
-                                "decode_gemm_schedules"), rows,
+                                "free_gb_before", "decode_gemm_schedules"), rows,
                       {**environment(), "copy_gbs": bw}, args.out_dir,
                       f"{shape[args.config]} random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens. "
                       "Decode tokens/s; for transformers, the time of a generate call minus that of a one-token "
-                      "call (its prefill). decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
+                      "call (its prefill). free_gb_before: the GPU's free memory as the row's run began (each mode's "
+                      "weights, caches and graphs are released before the next). "
+                      "decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
                       "a record of the tuning database (exact, or a bucket; other-device record: tuned on another GPU "
                       "of the architecture) and how many the analytic default. "
                       "A tp=N row: the model split over N GPUs (runtime/tensor_parallel.py), its limit at the "
@@ -235,7 +237,7 @@ def main() -> None:
             name = ("flashgen " + quant + (f" tp={tp}" if tp > 1 else "") + ("" if r["cuda_graphs"] else " eager")
                     + ("" if fused_rows >= r["batch"] and quant in linear.FUSED_MODES else " (unfused)"))
             rows.append([name, r["batch"], r["ttft_s"], r["decode_tokens_per_s"], r["bandwidth_limit_tokens_per_s"],
-                         r["of_limit"], describe_sources(r["decode_gemm_schedules"])])
+                         r["of_limit"], r["free_gb_before"], describe_sources(r["decode_gemm_schedules"])])
             print(rows[-1], flush=True)
             save()
     for static in (False, True):
@@ -246,7 +248,7 @@ def main() -> None:
                 tps, why = float("nan"), f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 torch.cuda.empty_cache()
             rows.append(["transformers " + ("static+compile" if static else "eager"), b, float("nan"), tps,
-                         float("nan"), float("nan"), why])
+                         float("nan"), float("nan"), float("nan"), why])
             print(rows[-1], flush=True)
             save()
     print_table(("system", "batch", "tok/s", "of_limit"), [(r[0], r[1], r[3], r[5]) for r in rows])

@@ -5,6 +5,7 @@ off, so that both can be reported. What a run would hold (weights as they load, 
 widest activation) is checked against the device's free memory before anything is allocated."""
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import replace
 
@@ -119,20 +120,33 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     c = replace(CONFIGS[config], max_position_embeddings=max(CONFIGS[config].max_position_embeddings,
                                                             prompt_len + new_tokens + 16))
+    release(dev)  # (what an earlier run in this process left in torch's cache is free memory again)
     check_memory(config, c, dtype, dev, max(batches), prompt_len, new_tokens)
     model = (Decoder if tp == 1 else ShardedDecoder)(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
     rows = []
-    for b in batches:
-        r = decode(model, b, prompt_len, new_tokens, cuda_graphs)
-        nbytes = step_bytes(c, quant, torch.finfo(dtype).bits // 8, b, prompt_len + new_tokens / 2)
-        limit = copy_gbs * 1e9 / nbytes * b  # tokens/s if each step only read its bytes once
-        graphs = r.pop("graphs")
-        rows.append({**r, "bandwidth_limit_tokens_per_s": limit, "of_limit": r["decode_tokens_per_s"] / limit,
-                     "fallbacks": sorted(model.fallbacks),
-                     # where the decode GEMMs' schedules came from (their M: the batch, or its graph bucket)
-                     "decode_gemm_schedules": dispatcher().sources(
-                         "contraction", rows=bucket_for(b, graphs.sizes) if graphs else b)})
+    try:
+        for b in batches:
+            free = available_bytes(dev)
+            r = decode(model, b, prompt_len, new_tokens, cuda_graphs)
+            nbytes = step_bytes(c, quant, torch.finfo(dtype).bits // 8, b, prompt_len + new_tokens / 2)
+            limit = copy_gbs * 1e9 / nbytes * b  # tokens/s if each step only read its bytes once
+            rows.append({**r, "bandwidth_limit_tokens_per_s": limit, "of_limit": r["decode_tokens_per_s"] / limit,
+                         "free_gb_before": None if free is None else free / GB, "fallbacks": sorted(model.fallbacks),
+                         # where the decode GEMMs' schedules came from (their M: the batch, or its graph bucket)
+                         "decode_gemm_schedules": dispatcher().sources("contraction", rows=r.pop("graph_rows") or b)})
+    finally:
+        del model
+        release(dev)
     return rows
+
+
+def release(dev: torch.device) -> None:
+    """Give what a finished run held (weights, KV caches, graphs' pools: unreachable once its objects
+    are, cycles included) back to the device, so that the next mode or batch of the same process finds
+    it free: torch's allocator keeps freed blocks for itself until emptied."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def decode(model: Decoder, batch: int, prompt_len: int, new_tokens: int, cuda_graphs: bool = True,
@@ -160,4 +174,7 @@ def decode(model: Decoder, batch: int, prompt_len: int, new_tokens: int, cuda_gr
         raise FlashgenError(f"a request of the batch failed: {failed}")
     steps = sum(len(engine.finished[i].output) for i in ids) // batch - 1  # decode steps after the first token
     return {"batch": batch, "ttft_s": ttft, "decode_tokens_per_s": batch * steps / decode_s if steps else 0.0,
-            "steps": steps, "cuda_graphs": engine.graphs is not None, "graphs": engine.graphs}
+            "steps": steps, "cuda_graphs": engine.graphs is not None,
+            # the row count its decode GEMMs ran at: the graphs' bucket (no reference to the graphs, which
+            # hold the engine's cache, outlives this call)
+            "graph_rows": bucket_for(batch, engine.graphs.sizes) if engine.graphs is not None else None}
