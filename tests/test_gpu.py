@@ -649,6 +649,68 @@ def test_decoder_cuda_graphs_match_eager():
     assert penalized[0] == penalized[1] and penalized[0] != whole[0]
 
 
+def test_engines_with_and_without_graphs_compute_the_same_logits():
+    """Every step's logits of an engine replaying CUDA graphs equal, bit for bit, those of an engine
+    without (bf16; a whole bucket of 4, so no padding rows; a repetition penalty, so that every step's
+    logits reach the host and the tokens are the penalized argmax). Both engines keep the pad block
+    beside their num_blocks, so their cache size and table width, hence every step's workloads and
+    kernels, are the same: with the pad block taken out of num_blocks, the graphs' tables were a block
+    narrower and its paged-decode attention another workload, whose rounding turned a near-tie of the
+    penalized logits into other tokens from the 6th on."""
+    from flashgen.runtime.bench import CONFIGS, random_weights
+    from flashgen.runtime.engine import Engine, SamplingParams
+    from flashgen.runtime.model import Decoder
+    c = CONFIGS["tiny"]
+    model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
+    prompts = [[5, 6, 7] * 9, [11] * 40, [3], list(range(60))]
+    runs = []
+    for graphs in (False, True):
+        eng, steps = Engine(model, num_blocks=64, cuda_graphs=graphs), []
+        record = eng._record
+
+        def kept(reqs, chosen, logits, record=record, steps=steps):
+            steps.append(logits.float().cpu())
+            return record(reqs, chosen, logits)
+
+        eng._record = kept
+        params = SamplingParams(max_new_tokens=16, repetition_penalty=2.0, stop_tokens=())
+        out = [r.output for r in eng.generate(prompts, params)]
+        assert (eng.graphs is not None and set(eng.graphs.graphs) == {4}) == graphs
+        runs.append((steps, out))
+    (eager, eager_out), (graphed, graphed_out) = runs
+    assert len(eager) == len(graphed) == 16  # the prefill step, then 15 decode steps
+    differ = [(i, (a - b).abs().max().item()) for i, (a, b) in enumerate(zip(eager, graphed)) if not torch.equal(a, b)]
+    assert not differ, differ
+    assert eager_out == graphed_out
+
+
+def test_bench_runs_give_their_memory_back():
+    """Quant modes and batches run one after another in one process, as benchmarks/model.py runs them:
+    what a decode returns holds nothing of its engine (its KV cache and graphs are gone before the next
+    batch allocates its own), and after a mode's run its weights, caches and graph pools are given back
+    to the device (torch's allocator keeps no more than partly used segments), so the next mode finds
+    them free. SmolLM2-135M's shape: its 0.27 GB of bf16 weights would stay reserved otherwise."""
+    from flashgen.runtime import bench
+    from flashgen.runtime.model import Decoder
+    config, slack = "smollm2-135m", 64 << 20
+    c = bench.CONFIGS[config]
+    model = Decoder(c, bench.random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
+    bench.decode(model, 4, 20, 6)  # (builds the rope table the model keeps, and loads the kernels)
+    bench.release(DEVICE)
+    held = torch.cuda.memory_allocated(DEVICE)
+    r = bench.decode(model, 4, 20, 6)
+    assert r["cuda_graphs"] and r["graph_rows"] == 4
+    assert torch.cuda.memory_allocated(DEVICE) - held < 1 << 20  # its KV cache alone is 9.6 MB
+    del model
+    base = None
+    for quant in ("bf16", "w4a16", "bf16"):
+        rows = bench.run(config, [1, 4], 20, 6, quant, 1000.0, device="cuda")
+        assert [r["batch"] for r in rows] == [1, 4] and all(r["free_gb_before"] > 0 for r in rows)
+        allocated = torch.cuda.memory_allocated(DEVICE)
+        base = allocated if base is None else base
+        assert allocated - base < slack and torch.cuda.memory_reserved(DEVICE) - allocated < slack, quant
+
+
 def test_nan_logits_in_replayed_steps_fail_their_requests():
     """Logits that turn NaN inside chained steps replayed from CUDA graphs (the lm_head poisoned in place,
     as an overflow would) fail every request naming the step, instead of decoding token 0 on; the
