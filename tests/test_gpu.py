@@ -684,6 +684,22 @@ def test_engines_with_and_without_graphs_compute_the_same_logits():
     assert eager_out == graphed_out
 
 
+def test_engines_of_any_cache_size_share_one_process():
+    """Engines whose block tables are 64 and then 63 blocks wide in one process: the generated attention
+    binary built for the first serves the second (a table width is a row dim, never promised divisible
+    by 16 in the binary); before, every request of the second engine failed its first step."""
+    from flashgen.runtime.bench import CONFIGS, random_weights
+    from flashgen.runtime.engine import Engine, SamplingParams
+    from flashgen.runtime.model import Decoder
+    c = CONFIGS["tiny"]
+    model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
+    for blocks in (64, 63):
+        eng = Engine(model, num_blocks=blocks)
+        done = eng.generate([[5, 6, 7] * 9, [3], list(range(60))], SamplingParams(max_new_tokens=8, stop_tokens=()))
+        assert model.table_width(eng.cache) == blocks
+        assert [(r.error, len(r.output)) for r in done] == [("", 8)] * 3
+
+
 def test_bench_runs_give_their_memory_back():
     """Quant modes and batches run one after another in one process, as benchmarks/model.py runs them:
     what a decode returns holds nothing of its engine (its KV cache and graphs are gone before the next
