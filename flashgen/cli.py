@@ -58,9 +58,9 @@ def cmd_targets(args: argparse.Namespace) -> int:
     from flashgen.targets import load_targets
 
     rows = [(t.id, ",".join(t.aliases), t.vendor, t.backend, str(t.sm_count or "-"),
-             f"{t.mem_bandwidth_gbs:g}", ",".join(t.dtypes))
+             f"{t.mem_bandwidth_gbs:g}", ",".join(t.dtypes), "; ".join(t.derived) or "-")
             for t in load_targets([args.targets_dir] if args.targets_dir else []).values()]
-    print_table(("target", "names", "vendor", "backend", "SMs/CUs", "GB/s", "dtypes"), rows)
+    print_table(("target", "names", "vendor", "backend", "SMs/CUs", "GB/s", "dtypes", "derived peak rates"), rows)
     return 0
 
 

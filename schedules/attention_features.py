@@ -37,7 +37,7 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     if prefill:
         length = d["T"] / d["B"]
         flops = 2.0 * 2.0 * d["Hq"] * d["D"] * d["B"] * length * length / 2  # QK^T and PV, causal half
-        peak = target.peak_tflops.get(wl.attr["dtype"], 1.0) * 1e6
+        peak = target.peak_tflops[wl.attr["dtype"]] * 1e6
         programs = np.ceil(length / kv["block_m"]) * d["B"] * d["Hq"]
         eff = np.clip(kv["block_m"] * kv["block_n"] / (128.0 * 128.0), 0.1, 1.0) ** 0.5
         steps = np.ceil(length / kv["block_n"])

@@ -36,9 +36,8 @@ STEP_LATENCY_US = 0.35  # one k step's load latency, hidden in proportion to the
 
 
 def _peak_tflops(wl: Workload, target: Target) -> float:
-    op = operand_dtype(wl)
-    peaks = target.peak_tflops
-    return float(peaks.get(op, peaks.get("bf16", peaks.get("fp32", 1.0))))
+    """The matrix rate of the workload's operand dtype (every target states it: descriptor_check.peak_rates)."""
+    return float(target.peak_tflops[operand_dtype(wl)])
 
 
 def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
@@ -74,7 +73,7 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
                            + coded + n * k * ob, traffic)
     mma_eff = np.clip((bm * bn) / (128.0 * 256.0), 0.05, 1.0) ** 0.3 * np.clip(bm / 64.0, 0.25, 1.0)
     # Tiles under 16 rows run on the ALUs: about 4 instructions per weight and row (fp32 rate).
-    alu_peak = float(target.peak_tflops.get("fp32", 1.0)) * 1e6 / 4.0
+    alu_peak = float(target.peak_tflops["fp32"]) * 1e6 / 4.0
     compute_us = np.where(bm < 16, flops / alu_peak, flops / (peak * mma_eff))
     # Streaming needs loads in flight on every SM: about 16 warps' worth each, or bandwidth falls.
     in_flight = np.clip(tiles * kv["num_warps"] / (sms * MEM_WARPS_PER_SM), 0.1, 1.0)

@@ -44,7 +44,7 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     nbytes = (tiles_w * n * k * wbytes * row_tiles
               + col_tiles * pairs * k * elem + pairs * n * (elem if tiles_w > 1 else 8.0))
     flops = 2.0 * pairs * tiles_w * n * k
-    peak = target.peak_tflops.get(wl.attr["dtype"], 1.0) * 1e6
+    peak = target.peak_tflops[wl.attr["dtype"]] * 1e6
     eff = np.clip(kv["block_m"] * kv["block_n"] / (128.0 * 128.0), 0.05, 1.0) ** 0.5
     programs = row_tiles * col_tiles
     sms = max(target.sm_count, 1)

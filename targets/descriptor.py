@@ -35,9 +35,10 @@ class Target:
     dtypes: tuple[str, ...]
     sm_count: int
     mem_bandwidth_gbs: float
-    peak_tflops: dict[str, float]
+    peak_tflops: dict[str, float]  # every rate the cost model reads (descriptor_check.peak_rates)
     aliases: tuple[str, ...]
     spec: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    derived: tuple[str, ...] = ()  # peak rates the file leaves out, derived from another ("fp16 = bf16's")
 
     @property
     def id(self) -> str:
@@ -129,11 +130,13 @@ def load_targets(extra_dirs: Iterable[str | os.PathLike] = ()) -> dict[str, Targ
     for key, spec in archs.items():
         for i, (dev, over) in enumerate(spec["devices"].items()):
             merged = {**{k: v for k, v in spec.items() if k != "devices"}, **over}
+            peaks, derived = descriptor_check.peak_rates(origin[key], f"devices.{dev}.", merged["peak_tflops"],
+                                                         spec["dtypes"], spec["vendor"])
             aliases = (dev, spec["arch"], key) if i == 0 else (dev,)
             t = Target(key=key, device=dev, vendor=spec["vendor"], backend=spec["backend"],
                        arch=spec["arch"], warp_size=int(spec["warp_size"]), dtypes=tuple(spec["dtypes"]),
                        sm_count=int(merged["sm_count"]), mem_bandwidth_gbs=float(merged["mem_bandwidth_gbs"]),
-                       peak_tflops=dict(merged["peak_tflops"]), aliases=aliases, spec=merged)
+                       peak_tflops=peaks, aliases=aliases, spec=merged, derived=derived)
             out[t.id] = t
     return out
 

@@ -135,6 +135,29 @@ def _numbers(path: Path, where: str, d: dict[str, Any], least: int) -> None:
             _rate(path, f"{where}peak_tflops.{name}", value)
 
 
+TWIN_RATES = {"fp16": "bf16", "bf16": "fp16"}  # 16-bit floats: one matrix rate on every GPU
+
+
+def peak_rates(path: Path, where: str, peaks: dict[str, float], names: Collection[str], vendor: str
+               ) -> tuple[dict[str, float], tuple[str, ...]]:
+    """A device's peak rates with every rate the cost model reads: fp32's, and those of each listed
+    float dtype and int8 (the operand dtypes of its kernels). A missing 16-bit float rate is its twin's
+    (fp16 and bf16 run at one rate), a missing CPU rate its fp32 rate; both are derived and said so
+    (the second value: "fp16 = bf16's"). Any other missing rate is an error naming it: a guess there
+    would misrank every schedule of that dtype."""
+    out, derived = dict(peaks), []
+    for name in ["fp32"] + [n for n in names if n != "fp32" and (D.is_float(n) or n == "int8")]:
+        if name in out:
+            continue
+        source = "fp32" if vendor == "cpu" else TWIN_RATES.get(name)
+        if source not in peaks:
+            raise _fail(path, f"{where}peak_tflops", f"lacks {name}: the cost model reads the peak rate of fp32 "
+                        "and of each listed float dtype and int8; give it in TFLOP/s (TOP/s for int8)")
+        out[name] = peaks[source]
+        derived.append(f"{name} = {source}'s")
+    return out, tuple(derived)
+
+
 def implied(spec: dict[str, Any]) -> dict[str, Any]:
     """The fields a vendor and architecture imply, for those the file leaves out."""
     vendor, arch = spec["vendor"], spec["arch"]

@@ -66,7 +66,7 @@ def test_an_edited_cached_source_is_not_imported():
 def test_the_cache_key_follows_the_descriptor_not_its_name(tmp_path, capsys):
     desc = {"key": "cuda:lab", "vendor": "nvidia", "backend": "triton", "arch": "sm_86", "triton_target": ["cuda", 86],
             "warp_size": 32, "dtypes": ["fp32", "fp16", "bf16", "int8", "int32", "int64"], "smem_per_block": 101376,
-            "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": {"bf16": 362}}}}
+            "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": {"fp32": 91.6, "bf16": 362, "int8": 724}}}}
     argv = ["compile", "rmsnorm", "--dim", "M=8", "--dim", "N=200", "--dtype", "fp16", "--target", "l40s",
             "--targets-dir", str(tmp_path / "d")]
     (tmp_path / "d").mkdir()

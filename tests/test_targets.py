@@ -12,7 +12,7 @@ from flashgen.targets import descriptor_check, get_target, load_targets
 NEW_GPU = {
     "key": "cuda:sm_89", "vendor": "nvidia", "backend": "triton", "arch": "sm_89",
     "triton_target": ["cuda", 89], "warp_size": 32, "dtypes": ["fp32", "fp16", "bf16", "int8", "int64"],
-    "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": {"bf16": 362}}},
+    "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": {"fp32": 91.6, "bf16": 362, "int8": 724}}},
 }
 
 
@@ -96,7 +96,7 @@ def test_descriptor_fields_are_checked_with_file_and_field_named(tmp_path, broke
     assert "bad.json" in str(e.value) and "\n" not in str(e.value)
 
 
-H20 = {"sm_count": 78, "mem_bandwidth_gbs": 4000, "peak_tflops": {"bf16": 148}}
+H20 = {"sm_count": 78, "mem_bandwidth_gbs": 4000, "peak_tflops": {"fp32": 44, "bf16": 148, "int8": 296, "fp8e4m3": 296}}
 
 
 def _extends(**change):
@@ -213,7 +213,7 @@ def test_every_accepted_arch_loads_with_what_it_implies(tmp_path):
 
 
 def test_a_builtin_key_is_refused_unless_extended(tmp_path):
-    h20 = {"sm_count": 78, "mem_bandwidth_gbs": 4000, "peak_tflops": {"bf16": 148}}
+    h20 = {"sm_count": 78, "mem_bandwidth_gbs": 4000, "peak_tflops": {"fp32": 44, "bf16": 148, "int8": 296, "fp8e4m3": 296}}
     (tmp_path / "mine.json").write_text(json.dumps({**json.loads(_bad()), "key": "cuda:sm_90", "arch": "sm_90",
                                                     "triton_target": ["cuda", 90], "devices": {"h20": h20}}))
     with pytest.raises(FlashgenError, match="defines 'cuda:sm_90', which .*cuda-sm_90.json defines already"):
@@ -232,7 +232,7 @@ def test_the_minimal_descriptor_builds_every_kernel_class(tmp_path):
 
     minimal = {"key": "cuda:sm_89", "vendor": "nvidia", "backend": "triton", "arch": "sm_89",
                "triton_target": ["cuda", 89], "warp_size": 32, "dtypes": ["fp32", "fp16", "bf16", "int8", "int64"],
-               "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": {"bf16": 362}}}}
+               "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": {"fp32": 91.6, "bf16": 362, "int8": 724}}}}
     (tmp_path / "l40s.json").write_text(json.dumps(minimal))
     t = get_target("l40s", [tmp_path])
     assert t.get("smem_per_block") == 101376 and "int32" in t.dtypes
@@ -244,3 +244,25 @@ def test_the_minimal_descriptor_builds_every_kernel_class(tmp_path):
                                  dtype="fp16")):
         k = flashgen.compile(wl, t)
         assert k.binary[:4] == b"\x7fELF" and ".target sm_89" in k.asm["ptx"]
+
+
+def test_the_peak_rates_the_cost_model_reads_are_required_or_derived(tmp_path, capsys):
+    """fp32's rate and that of each listed float dtype and int8 are what the cost model reads: a file with
+    a bf16 peak alone is refused naming what it lacks (the model assumed 1 TFLOP/s for the others); a
+    missing 16-bit float rate is its twin's, and `flashgen targets` says it was derived."""
+    from flashgen.cli import main
+
+    def device(**peaks):
+        return {**NEW_GPU, "devices": {"l40s": {"sm_count": 142, "mem_bandwidth_gbs": 864, "peak_tflops": peaks}}}
+
+    for peaks, lacks in (({"bf16": 362}, "fp32"), ({"fp32": 91.6, "bf16": 362}, "int8")):
+        (tmp_path / "l40s.json").write_text(json.dumps(device(**peaks)))
+        with pytest.raises(FlashgenError, match=rf"l40s.json: devices.l40s.peak_tflops lacks {lacks}: the cost model"):
+            load_targets([tmp_path])
+    (tmp_path / "l40s.json").write_text(json.dumps(device(fp32=91.6, bf16=362, int8=724)))
+    t = get_target("l40s", [tmp_path])
+    assert t.peak_tflops == {"fp32": 91.6, "bf16": 362, "int8": 724, "fp16": 362} and t.derived == ("fp16 = bf16's",)
+    assert main(["targets", "--targets-dir", str(tmp_path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cuda:sm_89/l40s"))
+    assert line.rstrip().endswith("fp16 = bf16's")
+    assert all(not t.derived for t in load_targets().values() if t.vendor != "cpu")  # the shipped GPUs state theirs
