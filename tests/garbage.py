@@ -1,6 +1,7 @@
 """Garbage outside a sequence's own positions, for the checks that it never reaches its attention
-(tests/test_kv_garbage.py): NaN or inf in every cache slot before a ragged engine run, or outside the
-sequences' positions of an attention kernel's inputs, against the same with zeros there."""
+(tests/test_kv_garbage.py on the CPU, tests/test_gpu.py on the device): NaN or inf in every cache
+slot before a ragged engine run, or outside the sequences' positions of an attention kernel's inputs,
+against the same with zeros there."""
 from __future__ import annotations
 
 import math

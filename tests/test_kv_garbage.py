@@ -3,7 +3,7 @@ past a context (the rest of its last block, a block a padded table names, blocks
 behind) or a packed batch holds past a sequence (the next sequence's keys and values, padding) is
 masked out by selection, so NaN or inf there cannot reach the output through 0 x NaN. On the CPU the
 decoder's torch attention, in Triton's interpreter the generated kernels (fp16: bf16 dots are wrong
-there)."""
+there); the GPU's in tests/test_gpu.py."""
 from __future__ import annotations
 
 import math
@@ -103,3 +103,23 @@ def test_chunked_prefill_reads_only_its_prefix_and_sequence(interpreter, fill, s
     ins["block_tables"], own = own_tables(prefixes, bs, nb, maxb, g)
     ins["prefix_lens"] = torch.tensor(prefixes, dtype=torch.int32)
     check_both(wl, interpreted(interpreter, wl, s), ins, {**keep, "k_cache": own, "v_cache": own}, fill, rows)
+
+
+@pytest.mark.parametrize("consumers, pingpong, block_n", [(2, 1, 64), (1, 0, 128)])
+def test_gluon_prefill_zeroes_values_past_the_sequence(consumers, pingpong, block_n):
+    """The Gluon prefill (its numerics run on the GPU only: tests/test_gpu.py) copies whole value rows by
+    TMA: before a query tile's last values MMA, the rows of its last key tile past the sequence are
+    zeroed in the ring slot and fenced for the MMA; the sm_90 build keeps its MMAs."""
+    from flashgen.schedules.space import ScheduleSpace
+    from flashgen.targets import get_target
+    wl = flashgen.workload("flash_prefill_attention", T=1000, B=3, Hq=32, Hkv=8, D=128, dtype="bf16")
+    s = {"block_m": 64 * consumers, "block_n": block_n, "num_warps": 4, "num_stages": 2, "tma": 0, "backend": 1,
+         "consumers": consumers, "pingpong": pingpong, "persistent": 0}
+    assert ScheduleSpace(wl, get_target("sm_90")).why_invalid(s) is None
+    k = flashgen.compile(wl, "sm_90", schedule=s)
+    src = k.source
+    zero = src.index("v_last.store(gl.where(v_row < n, v_last.load(v_layout), 0.0))")
+    assert src.index("if n_tiles * BLOCK_N > n:") < zero < src.index("fence_async_shared()", zero) \
+        < src.index("acc = warpgroup_mma(pa, v_ring.index(last)", zero)
+    per = 2 * 128 // 16 + 2 * block_n // 16  # the MMAs test_gluon.py counts: no more
+    assert k.binary[:4] == b"\x7fELF" and k.asm["ptx"].count("wgmma.mma_async") == consumers * per
