@@ -316,7 +316,7 @@ class Decoder:
         blocks out of a layer's [blocks, block_size, Hkv, D] tensor as one [B, W * block_size, Hkv, D]
         tensor, and which of those slots each query sees, [B, 1, 1, W * block_size] (its context,
         within the sliding window if any), by each window the layers use. Blocks reserved together lie in runs evenly spaced (a
-        request reserves its prompt and new tokens at once): those are taken as a view, no copy; other
+        request reserves its prompt and new tokens at once): those are taken as a view, no gather; other
         tables are gathered through an index."""
         m, c = cache.manager, self.c
         width, bs = max(m.blocks_for(n) for n in batch.ctx), m.block_size
@@ -348,18 +348,25 @@ class Decoder:
                                 keys: tuple[Callable[[torch.Tensor], torch.Tensor], dict[int | None, torch.Tensor]]
                                 ) -> torch.Tensor:
         """One query per sequence, all sequences in one call: the query heads sharing a KV head are that
-        head's rows (grouped-query attention without repeating keys)."""
+        head's rows (grouped-query attention without repeating keys). The slots a query does not see
+        (past its context, before its window, in the blocks a padded table names) hold whatever was
+        written there last, NaN or inf included: their keys and values are replaced by zeros, not
+        only given weight 0, since a masked score of NaN stays NaN and 0 x NaN is NaN."""
         self.fallbacks.add("attention (torch over the paged cache)")
         c = self.c
         select, seen = keys
         b, group = q.shape[0], c.num_heads // c.num_kv_heads
+        mask = seen[c.layer_window(layer)]
+        slots = mask.reshape(b, -1, 1, 1)  # [B, W * block_size, 1, 1]: each slot's keys and values
         o = F.scaled_dot_product_attention(q.reshape(b, c.num_kv_heads, group, c.head_dim),
-                                           select(cache.k[layer]).transpose(1, 2),
-                                           select(cache.v[layer]).transpose(1, 2),
-                                           attn_mask=seen[c.layer_window(layer)])
+                                           torch.where(slots, select(cache.k[layer]), 0).transpose(1, 2),
+                                           torch.where(slots, select(cache.v[layer]), 0).transpose(1, 2),
+                                           attn_mask=mask)
         return o.reshape(b, c.num_heads, c.head_dim)
 
     def _torch_attention(self, q, cache, layer, batch) -> torch.Tensor:
+        """Sequence by sequence, its new queries against its own first ctx cache positions, sliced out of
+        its blocks: no slot past its context is read, whatever it holds."""
         c = self.c
         self.fallbacks.add("attention (torch over the paged cache)")
         out = torch.empty_like(q)

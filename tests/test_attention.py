@@ -228,7 +228,7 @@ def test_split_merge_in_chunks(interpreter):
                                 chunked()], ids=["causal", "window", "chunked"])
 def test_prefill_tma_tiles(interpreter, wl):
     """Key and value tiles copied by TMA descriptors: rows past a sequence (the next one's, or zeros past
-    T) are masked out of the logits and meet zero probabilities; the cached prefix is still read through
+    T) are masked out of the logits, and their values zeroed; the cached prefix is still read through
     the block table."""
     s = {**PREFILL, "tma": 1}
     assert ScheduleSpace(wl, get_target("h200")).is_valid(s)

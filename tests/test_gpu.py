@@ -577,6 +577,63 @@ def test_chunked_prefill_on_gpu(dt):
         assert c.ok, (c, kernel.schedule)
 
 
+GARBAGE_PREFILL = [("flash_prefill_attention", "triton", {}),
+                   ("flash_prefill_attention", "triton_tma", {"block_m": 128, "block_n": 128, "num_warps": 8,
+                                                              "num_stages": 3, "tma": 1}),
+                   *[("flash_prefill_attention", f"gluon_{form}", {"num_warps": 4, "tma": 0, "backend": 1, **s})
+                     for form, s in GLUON_PREFILL.items()],
+                   ("chunked_prefill_attention", "triton", {}),
+                   ("chunked_prefill_attention", "triton_tma", {"block_m": 64, "block_n": 64, "num_warps": 4,
+                                                                "num_stages": 2, "tma": 1})]
+
+
+@pytest.mark.parametrize("op, form, s", GARBAGE_PREFILL, ids=[f"{o.split('_')[0]}-{f}" for o, f, _ in GARBAGE_PREFILL])
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_prefill_keeps_sequences_apart_on_gpu(op, form, s, fill):
+    """A sequence whose new queries, keys and values are NaN (or +inf), and padding rows past the last
+    sequence, change no other sequence's output by one bit: the key tiles reaching past a sequence read
+    them (a TMA box copies whole rows), and only selection keeps them out (0 x NaN is NaN). Chunked
+    prefill's cached prefixes lie in tables padded with block 0, every other cache slot garbage too.
+    Each sequence ends inside a tile of 64 and of 128."""
+    from tests.garbage import check_both, own_tables, packed
+    lens, pad = [300, 1000, 77], 50
+    dims = dict(T=sum(lens) + pad, B=3, Hq=16, Hkv=4, D=128, dtype="bf16")
+    prefixes, bs = [100, 0, 250], 16
+    if op == "chunked_prefill_attention":
+        dims.update(BS=bs, NB=40, MAXB=20)
+    wl = flashgen.workload(op, **dims)
+    if s.get("tma") and TARGET.capability < 90 or s.get("backend") and TARGET.capability != 90:
+        pytest.skip("TMA tiles need sm_90, Gluon kernels build for sm_90")
+    if s:
+        assert ScheduleSpace(wl, TARGET).why_invalid(s) is None
+    kernel = flashgen.compile(wl, TARGET, **({"schedule": s} if s else {}))
+    g = torch.Generator().manual_seed(9)
+    ins, keep, rows = packed(wl, g, lens, pad)
+    if op == "chunked_prefill_attention":
+        ins["block_tables"], own = own_tables(prefixes, bs, dims["NB"], dims["MAXB"], g)
+        ins["prefix_lens"] = torch.tensor(prefixes, dtype=torch.int32)
+        keep = {**keep, "k_cache": own, "v_cache": own}
+    check_both(wl, lambda t: kernel.run({k: v.to(DEVICE) for k, v in t.items()})["out"].cpu(), ins, keep, fill, rows)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_garbage_in_the_cache_changes_no_token_on_gpu(fill, graphs):
+    """A KV cache whose every slot (the graphs' pad block included) holds NaN (or +inf) before any
+    request gives the tokens of a clean one (bf16, the generated attention): ragged prompts (1 token,
+    under, at and over a block), requests joining while others decode, blocks reused, with and without
+    CUDA graphs."""
+    from flashgen.runtime.bench import CONFIGS, random_weights
+    from flashgen.runtime.engine import Engine
+    from flashgen.runtime.model import Decoder
+    from tests.garbage import check_ragged_runs
+    c = CONFIGS["tiny"]
+    model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
+    eng = check_ragged_runs(lambda: Engine(model, num_blocks=10, cuda_graphs=graphs), fill)
+    assert model.uses_tables and (eng.graphs is not None) == graphs
+    assert not graphs or eng.graphs.graphs  # decode steps were replayed
+
+
 def test_decoder_on_gpu_matches_its_torch_path():
     """The decoder with generated attention and GEMMs against itself with torch attention (bf16)."""
     from flashgen.runtime.bench import CONFIGS, random_weights

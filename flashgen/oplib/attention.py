@@ -5,9 +5,13 @@ paged_decode_attention: one new query token per sequence against a paged KV cach
 Cache layout: k_cache and v_cache are [NB, BS, Hkv, D] — NB physical blocks of BS tokens; the tokens
 of sequence b live in blocks block_tables[b, 0], block_tables[b, 1], ..., in order, and the first
 context_lens[b] positions are valid. q is [B, Hq, D]; query head h reads KV head h // (Hq / Hkv) (GQA).
-The query sits at position context_lens[b] - 1. Head dims D are multiples of 8 from 16 to 256 (64,
-80, 96, 112, 128, 192, 256 of the Llama, Qwen, Phi and Gemma families), powers of two or not. With
-kv=fp8e4m3 the cache holds e4m3 values with per-tensor scales (k_scale, v_scale: the cached value times its scale is the key or value). Logits are q·k / sqrt(D), then the `mod`:
+The query sits at position context_lens[b] - 1. A sequence's other slots (the rest of its last block,
+the blocks its table is padded with) may hold anything, another request's values or NaN and inf
+included: no attention op lets them, or a packed batch's rows outside a sequence, change that
+sequence's output (kernels mask them by selection; the references slice them away).
+
+Head dims D are multiples of 8 from 16 to 256 (64, 80, 96, 112, 128, 192, 256 of the Llama, Qwen,
+Phi and Gemma families), powers of two or not. With kv=fp8e4m3 the cache holds e4m3 values with per-tensor scales (k_scale, v_scale: the cached value times its scale is the key or value). Logits are q·k / sqrt(D), then the `mod`:
 - window: keys more than `window` positions back are masked;
 - softcap: logits become softcap · tanh(logit / softcap);
 - alibi: logits get alibi_slopes[h] · (kpos - qpos).
@@ -190,7 +194,8 @@ def _prefill_check(d, a) -> str | None:
     return None
 
 
-# Packed new tokens of B sequences (cu_seqlens [B + 1] marks where each starts) and the optional slopes.
+# Packed new tokens of B sequences (cu_seqlens [B + 1] marks where each starts; rows past cu_seqlens[B], if
+# any, are padding) and the optional slopes.
 PACKED = (TensorSpec("q", (T, Hq, D), DTYPE), TensorSpec("k", (T, Hkv, D), DTYPE),
           TensorSpec("v", (T, Hkv, D), DTYPE), TensorSpec("cu_seqlens", (B + 1,), "int32"))
 FLASH_PREFILL = Op(

@@ -17,7 +17,9 @@ to the copy warp once its values' MMA is done. With `pingpong` the two consumers
 those MMAs (a turn barrier each), so one's softmax overlaps the other's MMAs and the tensor cores never
 wait for both at once. Masks apply only on the key tiles that reach the diagonal (and on every tile,
 under a mask other than the plain causal one); the op's score expression (softcap, alibi) is emitted
-from the IR as in the Triton kernel.
+from the IR as in the Triton kernel. A TMA box copies whole rows: the value rows of a tile's last key
+tile that lie past its sequence (the next sequence's, padding) are zeroed in their ring slot before
+their MMA, since a masked logit's zero probability times a NaN or inf value is still NaN.
 """
 from __future__ import annotations
 
@@ -118,7 +120,25 @@ def _softmax(em: GluonEmitter, att: Attend, scope: Scope, kpos0: str, dt: str) -
     step.line(f"pa = gl.convert_layout(p.to({dt}), p_layout)")
 
 
-def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: bool, dt: str, group: int) -> list[str]:
+def _values_past_sequence(tile: Scope, d: int) -> None:
+    """Zeros in the value rows of the tile's last key tile (ring slot `last`) that lie past the sequence:
+    a TMA box copies whole rows, the next sequence's or the padding's, and their zero probabilities
+    would still make NaN of a NaN or inf value there. Only the last key tile can reach past the
+    sequence. Both consumers may rewrite the slot at once, harmlessly: each writes the sequence's rows
+    back as copied and zeros past it, the same bytes as the other."""
+    cols = min(32, d // 8)  # threads along a row, 8 values (16 bytes) each
+    tile.line("if n_tiles * BLOCK_N > n:")
+    past = tile.child(tile.indent + "    ")
+    past.line(f"v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [{32 // cols}, {cols}], [{WARPGROUP}, 1], [1, 0])")
+    past.line(f"v_last = {_slot('v_ring', 'last')}")
+    past.line("v_row = (n_tiles - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))[:, None]")
+    past.line("v_last.store(gl.where(v_row < n, v_last.load(v_layout), 0.0))")
+    past.line("fence_async_shared()  # the values MMA (the async proxy) reads what the warpgroup wrote")
+    past.line("gl.thread_barrier()  # every warp's rows, before the warpgroup's MMA")
+
+
+def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: bool, dt: str, group: int,
+                 d: int) -> list[str]:
     """A consumer warpgroup: for each of the program's query tiles, rows [r0, r0 + ROWS) of it against
     every key tile up to the diagonal."""
     lines = ["@gluon.jit",
@@ -162,9 +182,10 @@ def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: boo
     body.line("acc = warpgroup_mma_wait(0, deps=[acc])")
     body.line("mbarrier.arrive(free.index(prev))  # hand that slot back")
     body.line("acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]")
-    for line in ["mbarrier.arrive(q_free)  # the tile's logits are done: the next tile's queries may come",
-                 "last = (it + n_tiles - 1) % STAGES",
-                 _values_mma("last"),
+    tile.line("mbarrier.arrive(q_free)  # the tile's logits are done: the next tile's queries may come")
+    tile.line("last = (it + n_tiles - 1) % STAGES")
+    _values_past_sequence(tile, d)
+    for line in [_values_mma("last"),
                  "acc = warpgroup_mma_wait(0, deps=[acc])",
                  "mbarrier.arrive(free.index(last))",
                  "it += n_tiles",
@@ -221,7 +242,7 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
         top.line(f"    (_attend_rows, ({', '.join(names + RING + (['turn'] if pingpong else []) + ['tiles', str(first)])})),")
     top.line(f"    (_load_kv, ({', '.join(names + ['q_desc', 'k_desc', 'v_desc'] + RING + ['tiles'])})),")
     top.line(f"], {[WARPGROUP] * (consumers - 1) + [1]}, {[CONSUMER_REGS] * (consumers - 1) + [PRODUCER_REGS]})")
-    helpers = _load_kv(params, group) + _attend_rows(em, att, params, pingpong, dt, group)
+    helpers = _load_kv(params, group) + _attend_rows(em, att, params, pingpong, dt, group, dim["D"])
     head = lines.index("@gluon.jit")
     lines[head:head] = helpers
     return KernelSource(name, to_gluon(em.finish(lines)), args, (ROWS * consumers, 1), tile_cols=True,

@@ -15,6 +15,11 @@ sequences are numbered one after another (at most T / block_m + B of them, so no
 needed), and each program finds its sequence from the cumulative lengths (`_sequence_of_tile`). Key
 tiles stop at the diagonal (causal), and the same score and mask expressions apply.
 
+Keys and values outside a sequence (cache slots past its context, entries past its block table, the
+next sequence's rows of a packed batch, padding) may hold anything, NaN and inf included: they are
+masked by selection (masked loads with zeros, tl.where on what a TMA box copied), never by a zero
+weight alone, since 0 x NaN is NaN.
+
 Head dims: tile shapes must be powers of two, so a head dim D that is not one (80, 96, 112, 192) gets
 tiles of D_PAD (the next power of two) columns, the columns past D read as zeros (they add nothing to
 q·k, and the output's are never stored). A power-of-two D generates no D_PAD and no column mask.
@@ -185,8 +190,8 @@ def _prefill(wl: Workload, s: Schedule, att: Attend) -> KernelSource:
     body.line("j = n0 + tl.arange(0, BLOCK_N)[None, :]")
     body.line("jmask = j < n")
     body.line("kpos = pre + j")
-    if tma:  # keys past the sequence (the next one's, or TMA's zeros) are masked out of the logits
-        _tma_tiles(body, cols)
+    if tma:  # rows past the sequence (the next one's, or TMA's zeros) are masked out of the logits and values
+        _tma_tiles(body, cols, "jc < n")
     else:
         _packed_tiles(body, pad, "jmask", "jc < n")
     _scores(em, att, body, dt)
@@ -226,12 +231,16 @@ def _sequence_of_tile(top: Scope, layout: str = "", tile: str = "tl.program_id(0
     top.line("nth = t - (s0 // BLOCK_M + b)")
 
 
-def _tma_tiles(body: Scope, cols: str) -> None:
+def _tma_tiles(body: Scope, cols: str, vmask: str | None = None) -> None:
     """`kt` [cols, block_n] and `v` [block_n, cols] of the key tile at n0, copied by the TMA descriptors
-    (`cols`: D or D_PAD, whose columns past D the copy fills with zeros). Value rows past the sequence
-    meet zero probabilities."""
+    (`cols`: D or D_PAD, whose columns past D the copy fills with zeros). A box copies whole rows, the
+    next sequence's too: value rows outside `vmask` (None: the tile is in the sequence) are replaced by
+    zeros, since a zero probability times a NaN or inf value there would still be NaN."""
     body.line(f"kt = tl.trans(tl.reshape(k_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, {cols}]))")
     body.line(f"v = tl.reshape(v_desc.load([s0 + n0, kvh, 0]), [BLOCK_N, {cols}])")
+    if vmask is not None:
+        body.line("jc = n0 + tl.arange(0, BLOCK_N)[:, None]")
+        body.line(f"v = tl.where({vmask}, v, 0.0)")
 
 
 def _split_scratch(g_pad: int, splits: int, d: int) -> tuple[Scratch, ...]:
