@@ -73,6 +73,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
     out = out_folder(args.out)
+    _check_named_db(args.db)
     schedule = None if args.schedule is None else \
         _json_object(_json(args.schedule, "--schedule"), "--schedule", "{knob: value, ...}")
     kernel = flashgen.compile(wl, target, schedule=schedule, db=args.db, targets_dir=args.targets_dir)
@@ -83,6 +84,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for f in files:
         print(f"wrote {f} ({f.stat().st_size} bytes)")
     return 0
+
+
+def _check_named_db(path: str | None) -> None:
+    """A database named with --db must be one (as `db list` says of it): a missing path would read as
+    no records, and the schedule shown would silently pass over the user's."""
+    from flashgen.db import Database
+
+    if path is not None:
+        Database(path, readonly=True).close()
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -249,6 +259,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     wl = _workload(args)
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
+    _check_named_db(args.db)
     d = Dispatcher(target, args.db).choose(wl, target)
     print(f"{wl}  on {target.id}")
     print(f"workload key: {wl.key}")
