@@ -12,6 +12,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from flashgen.env import switch
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.paths import cache_dir, writable
@@ -97,7 +98,7 @@ def for_target(ks: KernelSource, target: Target) -> KernelSource:
     """The generated kernel with its build constants for `target`: programmatic dependent launch on
     where the GPU has it (NVIDIA sm_90 and newer), so that in a stream or CUDA graph each kernel is
     resident before the previous one ends. FLASHGEN_PDL=0 builds without it (to measure what it brings)."""
-    pdl = int(target.pdl and os.environ.get("FLASHGEN_PDL", "1") != "0")
+    pdl = int(target.pdl and switch("FLASHGEN_PDL"))
     return replace(ks, args=[replace(a, value=pdl) if a.kind == "constexpr" and a.name == PDL else a for a in ks.args])
 
 
