@@ -371,6 +371,21 @@ def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, i
     return SamplingParams(max_new_tokens=n, seed=args.seed, **{**defaults, **given}), cap
 
 
+BLOCK_TOKENS = 16  # tokens a KV cache block holds
+
+
+def _check_cache_blocks(blocks: int, prompt_len: int, new: int, padding: bool) -> None:
+    """--cache-blocks must hold the request's prompt and new tokens, and one block more where the engine
+    runs CUDA graphs (their padding rows write there: `Engine.graphs`); checked before the weights load
+    without that block, then again once the engine says whether it keeps one."""
+    need = -(-(prompt_len + new) // BLOCK_TOKENS)
+    if need + padding > blocks:
+        graphs = ", and the CUDA graphs one more for their padding rows" if padding else ""
+        raise FlashgenError(f"--cache-blocks {blocks} is too few: the prompt's {prompt_len} tokens and {new} new "
+                            f"ones need {need} blocks of {BLOCK_TOKENS} tokens{graphs}; pass --cache-blocks "
+                            f"{need + padding} or more")
+
+
 def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, params: SamplingParams,
               cap: int | None) -> None:
     """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints);
@@ -391,17 +406,23 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, config.vocab_size)
+    prompt = tok.encode(prompt_text).ids  # (before the weights load: a request refused costs no loading)
+    if not prompt:
+        option = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+        what = "is empty" if not prompt_text else f"{prompt_text!r:.40} encodes to no tokens"
+        raise FlashgenError(f"{option}: the prompt {what}; give the text to continue from")
+    n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
+    _check_cache_blocks(args.cache_blocks, len(prompt), n, padding=False)
     nbytes = 2 if device.type == "cuda" else 4
     weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
     check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights // args.tp +
-               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, 16), device,
+               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, BLOCK_TOKENS), device,
                "pass fewer --cache-blocks")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
-    engine = Engine(model, num_blocks=args.cache_blocks, tp=args.tp)
-    prompt = tok.encode(prompt_text).ids
-    n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
+    engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
+    _check_cache_blocks(args.cache_blocks, len(prompt), n, padding=engine.graphs is not None)
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
@@ -554,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else 1: none)")
     g.add_argument("--seed", type=_SEED, default=0)
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
-                   help="KV cache size in blocks of 16 tokens")
+                   help=f"KV cache size in blocks of {BLOCK_TOKENS} tokens")
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
                    help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
                         "--nproc-per-node N")
