@@ -117,9 +117,14 @@ def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
 def compile_options(ks: KernelSource, schedule: dict) -> dict[str, Any]:
     """Triton's compile options for this kernel: warps, pipeline stages, programmatic dependent launch."""
     options: dict[str, Any] = {"num_warps": schedule["num_warps"], "num_stages": schedule.get("num_stages", 1)}
-    if any(a.kind == "constexpr" and a.name == PDL and a.value for a in ks.args):
+    if uses_pdl(ks):
         options["launch_pdl"] = True
     return options
+
+
+def uses_pdl(ks: KernelSource) -> bool:
+    """Whether the kernel was built with programmatic dependent launch (`for_target`)."""
+    return any(a.kind == "constexpr" and a.name == PDL and a.value for a in ks.args)
 
 
 def load_compiled(src: Any, files: dict[str, str], triton_hash: str):
