@@ -73,6 +73,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
     out = out_folder(args.out)
+    _check_named_db(args.db)
     schedule = None if args.schedule is None else \
         _json_object(_json(args.schedule, "--schedule"), "--schedule", "{knob: value, ...}")
     kernel = flashgen.compile(wl, target, schedule=schedule, db=args.db, targets_dir=args.targets_dir)
@@ -83,6 +84,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for f in files:
         print(f"wrote {f} ({f.stat().st_size} bytes)")
     return 0
+
+
+def _check_named_db(path: str | None) -> None:
+    """A database named with --db must be one (as `db list` says of it): a missing path would read as
+    no records, and the schedule shown would silently pass over the user's."""
+    from flashgen.db import Database
+
+    if path is not None:
+        Database(path, readonly=True).close()
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -249,6 +259,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     wl = _workload(args)
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
+    _check_named_db(args.db)
     d = Dispatcher(target, args.db).choose(wl, target)
     print(f"{wl}  on {target.id}")
     print(f"workload key: {wl.key}")
@@ -360,6 +371,21 @@ def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, i
     return SamplingParams(max_new_tokens=n, seed=args.seed, **{**defaults, **given}), cap
 
 
+BLOCK_TOKENS = 16  # tokens a KV cache block holds
+
+
+def _check_cache_blocks(blocks: int, prompt_len: int, new: int, padding: bool) -> None:
+    """--cache-blocks must hold the request's prompt and new tokens, and one block more where the engine
+    runs CUDA graphs (their padding rows write there: `Engine.graphs`); checked before the weights load
+    without that block, then again once the engine says whether it keeps one."""
+    need = -(-(prompt_len + new) // BLOCK_TOKENS)
+    if need + padding > blocks:
+        graphs = ", and the CUDA graphs one more for their padding rows" if padding else ""
+        raise FlashgenError(f"--cache-blocks {blocks} is too few: the prompt's {prompt_len} tokens and {new} new "
+                            f"ones need {need} blocks of {BLOCK_TOKENS} tokens{graphs}; pass --cache-blocks "
+                            f"{need + padding} or more")
+
+
 def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, params: SamplingParams,
               cap: int | None) -> None:
     """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints);
@@ -380,17 +406,23 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, config.vocab_size)
+    prompt = tok.encode(prompt_text).ids  # (before the weights load: a request refused costs no loading)
+    if not prompt:
+        option = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+        what = "is empty" if not prompt_text else f"{prompt_text!r:.40} encodes to no tokens"
+        raise FlashgenError(f"{option}: the prompt {what}; give the text to continue from")
+    n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
+    _check_cache_blocks(args.cache_blocks, len(prompt), n, padding=False)
     nbytes = 2 if device.type == "cuda" else 4
     weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
     check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights // args.tp +
-               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, 16), device,
+               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, BLOCK_TOKENS), device,
                "pass fewer --cache-blocks")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
-    engine = Engine(model, num_blocks=args.cache_blocks, tp=args.tp)
-    prompt = tok.encode(prompt_text).ids
-    n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
+    engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
+    _check_cache_blocks(args.cache_blocks, len(prompt), n, padding=engine.graphs is not None)
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
@@ -543,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else 1: none)")
     g.add_argument("--seed", type=_SEED, default=0)
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
-                   help="KV cache size in blocks of 16 tokens")
+                   help=f"KV cache size in blocks of {BLOCK_TOKENS} tokens")
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
                    help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
                         "--nproc-per-node N")

@@ -19,7 +19,7 @@ from flashgen.db.shipped import TunedRecords
 from flashgen.errors import FlashgenError
 from flashgen.kernel_classes import kernel_class, supported
 from flashgen.schedules.space import ScheduleSpace
-from flashgen.targets.descriptor import Target, get_target, siblings
+from flashgen.targets.descriptor import Target, get_target
 from flashgen.targets.kernel import Kernel
 from flashgen.workload import Schedule, Workload
 
@@ -60,16 +60,15 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
     path = db.path if isinstance(db, Database) else Path(db) if db is not None else default_db_path()
     database = db if isinstance(db, Database) else Database(path, readonly=True) if path.exists() else None
     try:
-        for records in [target, *siblings(target)]:
-            found = TunedRecords(database).best(wl.key, records.id, lambda rec: space.is_valid(rec.schedule))
-            if found is not None:
-                rec, origin = found
-                tuned_on = "" if records is target else f", tuned on {records.id}"
-                return space.complete(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin}{tuned_on})"
+        found = TunedRecords(database).served(wl.key, target, lambda rec: space.is_valid(rec.schedule))
     finally:
         if database is not None and database is not db:
             database.close()
-    return space.default(), "analytic default"
+    if found is None:
+        return space.default(), "analytic default"
+    rec, origin = found
+    tuned_on = "" if rec.target_key == target.id else f", tuned on {rec.target_key}"
+    return space.complete(rec.schedule), f"database best ({rec.latency_us:.2f} us on {rec.device}, {origin}{tuned_on})"
 
 
 def compile(wl: Workload, target: str | Target = "h200", *, schedule: Schedule | None = None,

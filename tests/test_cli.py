@@ -197,6 +197,9 @@ PROBED = [  # (argv, the --workloads file's bytes or None, message); {w} is the 
     (["targets", "--targets-dir", "{w}"], W.encode(), "w.jsonl is a file, not a folder"),
     (["compile", *ONE, "--target", "cpu", "--targets-dir", "{w}", "--out", "{w}.out"], W.encode(),
      "w.jsonl is a file, not a folder"),
+    # a database named with --db that is not there read as none: explain said [default], exit 0
+    (["explain", *ONE, "--target", "h200", "--db", "{w}.db"], None, "no tuning database at"),
+    (["compile", *ONE, "--target", "h200", "--db", "{w}.db", "--out", "{w}.out"], None, "no tuning database at"),
 ]
 
 

@@ -525,6 +525,25 @@ def test_export_never_overwrites_the_database_and_needs_force(tmp_path, capsys):
     assert json.loads(out.read_text())["latency_us"] == 2.5
 
 
+def test_export_to_a_folder_says_a_folder_is_never_replaced(tmp_path, capsys):
+    """It suggested --force, which then failed naming the export's temporary file."""
+    from flashgen.cli import main
+    path = tmp_path / "t.db"
+    (tmp_path / "in.jsonl").write_text(_good_line() + "\n")
+    assert main(["db", "import", str(tmp_path / "in.jsonl"), "--db", str(path)]) == 0
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "kept").write_text("x")
+    capsys.readouterr()
+    for force in ([], ["--force"]):
+        assert main(["db", "export", "--db", str(path), str(folder), *force]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (f"flashgen: error: {folder} is a folder, which an export never replaces; give a "
+                                     f"file path, such as {folder / 'records.jsonl'}.\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out", "t.db"]
+    assert [p.name for p in folder.iterdir()] == ["kept"]
+
+
 def test_db_target_takes_compile_names_and_refuses_unknown_ones(tmp_path, capsys):
     from flashgen.cli import main
     path = tmp_path / "t.db"

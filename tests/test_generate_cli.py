@@ -337,3 +337,72 @@ def test_bad_tokenizer_config_is_one_line(folder, tmp_path, capsys, config, mess
     assert main(["generate", "--model", str(m), "--prompt", "w1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"flashgen: error: {m / 'tokenizer_config.json'}: {message}") and err.count("\n") == 1, err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading the weights fails the test: a refusal must come before it."""
+    from flashgen.runtime import weights
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+    monkeypatch.setattr(weights, "load_weights", loaded)
+
+
+@pytest.mark.parametrize("how, message", [
+    (["--prompt", ""], "--prompt: the prompt is empty; give the text to continue from"),
+    (["--prompt", "   "], "--prompt: the prompt '   ' encodes to no tokens; give the text to continue from"),
+    (["--prompt-file", "{empty}"], "--prompt-file {empty}: the prompt is empty; give the text to continue from"),
+])
+def test_an_empty_prompt_is_refused_before_the_model_loads(folder, tmp_path, capsys, no_loading, how, message):
+    """It was refused by the engine's API check ("prompt must be a non-empty list of token ids"), after
+    the weights loaded. (This tokenizer adds no BOS token: the empty text gives no token at all.)"""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    argv = [a.replace("{empty}", str(empty)) for a in how]
+    assert main(["generate", "--model", str(folder), *argv]) == 2
+    assert capsys.readouterr().err == f"flashgen: error: {message.replace('{empty}', str(empty))}\n"
+
+
+def test_too_few_cache_blocks_say_how_many_the_request_needs(folder, capsys, no_loading):
+    """It said only "needs more KV cache blocks than the cache has", after the weights loaded."""
+    argv = ["generate", "--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "30", "--cache-blocks", "2"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ("flashgen: error: --cache-blocks 2 is too few: the prompt's 3 tokens and 30 new "
+                                       "ones need 3 blocks of 16 tokens; pass --cache-blocks 3 or more\n")
+
+
+PADDED = ("flashgen: error: --cache-blocks 2 is too few: the prompt's 2 tokens and 30 new ones need 2 blocks of "
+          "16 tokens, and the CUDA graphs one more for their padding rows; pass --cache-blocks 3 or more\n")
+
+
+@no_gpu
+def test_the_cuda_graphs_padding_block_is_counted(folder, capsys, monkeypatch):
+    """An engine running CUDA graphs keeps one block for their padding rows (runtime/kv_cache.py): a
+    request that fills the rest is refused naming both. Faked here on the CPU (the GPU test below runs
+    it); the same request runs where the engine keeps no such block."""
+    from flashgen.runtime.engine import Engine
+    argv = ["generate", "--model", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "30", "--cache-blocks", "2"]
+    assert main(argv) == 0
+    assert len(capsys.readouterr().out.split()) == 30
+    init = Engine.__init__
+
+    def with_graphs(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.graphs = object()
+    monkeypatch.setattr(Engine, "__init__", with_graphs)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == PADDED
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_cuda_graphs_padding_block_is_counted_on_a_gpu(folder, capsys):
+    """On a GPU the engine runs the generated attention in CUDA graphs and keeps their padding block:
+    2 blocks hold the request's 32 tokens but not that block (the engine said only "needs more KV cache
+    blocks than the cache has"); 3 serve it."""
+    argv = ["generate", "--model", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "30", "--cache-blocks"]
+    assert main([*argv, "2"]) == 2
+    assert capsys.readouterr().err == PADDED
+    assert main([*argv, "3"]) == 0
+    assert len(capsys.readouterr().out.split()) == 30

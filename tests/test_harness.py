@@ -58,3 +58,58 @@ def test_generated_source_keeps_the_ir_value_names():
     for name in ("x", "xc", "ssd"):  # the op's Lets and reductions (flashgen/oplib/norm.py)
         assert f"\n    {name} = " in body, name
     assert "\n    sum = " not in body and "\n    sum_1 = " in body  # a Python builtin's name is not taken
+
+
+ATTENTION = ["paged_decode_attention", "--dim", "B=2", "--dim", "Hq=4", "--dim", "Hkv=2", "--dim", "D=64", "--dim", "BS=16",
+             "--dim", "NB=8", "--dim", "MAXB=4", "--dim", "L=50"]
+
+
+def test_a_bf16_dot_kernel_file_refuses_the_interpreter_and_its_fp16_twin_runs(tmp_path):
+    """Triton's interpreter multiplies the raw bits of bf16 matrices in tl.dot: run as its header said,
+    a right bf16 attention kernel printed WRONG (error 1e10). It is refused in one line saying why,
+    and the header no longer suggests the interpreter; the fp16 kernel it points to runs there."""
+    assert main(["compile", *ATTENTION, "--dtype", "bf16", "--target", "h200", "--out", str(tmp_path / "bf16")]) == 0
+    path = tmp_path / "bf16" / "paged_decode_attention_kernel.py"
+    assert "TRITON_INTERPRET" not in path.read_text()
+    done = _run(path)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stdout + done.stderr
+    assert "interpreter multiplies the raw bits of bf16 matrices in tl.dot" in done.stderr
+    assert main(["compile", *ATTENTION, "--dtype", "fp16", "--target", "h200", "--out", str(tmp_path / "fp16")]) == 0
+    done = _run(tmp_path / "fp16" / "paged_decode_attention_kernel.py")
+    assert done.returncode == 0 and " ok" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_bf16_kernel_without_a_bf16_dot_still_runs_in_the_interpreter(tmp_path):
+    """An int8 GEMM writing bf16 (W8A8) multiplies int8 matrices, which the interpreter computes right."""
+    assert main(["compile", "gemm_w8a8", "--dim", "M=3", "--dim", "N=64", "--dim", "K=64", "--dtype", "bf16",
+                 "--target", "h200", "--out", str(tmp_path)]) == 0
+    path = tmp_path / "gemm_w8a8_kernel.py"
+    assert "TRITON_INTERPRET=1 python" in path.read_text()
+    done = _run(path)
+    assert done.returncode == 0 and " ok" in done.stdout, done.stdout + done.stderr
+
+
+CALL_IN_INTERPRETER = """
+import sys, torch, flashgen
+from flashgen.errors import FlashgenError
+k = flashgen.compile(flashgen.workload("rmsnorm", M=4, N=64, dtype="fp32"), "h200")  # (from the artifact cache)
+try:
+    k(torch.randn(4, 64), torch.randn(64))
+except FlashgenError as e:
+    print(e)
+    sys.exit(2)
+"""
+
+
+def test_a_pdl_kernel_called_in_the_interpreter_says_why_it_cannot_run():
+    """An h200 kernel waits on the previous kernel through programmatic dependent launch; called on CPU
+    tensors under TRITON_INTERPRET=1 it raised Triton's InterpreterError, naming no cause."""
+    import flashgen
+    kernel = flashgen.compile(flashgen.workload("rmsnorm", M=4, N=64, dtype="fp32"), "h200")  # into the cache
+    assert kernel.metadata["constexprs"]["PDL"] == 1
+    done = subprocess.run([sys.executable, "-c", CALL_IN_INTERPRETER], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ("this kernel was built for cuda:sm_90/h200 with programmatic dependent launch, which "
+                           "Triton's interpreter does not run: call it on its GPU, or build and call it with "
+                           "FLASHGEN_PDL=0 set to check it in the interpreter\n")

@@ -41,9 +41,7 @@ def _copy(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "manifest"])
-def test_a_damaged_shipped_file_is_not_served(tmp_path, damage):
-    folder = _copy(tmp_path)
+def _damage(folder, damage):
     data = folder / "h200.jsonl"
     raw = bytearray(data.read_bytes())
     if damage == "flip":
@@ -55,8 +53,78 @@ def test_a_damaged_shipped_file_is_not_served(tmp_path, damage):
         data.write_bytes(b"")
     else:
         (folder / "MANIFEST.json").write_text("{not json")
-    with pytest.warns(UserWarning, match="not served|unreadable"):
-        assert shipped_mod._read_verified(folder) == []
+
+
+@pytest.mark.parametrize("damage, why", [("flip", "failed its sha256 check"), ("truncate", "failed its sha256 check"),
+                                         ("empty", "failed its sha256 check"), ("manifest", "missing or unreadable")])
+def test_a_damaged_shipped_file_is_not_served(tmp_path, monkeypatch, damage, why):
+    folder = _copy(tmp_path)
+    _damage(folder, damage)
+    records, problems = shipped_mod._read_verified(folder)
+    assert records == [] and len(problems) == 1 and why in problems[0], problems
+    monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
+    with pytest.warns(UserWarning, match=f"shipped records not served: .*{why}"):
+        assert shipped_database() is None
+
+
+def test_db_list_shipped_says_the_file_failed_its_sha256_check(tmp_path, monkeypatch, capsys):
+    """A tampered file was blamed on FLASHGEN_SHIPPED=0 or on none being installed, with exit 0."""
+    folder = _copy(tmp_path)
+    _damage(folder, "flip")
+    monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
+    assert main(["db", "list", "--shipped"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert f"{folder / 'h200.jsonl'} failed its sha256 check against MANIFEST.json" in err, err
+    assert "FLASHGEN_SHIPPED" not in err
+
+
+def _rewrite(folder, change):
+    """`change(record JSON)` applied to every line of the shipped H200 file, the manifest's sha256 made to
+    match (what a maintainer's careless edit, not a damaged download, would give)."""
+    path = folder / "h200.jsonl"
+    lines = [json.dumps(change(json.loads(line)), sort_keys=True) for line in path.read_text().splitlines()]
+    path.write_text("".join(line + "\n" for line in lines))
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    manifest["files"]["h200.jsonl"]["sha256"] = shipped_mod._sha256(path.read_bytes())
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def test_a_shipped_record_whose_workload_is_not_its_key_is_not_served(tmp_path, monkeypatch):
+    rec = next(r for r in shipped_database().best_all("cuda:sm_90/h200") if r.workload["op"] == "rmsnorm")
+    wl = recorded_workload(rec.workload, rec.workload_key)
+    other = wl.with_dims(N=wl.dim["N"] + 8).to_json()  # another workload, under rec's key
+
+    def change(line):
+        return {**line, "workload": other} if line["workload_key"] == rec.workload_key else line
+    folder = _copy(tmp_path)
+    _rewrite(folder, change)
+    records, problems = shipped_mod._read_verified(folder)
+    assert records and all(r.workload_key != rec.workload_key for r in records)
+    assert len(problems) == 1 and "whose workload is not the one their key names" in problems[0], problems
+    assert rec.workload_key in problems[0]
+    monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
+    from flashgen.runtime.dispatch import Dispatcher
+    target = get_target("h200")
+    with pytest.warns(UserWarning, match="whose workload is not the one their key names"):
+        d = Dispatcher(target, tmp_path / "none.db").choose(wl, target)
+    assert d.kind != "exact", d
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("FALSE", False), ("no", False), ("Off", False),
+                                       ("1", True), ("true", True), ("Yes", True), ("ON", True), ("", True)])
+def test_flashgen_shipped_reads_the_usual_words(monkeypatch, value, on):
+    """FLASHGEN_SHIPPED=false (no, off) left the shipped records on: only "0" turned them off."""
+    monkeypatch.setenv("FLASHGEN_SHIPPED", value)
+    assert (shipped_database() is not None) == on
+
+
+@pytest.mark.parametrize("value", ["flase", "2", "disabled"])
+def test_flashgen_shipped_refuses_other_values_in_one_line(monkeypatch, capsys, value):
+    monkeypatch.setenv("FLASHGEN_SHIPPED", value)
+    assert main(["db", "best", "--shipped"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"flashgen: error: FLASHGEN_SHIPPED={value!r} is neither on (1/true/yes/on) nor off (0/false/no/off)\n"
 
 
 def test_user_records_override_shipped_ones(tmp_path):
@@ -100,12 +168,61 @@ def test_compile_serves_shipped_records_unless_turned_off(capsys, tmp_path, monk
     assert "analytic default" in capsys.readouterr().out
 
 
-def test_db_list_shipped(capsys):
+def test_db_list_shipped(capsys, monkeypatch):
     assert main(["db", "best", "--shipped", "--target", "cuda:sm_90/h200"]) == 0
     out = capsys.readouterr().out
     assert "cuda:sm_90/h200" in out and "rmsnorm" in out
     assert main(["db", "list", "--shipped", "--db", "x.db"]) == 2
     assert "takes no --db" in capsys.readouterr().err
+    monkeypatch.setenv("FLASHGEN_SHIPPED", "off")
+    assert main(["db", "list", "--shipped"]) == 0
+    assert capsys.readouterr().out == "no shipped records: FLASHGEN_SHIPPED=off turns them off\n"
+
+
+def _best_rows(out: str) -> list[tuple[str, str, str]]:
+    """(target, workload key, from) of each row `db best` prints (its last two columns are the key and
+    where the record comes from; none of the columns before the timing holds a space)."""
+    lines = out.splitlines()
+    assert lines and lines[0].split()[-2:] == ["workload_key", "from"], out
+    return [(line.split()[2], line.split()[-2], line.split()[-1]) for line in lines[1:] if not line.startswith("(")]
+
+
+def test_db_best_on_a_fresh_install_shows_the_shipped_records_dispatch_serves(tmp_path, monkeypatch, capsys):
+    """With no database yet (or an empty one), `db best --target h200` said no tuning database (or no
+    records) while dispatch served every shipped H200 record."""
+    h200 = {r.workload_key for r in shipped_database().best_all("cuda:sm_90/h200")}
+    monkeypatch.setenv("FLASHGEN_DB", str(tmp_path / "none.db"))
+    assert main(["db", "best", "--target", "h200"]) == 0
+    rows = _best_rows(capsys.readouterr().out)
+    assert {k for _, k, _ in rows} == h200 and len(rows) == len(h200)
+    assert {(t, o) for t, _, o in rows} == {("cuda:sm_90/h200", "shipped")}
+    Database(tmp_path / "none.db").close()  # an empty database: the shipped records still fill in
+    assert main(["db", "best", "--target", "h200"]) == 0
+    assert len(_best_rows(capsys.readouterr().out)) == len(h200)
+
+
+def test_db_best_shows_what_compile_takes_user_shipped_and_other_device(tmp_path, monkeypatch, capsys):
+    """The user's record where there is one, else the shipped one, else (an H100) the H200's: the same
+    chain compile's schedule choice walks."""
+    from flashgen.compiler import choose_schedule
+    shipped = shipped_database().best_all("cuda:sm_90/h200")
+    rec = next(r for r in shipped if r.workload["op"] == "rmsnorm")
+    wl = recorded_workload(rec.workload, rec.workload_key)
+    with Database(tmp_path / "u.db") as user:
+        user.add(Record(workload_key=rec.workload_key, workload=rec.workload, target_key=rec.target_key,
+                        schedule=ScheduleSpace(wl, get_target("h200")).default(), status="ok", latency_us=99.0,
+                        device="mine"))
+    for name in ("h200", "h100"):
+        assert main(["db", "best", "--target", name, "--db", str(tmp_path / "u.db")]) == 0
+        out = capsys.readouterr().out
+        rows = {k: (t, o) for t, k, o in _best_rows(out)}
+        assert rows[rec.workload_key] == ("cuda:sm_90/h200", "database")
+        assert len(rows) == len({r.workload_key for r in shipped})
+        assert all(o == "shipped" for k, (_, o) in rows.items() if k != rec.workload_key)
+        assert ("records of another device of the architecture" in out) == (name == "h100"), out
+        target = get_target(name)
+        schedule, source = choose_schedule(wl, target, tmp_path / "u.db", None)
+        assert schedule == ScheduleSpace(wl, target).default() and str(tmp_path / "u.db") in source
 
 
 def test_dispatch_serves_shipped_records_exactly_and_as_buckets(tmp_path):

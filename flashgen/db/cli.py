@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 
-from flashgen.db.database import Database
+from flashgen.db.database import Database, default_db_path
 from flashgen.db.record import STATUSES, Record, canonical_json
-from flashgen.db.shipped import ENV, shipped_database
+from flashgen.db.shipped import ENV, ORIGIN, TunedRecords, shipped_database, shipped_on, shipped_records
 from flashgen.errors import FlashgenError
-from flashgen.targets.descriptor import get_target, load_targets
+from flashgen.targets.descriptor import Target, get_target, load_targets
 from flashgen.table import print_table
 
 _SCHEDULE_WIDTH = 48
+_USER, _SHIPPED = "database", "shipped"  # `db best`'s "from" column
 
 
 def _positive_int(text: str) -> int:
@@ -50,29 +54,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs one `db` sub-command; user problems surface as FlashgenError."""
-    args.target_ids = _target_ids(args.target) if getattr(args, "target", None) else None
+    targets = _targets(args.target) if getattr(args, "target", None) else None
+    args.target_ids = {t.id for t in targets} if targets is not None else None
     if getattr(args, "shipped", False):
         if args.db is not None:
             raise FlashgenError("--shipped lists the records that ship with flashgen; it takes no --db")
-        shipped = shipped_database()
+        shipped = _shipped()
         if shipped is None:
-            print(f"no shipped records ({ENV}=0, or none installed)")
+            return 0
+        if args.db_command == "best":
+            _print_served(TunedRecords(None, shipped), targets)
             return 0
         return _show(args, shipped)
+    if args.db_command == "best":
+        _best(args.db, targets)
+        return 0
     with Database(args.db, readonly=args.db_command != "import") as database:
         return _show(args, database)
 
 
+def _shipped() -> Database | None:
+    """The shipped records for `--shipped`, else None with a line saying why there are none; files that
+    failed their checks are named (all of them failing is an error: the install is damaged)."""
+    if not shipped_on():
+        print(f"no shipped records: {ENV}={os.environ[ENV]} turns them off")
+        return None
+    shipped, problems = shipped_records()
+    if shipped is None:
+        raise FlashgenError("no shipped records are served: " + ("; ".join(problems) or "none are installed"))
+    for problem in problems:
+        print(f"flashgen: warning: shipped records not served: {problem}", file=sys.stderr)
+    return shipped
+
+
+def _best(path: str | None, targets: list[Target] | None) -> None:
+    """`db best` as dispatch serves it: the user's database, then the shipped records. A database named
+    by --db must exist; without one (a fresh install), the shipped records alone."""
+    db_path = Path(path).expanduser() if path is not None else default_db_path()
+    shipped = shipped_database()
+    if path is None and not db_path.exists() and shipped is not None:
+        _print_served(TunedRecords(None, shipped), targets)
+        return
+    with Database(db_path, readonly=True) as user:
+        _print_served(TunedRecords(user, shipped), targets)
+
+
 def _show(args: argparse.Namespace, database: Database) -> int:
-    """The listing, export or import a `db` sub-command asks of one database."""
+    """The listing, export or import a `db` sub-command asks of one database (`best` reads two: `_best`)."""
     if args.db_command == "list":
         records = _on(database.records(args.workload, None, args.status), args.target_ids)
         shown = records[: args.limit] if args.limit else records
         _print_records(shown)
         if len(shown) < len(records):
             print(f"({len(shown)} of {len(records)} records shown)")
-    elif args.db_command == "best":
-        _print_served(database, args.target_ids)
     elif args.db_command == "export":
         count = database.export_jsonl(args.file, force=args.force)
         print(f"exported {count} records from {database.path} to {args.file}")
@@ -96,41 +130,55 @@ def _show(args: argparse.Namespace, database: Database) -> int:
     return 0
 
 
-def _print_served(database: Database, ids: set[str] | None) -> None:
-    """`best_all` as dispatch serves it: per workload and target, the first record whose schedule
-    today's space accepts (`unservable`), and a line counting the stale ones passed over."""
+def _print_served(view: TunedRecords, targets: list[Target] | None) -> None:
+    """`TunedRecords.served_all` on each target asked for (without --target, the best of every (workload,
+    target) pair): per workload, the first record whose schedule today's space accepts (`unservable`);
+    then a line counting the rows another device of the architecture lends, and one counting the stale
+    records passed over."""
     from flashgen.schedules.record_check import unservable  # spaces sit above the database
 
-    passed: dict[str, str] = {}  # content hash -> why (best_all may ask of one record twice)
+    passed: dict[str, str] = {}  # content hash -> why (a read may ask of one record twice)
 
     def served(rec: Record) -> bool:
-        if ids is not None and rec.target_key not in ids:
-            return True  # not shown: no space to build
         why = unservable(rec)
         if why:
             passed[rec.content_hash] = why
         return why is None
 
-    _print_records(_on(database.best_all(usable=served), ids))
+    if targets is None:
+        rows = view.best_all(None, served)
+    else:
+        found: dict[tuple[str, str], tuple[Record, str]] = {}
+        for target in targets:
+            for rec, origin in view.served_all(target, served):
+                found.setdefault((rec.workload_key, rec.target_key), (rec, origin))
+        rows = [found[k] for k in sorted(found)]
+    _print_records([rec for rec, _ in rows], [_SHIPPED if origin == ORIGIN else _USER for _, origin in rows])
+    ids = {t.id for t in targets} if targets is not None else None
+    borrowed = sum(rec.target_key not in ids for rec, _ in rows) if ids is not None else 0
+    if borrowed:
+        print(f"({borrowed} records of another device of the architecture: dispatch serves them on "
+              f"{', '.join(sorted(ids))} where it has none of its own)")
     if passed:
         print(f"({len(passed)} stale records passed over: today's space refuses their schedules, so dispatch "
               f"never serves them; first: {next(iter(passed.values()))})")
 
 
-def _target_ids(name: str) -> set[str]:
-    """The target ids a `--target` name reaches, as `compile --target` reads it: a device's id, or every
-    device of an architecture named by its key or arch."""
+def _targets(name: str) -> list[Target]:
+    """The targets a `--target` name reaches, as `compile --target` reads it: a device, or every device
+    of an architecture named by its key or arch."""
     t = get_target(name)
     if name.lower() in (t.key.lower(), t.arch.lower()):
-        return {x.id for x in load_targets().values() if x.key == t.key}
-    return {t.id}
+        return [x for x in load_targets().values() if x.key == t.key]
+    return [t]
 
 
 def _on(records: list[Record], ids: set[str] | None) -> list[Record]:
     return records if ids is None else [r for r in records if r.target_key in ids]
 
 
-def _print_records(records: list[Record]) -> None:
+def _print_records(records: list[Record], origins: list[str] | None = None) -> None:
+    """One row per record; `origins`: a "from" column (the user's database or the shipped records)."""
     if not records:
         print("no records")
         return
@@ -138,6 +186,8 @@ def _print_records(records: list[Record]) -> None:
     rows = [(str(r.workload.get("op", "?")), _dims(r.workload.get("dims")), r.target_key, r.status,
              _us(r.latency_us), _us(r.spread_us), _timing(r), _shorten(canonical_json(r.schedule)), r.workload_key)
             for r in records]
+    if origins is not None:
+        header, rows = (*header, "from"), [(*row, origin) for row, origin in zip(rows, origins)]
     print_table(header, rows)
 
 

@@ -364,10 +364,13 @@ class Database:
 
     def export_jsonl(self, path: str | os.PathLike, force: bool = False) -> int:
         """Writes every record, one JSON object a line; readers never see a half-written file. Never over
-        the database itself, and over another existing file only with `force`."""
+        the database itself or a folder, and over another existing file only with `force`."""
         path = Path(path)
         if self.path != Path(MEMORY) and path.resolve() in {Path(f"{self.path.resolve()}{s}") for s in ("", "-wal", "-shm")}:
             raise FlashgenError(f"{path} is the database being exported; write the JSON lines to another file.")
+        if path.is_dir():  # (--force cannot help: a file never replaces a folder)
+            raise FlashgenError(f"{path} is a folder, which an export never replaces; give a file path, such as "
+                                f"{path / 'records.jsonl'}.")
         if path.exists() and not force:
             raise FlashgenError(f"{path} exists; pass --force to replace it.")
         records = self.records()

@@ -5,8 +5,9 @@ alone and one timed behind its producer where both exist: what `Database.best` c
 `flashgen/db/shipped/<device>.jsonl`, listed with its sha256 in `MANIFEST.json`. Reads go to the
 user's database first: a workload with any correct record there is served from those alone, so a
 user's own tune overrides what ships. A shipped file whose bytes do not match the manifest is not
-served (one warning). `FLASHGEN_SHIPPED=0` turns the shipped records off, to measure with a user
-database alone.
+served, nor a record whose workload is not the one its key names (one warning each).
+`FLASHGEN_SHIPPED=0` (or false, no, off) turns the shipped records off, to measure with a user database
+alone; a value that is no such word is refused.
 
 Maintainers rebuild the files from H200 record logs with
 `python -m flashgen.db.ship h200 benchmarks/results/h200_gemm_records.jsonl ...`.
@@ -16,14 +17,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
 from flashgen.db.database import MEMORY, Database
 from flashgen.db.record import Record, canonical_json
+from flashgen.env import switch
 from flashgen.errors import FlashgenError
+from flashgen.targets.descriptor import Target, siblings
 from flashgen.workload import recorded_workload
 
 SHIPPED_DIR = Path(__file__).with_name("shipped")
@@ -36,54 +38,87 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read_verified(folder: Path) -> list[Record]:
-    """Every record of the files the manifest lists whose sha256 matches; a mismatch warns once."""
+def _read_verified(folder: Path) -> tuple[list[Record], list[str]]:
+    """Every record of the files the manifest lists whose sha256 matches, less those whose workload is
+    not the one their key names (a key is how dispatch finds a record: such a record would serve its
+    schedule to another workload as exact); and why anything was left out."""
     try:
         files = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError, TypeError):
         files = None
     if not isinstance(files, dict):
-        warnings.warn(f"flashgen: {folder / MANIFEST} is missing or unreadable; no shipped records are served",
-                      stacklevel=3)
-        return []
+        return [], [f"{folder / MANIFEST} is missing or unreadable"]
     records: list[Record] = []
+    problems: list[str] = []
     for name, entry in sorted(files.items()):
         path = folder / Path(name).name  # names stay inside the folder
         try:
             data = path.read_bytes()
-            if not isinstance(entry, dict) or _sha256(data) != entry.get("sha256"):
-                raise ValueError("its sha256 does not match the manifest")
-            records += [Record.from_json(json.loads(line)) for line in data.decode("utf-8").split("\n")
-                        if line.strip()]
-        except (OSError, ValueError, FlashgenError) as exc:
-            warnings.warn(f"flashgen: shipped records {path} not served ({exc})", stacklevel=3)
-    return records
+        except OSError as exc:
+            problems.append(f"{path} cannot be read ({exc.strerror or exc})")
+            continue
+        if not isinstance(entry, dict) or _sha256(data) != entry.get("sha256"):
+            problems.append(f"{path} failed its sha256 check against {MANIFEST} (changed since flashgen was "
+                            "installed; reinstall flashgen)")
+            continue
+        try:
+            found = [Record.from_json(json.loads(line)) for line in data.decode("utf-8").split("\n") if line.strip()]
+        except (ValueError, FlashgenError) as exc:
+            problems.append(f"{path} does not parse ({exc})")
+            continue
+        keyed: list[Record] = []
+        stray: list[Record] = []
+        for rec in found:
+            (keyed if recorded_workload(rec.workload, rec.workload_key) is not None else stray).append(rec)
+        if stray:
+            problems.append(f"{path}: {len(stray)} records whose workload is not the one their key names (the "
+                            f"first: {stray[0].workload_key})")
+        records += keyed
+    return records, problems
 
 
 @functools.cache
-def _shipped(folder: Path) -> Database | None:
-    records = _read_verified(folder)
+def _load(folder: Path) -> tuple[Database | None, tuple[str, ...]]:
+    records, problems = _read_verified(folder)
     if not records:
-        return None
+        return None, tuple(problems)
     db = Database(MEMORY)
     db.add_many(records)
-    return db
+    return db, tuple(problems)
+
+
+def shipped_on() -> bool:
+    """Whether FLASHGEN_SHIPPED leaves the shipped records on (its usual words; another value is refused)."""
+    return switch(ENV)
+
+
+def shipped_records() -> tuple[Database | None, tuple[str, ...]]:
+    """The shipped records as a read-only in-memory Database (built once per process; None when none
+    are served or FLASHGEN_SHIPPED turns them off), and why a file or record of them is not served."""
+    return _load(SHIPPED_DIR) if shipped_on() else (None, ())
+
+
+@functools.cache
+def _warn(problem: str) -> None:
+    """Each problem once per process: dispatch asks for the shipped records on every new workload."""
+    warnings.warn(f"flashgen: shipped records not served: {problem}", stacklevel=4)
 
 
 def shipped_database() -> Database | None:
-    """The shipped records as a read-only in-memory Database (built once per process), or None when
-    there are none or FLASHGEN_SHIPPED=0."""
-    if os.environ.get(ENV, "1") == "0":
-        return None
-    return _shipped(SHIPPED_DIR)
+    """`shipped_records`' Database, warning once of what is not served."""
+    db, problems = shipped_records()
+    for problem in problems:
+        _warn(problem)
+    return db
 
 
 class TunedRecords:
     """Best-of reads over the user's database, then the shipped records.
 
     A workload with a usable record in the user's database is served from there; the shipped records
-    fill in the rest. Each answer says where it came from (the user database's path, or
-    ORIGIN)."""
+    fill in the rest. Each answer says where it came from (the user database's path, or ORIGIN).
+    `served` and `served_all` add the other devices of a target's architecture after it: the records
+    compile and `db best` take (dispatch takes tuned buckets of each device before the next)."""
 
     def __init__(self, user: Database | None, shipped: Database | None = None, use_shipped: bool = True):
         self.user = user
@@ -109,9 +144,32 @@ class TunedRecords:
                 out.setdefault((rec.workload_key, rec.target_key), (rec, origin))
         return [out[k] for k in sorted(out)]
 
+    def served(self, workload_key: str, target: Target,
+               usable: Callable[[Record], bool] = lambda rec: True) -> tuple[Record, str] | None:
+        """`best` on `target`, else on each other device of its architecture (an H100 takes the H200's:
+        the same binaries run there and the schedules are valid); the record's target_key says which."""
+        for device in _chain(target):
+            found = self.best(workload_key, device.id, usable)
+            if found is not None:
+                return found
+        return None
+
+    def served_all(self, target: Target, usable: Callable[[Record], bool] = lambda rec: True) -> list[tuple[Record, str]]:
+        """`served` of every workload any device of `target`'s architecture has a record of, by key."""
+        out: dict[str, tuple[Record, str]] = {}
+        for device in _chain(target):
+            for rec, origin in self.best_all(device.id, usable):
+                out.setdefault(rec.workload_key, (rec, origin))
+        return [out[k] for k in sorted(out)]
+
     def _sources(self) -> list[tuple[Database, str]]:
         return [(db, origin) for db, origin in ((self.user, str(self.user.path) if self.user else ""),
                                                 (self.shipped, ORIGIN)) if db is not None]
+
+
+def _chain(target: Target) -> list[Target]:
+    """The devices whose records serve `target`, in order: its own, then its architecture's others."""
+    return [target, *siblings(target)]
 
 
 def select(records: Iterable[Record], current: Callable[[Record], bool] = lambda rec: True) -> list[Record]:

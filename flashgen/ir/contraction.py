@@ -104,4 +104,4 @@ def tma_output(wl: Workload) -> str | None:
 def operand_dtype(wl: Workload) -> str:
     """The dtype both operands enter the matrix instruction in (an attr's value where it names one)."""
     _, _, _, con = extents(wl)
-    return wl.attr[con.operand[1:]] if con.operand.startswith("$") else con.operand
+    return con.operand_dtype(wl.attr)

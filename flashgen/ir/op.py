@@ -82,6 +82,10 @@ class Contract:
     operand: str
     acc: str = "fp32"
 
+    def operand_dtype(self, attrs: Attrs) -> str:
+        """The operands' dtype for a workload's attrs (a placeholder "$attr" names the attr that gives it)."""
+        return attrs[self.operand[1:]] if self.operand.startswith("$") else self.operand
+
 
 @dataclass(frozen=True)
 class Attend:

@@ -12,6 +12,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from flashgen.env import switch
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
@@ -103,7 +104,7 @@ def for_target(ks: KernelSource, target: Target) -> KernelSource:
     """The generated kernel with its build constants for `target`: programmatic dependent launch on
     where the GPU has it (NVIDIA sm_90 and newer), so that in a stream or CUDA graph each kernel is
     resident before the previous one ends. FLASHGEN_PDL=0 builds without it (to measure what it brings)."""
-    pdl = int(target.pdl and os.environ.get("FLASHGEN_PDL", "1") != "0")
+    pdl = int(target.pdl and switch("FLASHGEN_PDL"))
     return replace(ks, args=[replace(a, value=pdl) if a.kind == "constexpr" and a.name == PDL else a for a in ks.args])
 
 
@@ -122,9 +123,14 @@ def compile_aot(ks: KernelSource, wl: Workload, schedule: dict, target: Target):
 def compile_options(ks: KernelSource, schedule: dict) -> dict[str, Any]:
     """Triton's compile options for this kernel: warps, pipeline stages, programmatic dependent launch."""
     options: dict[str, Any] = {"num_warps": schedule["num_warps"], "num_stages": schedule.get("num_stages", 1)}
-    if any(a.kind == "constexpr" and a.name == PDL and a.value for a in ks.args):
+    if uses_pdl(ks):
         options["launch_pdl"] = True
     return options
+
+
+def uses_pdl(ks: KernelSource) -> bool:
+    """Whether the kernel was built with programmatic dependent launch (`for_target`)."""
+    return any(a.kind == "constexpr" and a.name == PDL and a.value for a in ks.args)
 
 
 def load_compiled(src: Any, files: dict[str, str], triton_hash: str):

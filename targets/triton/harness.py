@@ -5,8 +5,9 @@ which the compiled binary sees: GRID, the programs the runtime launches for the 
 and a `__main__` block calling `main` below. Run as it is, the file launches its own kernel (edits
 included) on fresh random inputs of its workload, compares every output with the op's float64
 reference and, on a GPU, prints the median time; without a GPU, `TRITON_INTERPRET=1` runs it in
-Triton's interpreter on CPU tensors. Arguments `DIM=VALUE` change run-time dims (the rows), e.g. a
-smaller M for the interpreter.
+Triton's interpreter on CPU tensors, except a Gluon kernel and one that multiplies bf16 matrices with
+tl.dot (the interpreter computes those wrongly): those are refused there in one line saying why.
+Arguments `DIM=VALUE` change run-time dims (the rows), e.g. a smaller M for the interpreter.
 """
 from __future__ import annotations
 
@@ -23,10 +24,23 @@ from flashgen.workload import Schedule, Workload
 
 RUN_HINT = "python {file} [DIM=VALUE ...]   (without a GPU: TRITON_INTERPRET=1 python {file})"
 GLUON_HINT = "python {file} [DIM=VALUE ...]   (on an NVIDIA sm_90 GPU: Triton's interpreter does not run Gluon)"
+BF16_DOT_HINT = ("python {file} [DIM=VALUE ...]   (on a GPU: Triton's interpreter computes bf16 tl.dot wrongly; "
+                 "compile the workload in fp16 to check it there)")
 
 
-def _hint(ks: KernelSource, file: str) -> str:
-    return (GLUON_HINT if ks.dialect == "gluon" else RUN_HINT).format(file=file)
+def bf16_dot(wl: Workload) -> bool:
+    """Whether the kernel multiplies bf16 matrices with tl.dot (a contraction of bf16 operands; attention
+    in bf16, whose dots take the activation dtype), which Triton's interpreter computes wrongly: it
+    multiplies their raw bits (docs/toolchain.md). Its check there would say WRONG of a right kernel."""
+    from flashgen.ir.op import Attend, Contract
+
+    return any((isinstance(st, Contract) and st.operand_dtype(wl.attr) == "bf16")
+               or (isinstance(st, Attend) and wl.attr.get("dtype") == "bf16") for st in wl.op.body(wl.attr))
+
+
+def _hint(ks: KernelSource, wl: Workload, file: str) -> str:
+    hint = GLUON_HINT if ks.dialect == "gluon" else BF16_DOT_HINT if bf16_dot(wl) else RUN_HINT
+    return hint.format(file=file)
 
 
 def runnable_source(ks: KernelSource, wl: Workload, schedule: Schedule, target: Target) -> str:
@@ -39,7 +53,7 @@ def runnable_source(ks: KernelSource, wl: Workload, schedule: Schedule, target: 
     return (ks.source.rstrip("\n") + "\n\n\n"
             f"# Programs (x, y, z) the runtime launches for {rows}; other run-time dims launch others.\n"
             f"GRID = {g}\n\n\n"
-            f"if __name__ == \"__main__\":  # {_hint(ks, file)}\n"
+            f"if __name__ == \"__main__\":  # {_hint(ks, wl, file)}\n"
             "    import sys\n\n"
             "    from flashgen.targets.triton.harness import main\n"
             f"    sys.exit(main(__file__, {json.dumps(wl.to_json(), sort_keys=True)},\n"
@@ -74,12 +88,16 @@ def main(path: str, workload_json: Mapping[str, Any], schedule: Schedule, target
         target = get_target(target_key)
         # the kernel as this file has it; the generator gives its arguments' recipe and tiling
         ks = replace(generate(wl, schedule), source=Path(path).read_text(encoding="utf-8"))
+        hint = _hint(ks, wl, Path(path).name)
         if ks.dialect == "gluon" and (interpreting() or not torch.cuda.is_available()
                                       or torch.cuda.get_device_capability()[0] != 9):
-            raise FlashgenError("a Gluon kernel runs on its NVIDIA sm_90 GPU alone: "
-                                + _hint(ks, Path(path).name))
+            raise FlashgenError("a Gluon kernel runs on its NVIDIA sm_90 GPU alone: " + hint)
+        if (interpreting() or not torch.cuda.is_available()) and bf16_dot(wl):
+            raise FlashgenError("this kernel is checked on a GPU alone: Triton's interpreter multiplies the raw bits "
+                                "of bf16 matrices in tl.dot, so its check would say WRONG of a right kernel "
+                                "(compile the workload with --dtype fp16 to check that kernel in the interpreter)")
         if not interpreting() and not torch.cuda.is_available():
-            raise FlashgenError("no GPU here: run it in Triton's interpreter, " + _hint(ks, Path(path).name))
+            raise FlashgenError("no GPU here: run it in Triton's interpreter, " + hint)
         fn = load_function(ks)
     except FlashgenError as e:
         print(f"flashgen: error: {e}", file=sys.stderr)

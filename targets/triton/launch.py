@@ -13,7 +13,7 @@ from flashgen.errors import FlashgenError
 from flashgen.ir.op import eval_int
 from flashgen.targets.descriptor import Target
 from flashgen.targets.device import device_arch
-from flashgen.targets.triton.build import DIVISIBILITY, interpreting, load_function, stride_hints
+from flashgen.targets.triton.build import DIVISIBILITY, interpreting, load_function, stride_hints, uses_pdl
 from flashgen.targets.triton.codegen import grid
 from flashgen.targets.triton.emit import KernelSource
 from flashgen.targets.triton.native_launch import KIND, NativeLaunch, native_launch
@@ -173,6 +173,10 @@ class TritonLauncher:
                 raise FlashgenError(f"a {self.target.key} kernel runs on CPU tensors only under Triton's "
                                     "interpreter (start Python with TRITON_INTERPRET=1); for CPU work "
                                     "compile for target cpu")
+            if uses_pdl(self.ks):  # (Triton raises an InterpreterError naming no cause)
+                raise FlashgenError(f"this kernel was built for {self.target.id} with programmatic dependent launch, "
+                                    "which Triton's interpreter does not run: call it on its GPU, or build and "
+                                    "call it with FLASHGEN_PDL=0 set to check it in the interpreter")
             if self._interpreted is None:
                 self._interpreted = load_function(self.ks)
             self._interpreted[g](*self.args(tensors, params, dims))

@@ -120,7 +120,7 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     b_scope = loop.child(axes={"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None), "e": e_axis},
                          fresh=True)
     for con in contracts:
-        operand = attrs[con.operand[1:]] if con.operand.startswith("$") else con.operand
+        operand = con.operand_dtype(attrs)
         a = em.operand(con.a, a_scope, operand)
         b = em.operand(con.b, b_scope, operand)
         loop.line(f"{accs[con.name]} = tl.dot({a}, {b}, {accs[con.name]}, out_dtype=tl.float32)")

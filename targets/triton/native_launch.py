@@ -12,12 +12,12 @@ against the CUDA header Triton ships, and opens the driver library at the first 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
 from typing import Any, Callable
 
+from flashgen.env import switch
 from flashgen.errors import FlashgenError
 from flashgen.targets.triton.build import POINTER_ARGS, SCALAR_TYPE
 
@@ -198,7 +198,7 @@ def native_launch(compiled: Any, kinds: str, device: int) -> NativeLaunch | None
     stays: HIP binaries, kernels that need global or profile scratch from the launcher, clusters or
     cooperative grids, or FLASHGEN_NATIVE_LAUNCH=0."""
     md = compiled.metadata
-    if (os.environ.get("FLASHGEN_NATIVE_LAUNCH", "1") == "0" or getattr(md, "backend_name", "cuda") != "cuda"
+    if (not switch("FLASHGEN_NATIVE_LAUNCH") or getattr(md, "backend_name", "cuda") != "cuda"
             or md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1
             or getattr(md, "launch_cooperative_grid", False) or len(kinds) > MAX_VALUES):
         return None
