@@ -374,16 +374,13 @@ def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, i
 BLOCK_TOKENS = 16  # tokens a KV cache block holds
 
 
-def _check_cache_blocks(blocks: int, prompt_len: int, new: int, padding: bool) -> None:
-    """--cache-blocks must hold the request's prompt and new tokens, and one block more where the engine
-    runs CUDA graphs (their padding rows write there: `Engine.graphs`); checked before the weights load
-    without that block, then again once the engine says whether it keeps one."""
+def _check_cache_blocks(blocks: int, prompt_len: int, new: int) -> None:
+    """--cache-blocks must hold the request's prompt and new tokens (the engine keeps its CUDA graphs'
+    padding block beside them: `Engine`); checked before the weights load."""
     need = -(-(prompt_len + new) // BLOCK_TOKENS)
-    if need + padding > blocks:
-        graphs = ", and the CUDA graphs one more for their padding rows" if padding else ""
+    if need > blocks:
         raise FlashgenError(f"--cache-blocks {blocks} is too few: the prompt's {prompt_len} tokens and {new} new "
-                            f"ones need {need} blocks of {BLOCK_TOKENS} tokens{graphs}; pass --cache-blocks "
-                            f"{need + padding} or more")
+                            f"ones need {need} blocks of {BLOCK_TOKENS} tokens; pass --cache-blocks {need} or more")
 
 
 def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, params: SamplingParams,
@@ -412,17 +409,16 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
         what = "is empty" if not prompt_text else f"{prompt_text!r:.40} encodes to no tokens"
         raise FlashgenError(f"{option}: the prompt {what}; give the text to continue from")
     n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
-    _check_cache_blocks(args.cache_blocks, len(prompt), n, padding=False)
+    _check_cache_blocks(args.cache_blocks, len(prompt), n)
     nbytes = 2 if device.type == "cuda" else 4
     weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
     check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights // args.tp +
-               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks, BLOCK_TOKENS), device,
+               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks + 1, BLOCK_TOKENS), device,
                "pass fewer --cache-blocks")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
     engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
-    _check_cache_blocks(args.cache_blocks, len(prompt), n, padding=engine.graphs is not None)
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
