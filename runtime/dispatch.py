@@ -28,14 +28,14 @@ import torch
 from flashgen.compiler import check_supported, compile as compile_kernel
 from flashgen.db import Database, default_db_path
 from flashgen.db.record import BEHIND
-from flashgen.db.shipped import ORIGIN, TunedRecords
+from flashgen.db.shipped import ORIGIN, TunedRecords, serving_devices
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.oplib import get_op
 from flashgen.runtime.buckets import best_records, nearest
 from flashgen.schedules.space import Schedule, ScheduleSpace
-from flashgen.targets.descriptor import Target, get_target, siblings
+from flashgen.targets.descriptor import Target, get_target
 from flashgen.targets.device import device_target
 from flashgen.targets.kernel import MAX_CALL_SIGNATURES, Kernel
 from flashgen.workload import Workload, other_half, workload
@@ -118,7 +118,7 @@ class Dispatcher:
 
     def choose(self, wl: Workload, target: Target) -> Decision:
         space = ScheduleSpace(wl, target)
-        for records in [target, *siblings(target)]:
+        for records in serving_devices(target):  # each device's exact record, then its nearest bucket
             found = self._exact(wl, records.id, space) or self._bucket(wl, records.id, space)
             if found is not None:
                 source, schedule = found

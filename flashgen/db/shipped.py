@@ -148,7 +148,7 @@ class TunedRecords:
                usable: Callable[[Record], bool] = lambda rec: True) -> tuple[Record, str] | None:
         """`best` on `target`, else on each other device of its architecture (an H100 takes the H200's:
         the same binaries run there and the schedules are valid); the record's target_key says which."""
-        for device in _chain(target):
+        for device in serving_devices(target):
             found = self.best(workload_key, device.id, usable)
             if found is not None:
                 return found
@@ -157,7 +157,7 @@ class TunedRecords:
     def served_all(self, target: Target, usable: Callable[[Record], bool] = lambda rec: True) -> list[tuple[Record, str]]:
         """`served` of every workload any device of `target`'s architecture has a record of, by key."""
         out: dict[str, tuple[Record, str]] = {}
-        for device in _chain(target):
+        for device in serving_devices(target):
             for rec, origin in self.best_all(device.id, usable):
                 out.setdefault(rec.workload_key, (rec, origin))
         return [out[k] for k in sorted(out)]
@@ -167,8 +167,9 @@ class TunedRecords:
                                                 (self.shipped, ORIGIN)) if db is not None]
 
 
-def _chain(target: Target) -> list[Target]:
-    """The devices whose records serve `target`, in order: its own, then its architecture's others."""
+def serving_devices(target: Target) -> list[Target]:
+    """The devices whose records serve `target`, in order: its own, then its architecture's others (the
+    one order compile, dispatch, explain and `db best` read records in)."""
     return [target, *siblings(target)]
 
 
