@@ -12,7 +12,8 @@ and waits for its ranks. When one fails on its own, it gives the others `STOP_GR
 own failure (under gloo they see it gone at once; a rank computing, or blocked in NCCL, would only see
 it at its next collective's timeout), then stops them. When the first failure is a `PeerFailure`, the
 peer it waited for has had the whole timeout already: a stalled rank never stops by itself, so the
-others are stopped at once and the run ends within the timeout of the stall. The error is the first
+others are stopped at once and the run ends within the timeout of the stall (under NCCL, whose watchdog
+ends a rank that waited past the timeout without a word, after the grace). The error is the first
 failure, naming its rank.
 """
 from __future__ import annotations
