@@ -6,7 +6,9 @@ import os
 import time
 
 
-BEHAVIOUR = {16: "ok", 32: "raise", 64: "hang", 128: "wrong", 256: "die", 512: "no_build", 1024: "partial"}
+BEHAVIOUR = {16: "ok", 32: "raise", 64: "hang", 128: "wrong", 256: "die", 512: "no_build", 1024: "partial",
+             2048: "meet"}
+MEET_WITH = 2  # a "meet" kernel's first call returns once this many worker processes have called one
 
 
 class FakeKernel:
@@ -25,6 +27,8 @@ class FakeKernel:
             time.sleep(3600)
         if self.behaviour == "die":
             os._exit(3)
+        if self.behaviour == "meet":
+            _meet()
         ref = self.wl.op.reference(inputs, self.wl.op.params, self.wl.dim, self.wl.attr)
         for name, out in outputs.items():
             val = ref[name].to(out.dtype)
@@ -35,6 +39,17 @@ class FakeKernel:
             else:
                 out.copy_(val)
         return outputs
+
+
+def _meet() -> None:
+    """Waits until MEET_WITH worker processes have been here (each leaves its pid in the folder
+    FLASHGEN_TEST_MEETDIR names): only workers measuring at the same time get past. Workers measuring
+    one after another never do, and the runner reads the candidate as hung."""
+    from pathlib import Path
+    folder = Path(os.environ["FLASHGEN_TEST_MEETDIR"])
+    (folder / str(os.getpid())).touch()
+    while len(list(folder.iterdir())) < MEET_WITH:
+        time.sleep(0.01)
 
 
 def factory(wl, schedule, target):
