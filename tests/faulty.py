@@ -8,6 +8,7 @@ import time
 
 BEHAVIOUR = {16: "ok", 32: "raise", 64: "hang", 128: "wrong", 256: "die", 512: "no_build", 1024: "partial",
              2048: "meet"}
+HANG_S = 3600  # how long a "hang" kernel sleeps
 MEET_WITH = 2  # a "meet" kernel's first call returns once this many worker processes have called one
 
 
@@ -24,7 +25,7 @@ class FakeKernel:
         if self.behaviour == "raise":
             raise RuntimeError("candidate kernel failed at launch")
         if self.behaviour == "hang":
-            time.sleep(3600)
+            time.sleep(HANG_S)
         if self.behaviour == "die":
             os._exit(3)
         if self.behaviour == "meet":
