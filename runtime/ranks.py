@@ -13,8 +13,8 @@ own failure (under gloo they see it gone at once; a rank computing, or blocked i
 it at its next collective's timeout), then stops them. When the first failure is a `PeerFailure`, the
 peer it waited for has had the whole timeout already: a stalled rank never stops by itself, so the
 others are stopped at once and the run ends within the timeout of the stall (under NCCL, whose watchdog
-ends a rank that waited past the timeout without a word, after the grace). The error is the first
-failure, naming its rank.
+ends a rank that waited past the timeout without a word, after the grace). The error names the rank
+that failed first on its own (an error, or its process's death), then those that lost it.
 """
 from __future__ import annotations
 
@@ -143,8 +143,13 @@ def launch(tp: int, fn: Callable[..., Any], args: tuple = (), timeout_s: float =
     while not failures.empty():
         errors.append(failures.get())
     said = {r for r, _, _ in errors}
-    lines = [why if why.startswith(f"rank {r}:") else f"rank {r}: {why}" for r, why, _ in errors]
-    lines += [f"rank {r}: " + ("stopped, still running" if r in stopped else f"exited with code {p.exitcode}")
-              for r, p in enumerate(procs) if (r in stopped or p.exitcode) and r not in said]
+    ranked = [(int(peer), why if why.startswith(f"rank {r}:") else f"rank {r}: {why}") for r, why, peer in errors]
+    for r, p in enumerate(procs):
+        if r in stopped and r not in said:
+            ranked.append((2, f"rank {r}: stopped, still running"))
+        elif p.exitcode and r not in said:
+            ranked.append((0, f"rank {r}: exited with code {p.exitcode}"))
+    # a rank's own failure or death first, then those that lost it, then those stopped (stable: in order)
+    lines = [line for _, line in sorted(ranked, key=lambda kind_line: kind_line[0])]
     if lines:
         raise FlashgenError(lines[0] + (f" (then {'; '.join(lines[1:])})" if len(lines) > 1 else ""))

@@ -7,6 +7,7 @@ within the group's timeout, no hang, and the launcher stops the rest), a rendezv
 from __future__ import annotations
 
 import functools
+import os
 import re
 import socket
 import sys
@@ -156,7 +157,7 @@ def test_a_split_engine_needs_a_split_model():
 def _fails_mid_step(device: torch.device, how: str, step_timeout_s: float) -> None:
     """Both ranks decode in a group whose collectives wait `step_timeout_s`, made once both hold their
     weights (so that start-up, however slow, is not read as a stall); rank 1's third linear of its second
-    step raises (or stalls)."""
+    step raises (dies, or stalls)."""
     c = CONFIGS["tiny"]
     weights = random_weights(c, torch.float32, device, SEED)
     dist.barrier()
@@ -172,6 +173,8 @@ def _fails_mid_step(device: torch.device, how: str, step_timeout_s: float) -> No
             if len(calls) == 3:
                 if how == "raise":
                     raise RuntimeError("injected fault")
+                if how == "die":
+                    os._exit(3)
                 time.sleep(3600)
             return linear(*args, **kwargs)
         model.linear = failing
@@ -191,6 +194,18 @@ def test_a_rank_that_raises_mid_step_stops_the_other_at_once():
     assert msg.startswith("rank 1: step failed: RuntimeError: injected fault (then rank 0: all-reduce failed: "
                           "another rank died or did not answer in time"), msg
     assert "Timed out" not in msg and "stopped" not in msg, msg
+
+
+def test_a_rank_that_dies_mid_step_is_named_before_the_one_that_lost_it():
+    """Rank 1's process ends without a word; rank 0 reports the peer it lost, after it: the error names
+    rank 1 first."""
+    t0 = time.monotonic()
+    with pytest.raises(FlashgenError) as e:
+        launch(2, _fails_mid_step, ("die", LONG_S), timeout_s=LONG_S, grace_s=LONG_S)
+    assert time.monotonic() - t0 < LONG_S
+    msg = str(e.value)
+    assert msg.startswith("rank 1: exited with code 3 (then rank 0: all-reduce failed: another rank died or did "
+                          "not answer in time"), msg
 
 
 def test_a_stalled_rank_is_stopped_as_soon_as_the_other_times_out():
