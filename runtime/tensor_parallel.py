@@ -19,7 +19,7 @@ Every rank runs the same engine on the same requests, so admission and block tab
 message; rank 0 samples and broadcasts a sampling step's tokens (`agree`; runtime/engine.py says why
 greedy steps need no message). Collectives go through
 torch.distributed (runtime/ranks.py starts the group) with a timeout: a rank that dies or stalls makes
-the others fail in one line (`FlashgenError`), never hang.
+the others fail in one line (`PeerFailure`, a FlashgenError), never hang.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from flashgen.errors import FlashgenError, one_line
 from flashgen.runtime.linear import QuantLinear
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.model_config import ModelConfig
+from flashgen.runtime.ranks import PeerFailure
 from flashgen.runtime.weights import load_weights
 
 COLUMN_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "ff", "up_proj": "ff"}
@@ -119,11 +120,12 @@ def shard_weights(c: ModelConfig, weights: dict[str, torch.Tensor] | str | Path,
 
 
 def _collective(what: str, run, rank: int) -> None:
-    """Runs one collective; a peer that died or timed out is one line naming this rank."""
+    """Runs one collective; a peer that died or timed out is one line naming this rank (a PeerFailure:
+    the launcher stops the others at once, runtime/ranks.py)."""
     try:
         run()
     except (RuntimeError, dist.DistError) as e:
-        raise FlashgenError(f"rank {rank}: {what} failed: another rank died or did not answer in time "
+        raise PeerFailure(f"rank {rank}: {what} failed: another rank died or did not answer in time "
                             f"({one_line(e)[:300]})") from None
 
 

@@ -196,11 +196,13 @@ class _Worker:
         self.proc: Any = None
         self.conn: Any = None
         self.closed = False  # set by Runner.close: a worker that died is not started again
+        self.answered = False  # whether this process has answered yet (it starts up before its first answer)
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(child, *self.args, os.getpid()), daemon=True)
+        self.answered = False
         with sigint_deferred():
             self.proc.start()
         child.close()
@@ -214,18 +216,19 @@ class _Worker:
 
     def measure(self, wl: Workload, schedule: Schedule, seed: int, timeout_s: float,
                 start_timeout_s: float) -> MeasureResult:
-        fresh = self.proc is None or not self.proc.is_alive()
-        if fresh and self.closed:  # its runner closed while this candidate was in flight
-            return MeasureResult(schedule, "crash", error="the runner was closed")
-        if fresh:
+        if self.proc is None or not self.proc.is_alive():
+            if self.closed:  # its runner closed while this candidate was in flight
+                return MeasureResult(schedule, "crash", error="the runner was closed")
             self.start()
         try:
             self.conn.send((wl.to_json(), schedule, seed))
-            # A fresh worker imports torch and sets up the device before it can answer.
-            if not self.conn.poll(timeout_s + (start_timeout_s if fresh else 0)):
+            # Before its first answer, a worker (started here or by Runner.measure) imports torch and sets
+            # up the device.
+            if not self.conn.poll(timeout_s + (0 if self.answered else start_timeout_s)):
                 self.stop()
                 return MeasureResult(schedule, "timeout", error=f"no answer within {timeout_s:g} s")
             reply = self.conn.recv()
+            self.answered = True
         except (EOFError, OSError, BrokenPipeError):
             self.proc.join(5)
             code = self.proc.exitcode

@@ -6,7 +6,10 @@ import os
 import time
 
 
-BEHAVIOUR = {16: "ok", 32: "raise", 64: "hang", 128: "wrong", 256: "die", 512: "no_build", 1024: "partial"}
+BEHAVIOUR = {16: "ok", 32: "raise", 64: "hang", 128: "wrong", 256: "die", 512: "no_build", 1024: "partial",
+             2048: "meet"}
+HANG_S = 3600  # how long a "hang" kernel sleeps
+MEET_WITH = 2  # a "meet" kernel's first call returns once this many worker processes have called one
 
 
 class FakeKernel:
@@ -22,9 +25,11 @@ class FakeKernel:
         if self.behaviour == "raise":
             raise RuntimeError("candidate kernel failed at launch")
         if self.behaviour == "hang":
-            time.sleep(3600)
+            time.sleep(HANG_S)
         if self.behaviour == "die":
             os._exit(3)
+        if self.behaviour == "meet":
+            _meet()
         ref = self.wl.op.reference(inputs, self.wl.op.params, self.wl.dim, self.wl.attr)
         for name, out in outputs.items():
             val = ref[name].to(out.dtype)
@@ -35,6 +40,17 @@ class FakeKernel:
             else:
                 out.copy_(val)
         return outputs
+
+
+def _meet() -> None:
+    """Waits until MEET_WITH worker processes have been here (each leaves its pid in the folder
+    FLASHGEN_TEST_MEETDIR names): only workers measuring at the same time get past. Workers measuring
+    one after another never do, and the runner reads the candidate as hung."""
+    from pathlib import Path
+    folder = Path(os.environ["FLASHGEN_TEST_MEETDIR"])
+    (folder / str(os.getpid())).touch()
+    while len(list(folder.iterdir())) < MEET_WITH:
+        time.sleep(0.01)
 
 
 def factory(wl, schedule, target):

@@ -135,13 +135,15 @@ def test_features_mean_what_they_say():
 
 
 def test_features_are_cheap():
+    """Over 5000 schedules a second of this process's CPU time: what other processes take of a busy
+    machine's cores does not count, as it would on a wall clock."""
     import time
 
     wl = workload("silu_mul", M=128, N=11008)
     scheds = list(ScheduleSpace(wl, H200)) * 20
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     feature_matrix(wl, scheds, H200)
-    assert len(scheds) / (time.perf_counter() - t0) > 5000
+    assert len(scheds) / (time.process_time() - t0) > 5000
 
 
 # ---- the prior ---------------------------------------------------------------------------------------

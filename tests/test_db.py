@@ -380,6 +380,8 @@ def _good_line(**change):
     ('{"a": ' * 100000 + "1" + "}" * 100000, "nested too deep"),
     ('{"n": 1' + "0" * 5000 + "}", "numbers too large"),
     (b'{"workload_key": "\xff\xfe"}', "not UTF-8"),
+    (_good_line(device="cpu\ud800"), r"record holds '\\ud800', a lone surrogate, which is not text"),
+    (_good_line(schedule={"block_r": 1, "block_c": 64, "num_warps": 1, "\udfff": 2}), "a lone surrogate"),
 ])
 def test_import_refuses_a_bad_record_by_line_and_stores_nothing(tmp_path, bad, message):
     from flashgen.schedules.record_check import record_problem
@@ -397,6 +399,19 @@ def test_the_cli_import_checks_records(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text(_good_line(schedule={"block_r": "x", "block_c": 64, "num_warps": 1}) + "\n")
     assert main(["db", "import", str(tmp_path / "in.jsonl"), "--db", str(tmp_path / "t.db")]) == 2
     assert "in.jsonl:1" in capsys.readouterr().err
+
+
+def test_the_cli_import_of_a_lone_surrogate_is_one_line_and_imports_nothing(tmp_path, capsys):
+    """The JSON escape "\\ud800" is valid JSON, and its string is no text a UTF-8 database can store."""
+    from flashgen.cli import main
+    path = tmp_path / "in.jsonl"
+    path.write_text(_good_line() + "\n" + _good_line(device="cpu\ud800", latency_us=3.0) + "\n")
+    assert "\\ud800" in path.read_text()
+    assert main(["db", "import", str(path), "--db", str(tmp_path / "t.db")]) == 2
+    assert capsys.readouterr().err == (f"flashgen: error: {path}:2: record holds '\\ud800', a lone surrogate, which "
+                                       "is not text; fix or remove the line, nothing was imported.\n")
+    with Database(tmp_path / "t.db") as db:
+        assert db.count() == 0
 
 
 def test_rows_that_no_longer_parse_are_skipped_with_a_warning(tmp_path, capsys):

@@ -3,12 +3,16 @@ process, on a tiny random Llama with every bias and an odd vocabulary (its lm_he
 quantization mode, and on a GQA model with one KV head (replicated on both ranks) and tied embeddings;
 every rank ends with the same tokens. Bad input is one line: a degree that does not split the heads,
 the KV groups or the MLP, more ranks than GPUs, a rank that raises or stalls mid-step (the other fails
-within the group's timeout, no hang)."""
+within the group's timeout, no hang, and the launcher stops the rest), a rendezvous port in use (at once)."""
 from __future__ import annotations
 
 import functools
+import os
+import re
+import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ from flashgen.runtime.bench import CONFIGS, random_weights
 from flashgen.runtime.engine import Engine, SamplingParams
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.ranks import launch
+from flashgen.runtime.ranks import launch, start_rank
 from flashgen.runtime.tensor_parallel import ShardedDecoder, check_gpus, check_tp, shard_weights
 from flashgen.runtime.weights import load_weights
 from tests.prefill import prefill_logits
@@ -36,6 +40,7 @@ SAME_QUANTIZATION = ("bf16", "w4a16")  # quantized alike split or whole (per-cha
 PROMPT = [3, 17, 99, 250, 8, 41, 7]
 PROMPTS = [[1, 5, 9, 20, 33], [42], [7, 8, 100, 3, 4, 5, 6, 77, 2, 1]]
 SEED = 3
+LONG_S = 600  # a timeout or grace no test here may wait out: a launch that returns did not wait it
 
 
 def run(model: Decoder, tp: int | None = None) -> dict:
@@ -65,7 +70,7 @@ def _split_runs(device: torch.device, out: Path) -> None:
 def split(tmp_path_factory) -> list[dict]:
     """Each rank's results, from one launch of two ranks."""
     folder = tmp_path_factory.mktemp("split")
-    launch(2, _split_runs, (folder,), timeout_s=60)
+    launch(2, _split_runs, (folder,), timeout_s=LONG_S)
     return [torch.load(folder / f"rank{r}.pt") for r in range(2)]
 
 
@@ -149,10 +154,14 @@ def test_a_split_engine_needs_a_split_model():
         ShardedDecoder(c, random_weights(c, torch.float32, torch.device("cpu"), SEED))
 
 
-def _fails_mid_step(device: torch.device, how: str) -> None:
-    """Both ranks decode; rank 1's third linear of its second step raises (or stalls)."""
+def _fails_mid_step(device: torch.device, how: str, step_timeout_s: float) -> None:
+    """Both ranks decode in a group whose collectives wait `step_timeout_s`, made once both hold their
+    weights (so that start-up, however slow, is not read as a stall); rank 1's third linear of its second
+    step raises (dies, or stalls)."""
     c = CONFIGS["tiny"]
-    model = ShardedDecoder(c, random_weights(c, torch.float32, device, SEED), device)
+    weights = random_weights(c, torch.float32, device, SEED)
+    dist.barrier()
+    model = ShardedDecoder(c, weights, device, group=dist.new_group(timeout=timedelta(seconds=step_timeout_s)))
     engine = Engine(model, num_blocks=16, tp=2)
     engine.add(PROMPTS[0], SamplingParams(max_new_tokens=4))
     engine.step()
@@ -164,29 +173,99 @@ def _fails_mid_step(device: torch.device, how: str) -> None:
             if len(calls) == 3:
                 if how == "raise":
                     raise RuntimeError("injected fault")
+                if how == "die":
+                    os._exit(3)
                 time.sleep(3600)
             return linear(*args, **kwargs)
         model.linear = failing
     engine.step()
 
 
+
 def test_a_rank_that_raises_mid_step_stops_the_other_at_once():
+    """Rank 0 waits in an all-reduce that could wait LONG_S, and the launcher would give it LONG_S to
+    stop: it stops, with its own line, because gloo saw rank 1 gone."""
     t0 = time.monotonic()
     with pytest.raises(FlashgenError) as e:
-        launch(2, _fails_mid_step, ("raise",), timeout_s=60)
-    assert time.monotonic() - t0 < 30
+        launch(2, _fails_mid_step, ("raise", LONG_S), timeout_s=LONG_S, grace_s=LONG_S)
+    assert time.monotonic() - t0 < LONG_S
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("rank 1: step failed: RuntimeError: injected fault (then rank 0: all-reduce failed: "
                           "another rank died or did not answer in time"), msg
+    assert "Timed out" not in msg and "stopped" not in msg, msg
 
 
-def test_a_stalled_rank_fails_the_other_within_the_timeout():
+def test_a_rank_that_dies_mid_step_is_named_before_the_one_that_lost_it():
+    """Rank 1's process ends without a word; rank 0 reports the peer it lost, after it: the error names
+    rank 1 first."""
     t0 = time.monotonic()
-    with pytest.raises(FlashgenError, match=r"^rank 0: all-reduce failed: another rank died or did not answer in "
-                                            r"time .*\(then rank 1: exited with code -9\)$"):
-        launch(2, _fails_mid_step, ("stall",), timeout_s=2)
-    assert time.monotonic() - t0 < 2 + 2 + 15  # rank 0's timeout, the launcher's wait, start-up
+    with pytest.raises(FlashgenError) as e:
+        launch(2, _fails_mid_step, ("die", LONG_S), timeout_s=LONG_S, grace_s=LONG_S)
+    assert time.monotonic() - t0 < LONG_S
+    msg = str(e.value)
+    assert msg.startswith("rank 1: exited with code 3 (then rank 0: all-reduce failed: another rank died or did "
+                          "not answer in time"), msg
+
+
+def test_a_stalled_rank_is_stopped_as_soon_as_the_other_times_out():
+    """Rank 0's all-reduce gives up after its group's timeout (2 s), and the launcher stops rank 1 then,
+    without the LONG_S grace a rank's own failure gets (a stalled rank never stops by itself)."""
+    t0 = time.monotonic()
+    with pytest.raises(FlashgenError) as e:
+        launch(2, _fails_mid_step, ("stall", 2), timeout_s=LONG_S, grace_s=LONG_S)
+    assert time.monotonic() - t0 < LONG_S
+    msg = str(e.value)
+    assert re.fullmatch(r"rank 0: all-reduce failed: another rank died or did not answer in time \(RuntimeError: "
+                        r".*Timed out waiting 2000ms.*\) \(then rank 1: stopped, still running\)", msg), msg
+
+
+def _fails_while_the_other_computes(device: torch.device) -> None:
+    """Rank 1 fails at once; rank 0 computes for an hour, in no collective that could see it gone."""
+    if dist.get_rank() == 1:
+        raise FlashgenError("injected fault")
+    time.sleep(3600)
+
+
+def test_a_failure_stops_the_ranks_still_running_after_the_grace():
+    t0 = time.monotonic()
+    with pytest.raises(FlashgenError, match=r"^rank 1: injected fault \(then rank 0: stopped, still running\)$"):
+        launch(2, _fails_while_the_other_computes, timeout_s=LONG_S, grace_s=1)
+    assert time.monotonic() - t0 < LONG_S  # the grace, not the group's timeout
+
+
+def _never_runs(device: torch.device, marker: Path) -> None:
+    marker.write_text("ran")
+
+
+def test_a_rendezvous_port_in_use_is_one_line_before_any_rank_starts(tmp_path):
+    """The launcher binds the port before it spawns a rank: with a rendezvous timeout of an hour, the
+    error comes anyway, and no rank ran."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(FlashgenError, match=rf"^cannot host the ranks' rendezvous on 127\.0\.0\.1:{port}: "
+                                                r"DistNetworkError: .*address already in use$"):
+            launch(2, _never_runs, (tmp_path / "ran",), timeout_s=3600, port=port)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_torchrun_variables_naming_a_port_in_use_are_one_line_at_once(monkeypatch):
+    """Rank 0 of a launch that gives the variables but no store binds MASTER_PORT itself: a port in use
+    fails there and then, not after the rendezvous timeout (an hour here)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        with pytest.raises(FlashgenError, match=rf"^rank 0: joining the group at 127\.0\.0\.1:{port} failed: "
+                                                r"DistNetworkError: .*address already in use$"):
+            start_rank(2, timeout_s=3600)
+    assert not dist.is_initialized()
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,19 @@
 """Tensor parallelism on the device (-m gpu): NCCL ranks, one per GPU (one rank, and two where there are
 two GPUs), their decode steps replayed from CUDA graphs and chained, against one process in bf16,
 w4a16 and w8a8. Every greedy token of a ranks' run is one the whole model's logits, teacher-forced on
-the same tokens, rank first within bf16 tolerance, and the prompt's logits agree within it."""
+the same tokens, rank first within bf16 tolerance, and the prompt's logits agree within it. A rank that
+stalls, eagerly or between graph replays, ends the run once the others' collectives time out."""
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from flashgen.errors import FlashgenError
 from flashgen.runtime.bench import random_weights
 from flashgen.runtime.engine import Engine, SamplingParams
 from flashgen.runtime.model import Decoder
@@ -57,3 +61,36 @@ def test_ranks_decode_as_one_process(tp, mode, tmp_path):
         forced = prefill_logits(whole, prompt + tokens[:-1]).float().cpu()[len(prompt) - 1:]
         chosen = forced.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (chosen >= forced.max(1).values - tol).all(), (prompt, tokens)
+
+
+STALL_S = 300  # how long the stalled rank sleeps: a run that lasts it was ended by the sleeper waking, not a timeout
+
+
+def _stalls(device: torch.device, cuda_graphs: bool) -> None:
+    """Both ranks decode in a group whose collectives wait 10 s, made once both hold their weights; rank 1
+    stalls before its third step (a decode step, replayed from a CUDA graph with `cuda_graphs`)."""
+    weights = random_weights(CONFIG, torch.bfloat16, device, SEED)
+    dist.barrier()
+    model = ShardedDecoder(CONFIG, weights, device, torch.bfloat16,
+                           group=dist.new_group(timeout=timedelta(seconds=10)))
+    engine = Engine(model, num_blocks=64, tp=2, cuda_graphs=cuda_graphs)
+    engine.add(PROMPTS[0], SamplingParams(max_new_tokens=NEW))
+    engine.step()
+    engine.step()
+    if model.rank == 1:
+        time.sleep(STALL_S)
+    engine.step()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_stalled_rank_ends_the_run_when_the_other_times_out(cuda_graphs):
+    """Rank 0's NCCL collective times out after 10 s (its process reporting that, or ended by NCCL's
+    watchdog), and the launcher stops rank 1, still stalled, within its grace: long before STALL_S."""
+    t0 = time.monotonic()
+    with pytest.raises(FlashgenError) as e:
+        launch(2, _stalls, (cuda_graphs,), timeout_s=STALL_S * 2)
+    assert time.monotonic() - t0 < STALL_S
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("rank 0: ") and msg.endswith("(then rank 1: stopped, still running)"), msg

@@ -5,6 +5,7 @@ database. Without a GPU, or on the cpu target, --gpus and --ray are one line."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -128,11 +129,12 @@ def test_a_ray_address_with_no_cluster_is_one_line(tmp_path, capsys, monkeypatch
     """A HOST:PORT nothing listens on is refused at once (Ray would retry it for minutes); 'auto' with no
     cluster running is refused too."""
     pytest.importorskip("ray")
-    from flashgen.runtime.ranks import free_port
-
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    for address, message in ((f"127.0.0.1:{free_port()}", "no Ray cluster answers there"),
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]  # (closed: nothing listens there)
+    for address, message in ((f"127.0.0.1:{free}", "no Ray cluster answers there"),
                              ("auto", "cannot join a Ray cluster")):
         assert main(["tune", "softmax", "--dim", "M=8", "--dim", "N=512", "--target", "h200", "--ray", address,
                      "--db", str(tmp_path / "t.db")]) == 2

@@ -117,7 +117,8 @@ class Record:
 
     @classmethod
     def from_json(cls, d: Any) -> Record:
-        """Strict: a missing or unknown field is an error, so no measurement is silently dropped."""
+        """Strict: a missing or unknown field is an error, so no measurement is silently dropped, and so is
+        a string that is not text (a database could not store it)."""
         if not isinstance(d, dict):
             raise FlashgenError(f"a record must be a JSON object, got {type(d).__name__}.")
         missing = [name for name in _REQUIRED if name not in d]
@@ -127,4 +128,8 @@ class Record:
         if unknown:
             raise FlashgenError(f"record has unknown field {unknown[0]!r} "
                                 "(written by a newer flashgen?).")
+        try:  # JSON's escapes can spell a lone surrogate ("\\ud800"), which no UTF-8 database can store
+            json.dumps(d, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise FlashgenError(f"record holds {e.object[e.start]!r}, a lone surrogate, which is not text.") from None
         return cls(**d)
