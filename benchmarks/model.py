@@ -25,6 +25,7 @@ from common import RESULTS, copy_gbs, environment, print_table, write_results  #
 from flashgen.errors import FlashgenError  # noqa: E402
 from flashgen.runtime import bench, linear  # noqa: E402
 from flashgen.runtime.dispatch import describe_sources  # noqa: E402
+from flashgen.runtime.quant_modes import quant_mode  # noqa: E402
 
 
 def hf_model(config: str, device: str, dtype: torch.dtype, weights: dict[str, torch.Tensor] | None = None):
@@ -235,7 +236,7 @@ def main() -> None:
         for r in (bench.run(*run_args, cuda_graphs=not args.no_cuda_graphs) if tp == 1 else
                   split_run(tp, run_args, fused_rows, not args.no_cuda_graphs)):
             name = ("flashgen " + quant + (f" tp={tp}" if tp > 1 else "") + ("" if r["cuda_graphs"] else " eager")
-                    + ("" if fused_rows >= r["batch"] and quant in linear.FUSED_MODES else " (unfused)"))
+                    + ("" if fused_rows >= r["batch"] and quant_mode(quant).fused else " (unfused)"))
             rows.append([name, r["batch"], r["ttft_s"], r["decode_tokens_per_s"], r["bandwidth_limit_tokens_per_s"],
                          r["of_limit"], r["free_gb_before"], describe_sources(r["decode_gemm_schedules"])])
             print(rows[-1], flush=True)

@@ -16,6 +16,7 @@ from flashgen.runtime.engine import Engine, SamplingParams
 from flashgen.runtime.graphs import bucket_for
 from flashgen.runtime.memory import available_bytes, cache_bytes
 from flashgen.runtime.model import Decoder
+from flashgen.runtime.quant_modes import quant_mode
 from flashgen.runtime.tensor_parallel import ShardedDecoder
 from flashgen.runtime.torch_ops import dispatcher
 from flashgen.runtime.weights import ModelConfig, expected_shapes
@@ -70,10 +71,9 @@ def weight_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int | None
             linear += attention + 3 * h * (experts * c.moe_intermediate_size + c.shared_expert_intermediate_size)
         else:
             linear += attention + 3 * h * c.intermediate_size
-    per = {"bf16": dtype_bytes, "w8a16": 1, "w8a8": 1, "w4a16": 0.5 + dtype_bytes / 128,
-           "w4a8": 0.5 + 1 / 128, "fp8": 1, "mixed": 0.5 + dtype_bytes / 128}
     routers = sum(c.layer_moe(i) for i in range(c.num_layers)) * c.num_experts * h * dtype_bytes
-    return linear * per[quant] + routers + c.vocab_size * h * dtype_bytes  # the lm_head stays in dtype
+    # (the lm_head stays in dtype)
+    return linear * quant_mode(quant).weight_bytes(dtype_bytes) + routers + c.vocab_size * h * dtype_bytes
 
 
 def step_bytes(c: ModelConfig, quant: str, dtype_bytes: int, batch: int, context: float) -> float:

@@ -35,7 +35,8 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.runtime.int_weight import IntWeight, act_order, check_stored, unpack_cols
-from flashgen.runtime.linear import QuantLinear, cpu_weight
+from flashgen.runtime.quant_modes import (Fp8Linear, QuantLinear, W4A8Linear, W4A16Linear, W8A8Linear, W8A16Linear,
+                                          cpu_weight)
 
 FORMATS = ("int-quantized", "float-quantized", "pack-quantized")
 FLOATS = ("F32", "F16", "BF16")
@@ -59,13 +60,13 @@ class CompressedConfig:
         return k if self.group == -1 else self.group
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> type[QuantLinear]:
         """The decoder mode that computes this scheme (module docstring)."""
         if self.format == "float-quantized":
-            return "fp8"
+            return Fp8Linear
         if self.format == "int-quantized" or self.bits == 8:
-            return "w8a8" if self.activations else "w8a16"
-        return "w4a8" if self.activations else "w4a16"
+            return W8A8Linear if self.activations else W8A16Linear
+        return W4A8Linear if self.activations else W4A16Linear
 
 
 def _fail(path: Path, key: str, why: str) -> FlashgenError:
@@ -227,17 +228,14 @@ def read_linear(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: Compresse
     return IntWeight(codes.contiguous(), scale.contiguous(), zeros, g, perm)
 
 
-def scaled_linear(parts: list[ScaledWeight], mode: str, dtype: torch.dtype) -> QuantLinear:
+def scaled_linear(parts: list[ScaledWeight], mode: type[W8A8Linear | W8A16Linear | Fp8Linear],
+                  dtype: torch.dtype) -> QuantLinear:
     """One decoder linear from int8 (w8a8, w8a16) or e4m3 (fp8) weights stacked along N, kept as stored
     with their per-channel scales (a per-tensor scale broadcast to its rows); the CPU keeps the
-    dequantized weight where its mode multiplies it (w8a16, fp8)."""
+    dequantized weight where its mode multiplies it (`cpu_fallback`: the weight-only modes and fp8)."""
     values = torch.cat([p.values for p in parts]).contiguous()
     scales = torch.cat([p.scales for p in parts]).contiguous()
-    q = QuantLinear((values.shape[0], values.shape[1]), None)
-    if mode == "fp8":
-        q.f8, q.f8_scale = values, scales
-    else:
-        q.w8, q.w8_scale = values, scales
-    if values.device.type != "cuda" and mode != "w8a8":
+    q = mode((values.shape[0], values.shape[1]), values, scales)
+    if values.device.type != "cuda" and mode is not W8A8Linear:
         q.weight = cpu_weight(torch.cat([p.dequantize() for p in parts]).to(dtype))
     return q

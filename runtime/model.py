@@ -37,10 +37,11 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, moe_align
 from flashgen.runtime.kv_cache import PagedKVCache
-from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
+from flashgen.runtime.linear import apply, choose
+from flashgen.runtime.quant_modes import Bf16Linear, QuantLinear, cpu_weight, quant_mode, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
 from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.moe_experts import Stacked, stack_experts, stacked_format
+from flashgen.runtime.moe_experts import Stacked, stack_experts
 from flashgen.runtime.prequant import mode_of, quant_linear, quantized_tensor, read_linear
 from flashgen.runtime.rope_scaling import rope_table
 from flashgen.runtime.weights import moe_names
@@ -88,14 +89,16 @@ class Decoder:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, quant: str = "bf16"):
         register_all()
-        self.c, self.device, self.dtype, self.quant = config, torch.device(device), dtype, quant
+        self.c, self.device, self.dtype, self.mode = config, torch.device(device), dtype, quant_mode(quant)
         self.generated_attention = True  # on a GPU; False keeps the torch path (a reference for tests)
         self.fallbacks: set[str] = set()
         if config.prequant is not None:  # the checkpoint's codes decide the mode (runtime/prequant.py)
-            if quant not in ("bf16", mode_of(config.prequant)):
-                raise FlashgenError(f"a {config.prequant.method} checkpoint computes as {mode_of(config.prequant)}, "
+            stored = mode_of(config.prequant)
+            if self.mode not in (Bf16Linear, stored):
+                raise FlashgenError(f"a {config.prequant.method} checkpoint computes as {stored.mode}, "
                                     f"not {quant}: its weights are quantized already")
-            self.quant = quant = mode_of(config.prequant)
+            self.mode = stored
+        self.quant = self.mode.mode  # its name, as --quant gives it
         keep = config.prequant is not None  # (a pre-quantized linear's tensors keep their dtypes: e4m3, fp32 scales)
         w = {k: v.to(self.device, dtype if v.is_floating_point() and not (keep and quantized_tensor(k)) else None)
              for k, v in weights.items()}
@@ -133,8 +136,8 @@ class Decoder:
         the decoder's mode, or a pre-quantized checkpoint's codes repacked (runtime/prequant.py)."""
         pq = self.c.prequant
         if pq is None:
-            return prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1 else w[parts[0] + ".weight"],
-                           self.quant)
+            return self.mode.prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1
+                                     else w[parts[0] + ".weight"])
         ints = [read_linear(w, x + ".", pq, *self._features(x), "the checkpoint") for x in parts]
         return quant_linear(ints, pq, self.dtype, f"{parts[0].rsplit('.', 1)[0]}.{name}")
 
@@ -152,7 +155,7 @@ class Decoder:
         c = self.c
         if self.device.type != "cuda" or str(c.experts_per_tok) not in MOE_GEMM_GATE_UP.attrs["topk"]:
             return None
-        return stacked_format(self.quant, c.hidden_size, c.moe_intermediate_size)
+        return self.mode.stacked_format(c.hidden_size, c.moe_intermediate_size)
 
     @property
     def generated_moe(self) -> bool:
@@ -162,14 +165,14 @@ class Decoder:
         names = moe_names(self.c, layer)
 
         def expert(gate: str, up: str, down: str) -> tuple[QuantLinear, QuantLinear]:
-            return prepare(torch.cat([w[gate], w[up]]), self.quant), prepare(w[down], self.quant)
+            return self.mode.prepare(torch.cat([w[gate], w[up]])), self.mode.prepare(w[down])
 
         shared = expert(*names.shared) if names.shared else None
         gate = cpu_weight(w[names.router]), shared, cpu_weight(w[names.shared_gate]) if names.shared_gate else None
         if self.generated_moe:  # stacked, each expert's own tensors let go as it is quantized or copied
             experts = [(lambda g=g, u=u: torch.cat([w.pop(g), w.pop(u)]), lambda d=d: w.pop(d))
                        for g, u, d in names.experts]
-            return MoeBlock(gate[0], [], gate[1], gate[2], stacked=stack_experts(experts, self.quant, self.moe_weights))
+            return MoeBlock(gate[0], [], gate[1], gate[2], stacked=stack_experts(experts, self.mode))
         return MoeBlock(gate[0], [expert(*e) for e in names.experts], *gate[1:])
 
     @property
@@ -186,8 +189,7 @@ class Decoder:
         it and the residual it adds (see runtime/linear.py)."""
         if self.device.type != "cuda":
             self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
-        return apply(x, w, self.quant, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, gated,
-                     residual)
+        return apply(x, w, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, gated, residual)
 
     def moe(self, h: torch.Tensor, b: MoeBlock) -> torch.Tensor:
         """The MoE MLP of the normed hidden states `h` [T, hidden]: each token's top-k experts (softmax

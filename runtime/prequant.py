@@ -30,7 +30,7 @@ from flashgen.quant import pack_int4
 from flashgen.runtime import compressed_tensors as ct
 from flashgen.runtime.compressed_tensors import CompressedConfig
 from flashgen.runtime.int_weight import IntWeight, act_order, check_stored, unpack_cols, unpack_rows
-from flashgen.runtime.linear import QuantLinear, cpu_weight
+from flashgen.runtime.quant_modes import QuantLinear, W4A8Linear, W4A16Linear, W8A16Linear, cpu_weight
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 # The linears a pre-quantized checkpoint stores quantized (the embeddings, norms and head stay float)
@@ -139,14 +139,14 @@ def read_linear(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: "Prequant
                      g, perm)
 
 
-def mode_of(cfg: "PrequantConfig | CompressedConfig") -> str:
+def mode_of(cfg: "PrequantConfig | CompressedConfig") -> type[QuantLinear]:
     """The decoder's linear mode for a pre-quantized checkpoint: GPTQ's and AWQ's int4 codes run as
     w4a16 (zero points and act-order included); 8-bit GPTQ only as w8a16, whose int8 GEMM takes
     per-channel symmetric weights (model_config refuses other 8-bit checkpoints); compressed-tensors as
     its scheme says (runtime/compressed_tensors.py)."""
     if isinstance(cfg, CompressedConfig):
         return cfg.mode
-    return "w4a16" if cfg.bits == 4 else "w8a16"
+    return W4A16Linear if cfg.bits == 4 else W8A16Linear
 
 
 def quant_linear(parts: list, cfg: "PrequantConfig | CompressedConfig", dtype: torch.dtype, name: str) -> QuantLinear:
@@ -166,21 +166,18 @@ def quant_linear(parts: list, cfg: "PrequantConfig | CompressedConfig", dtype: t
     scales = torch.cat([p.scales for p in parts])
     zeros = torch.cat([p.zeros for p in parts])
     n, k = codes.shape
-    q = QuantLinear((n, k), None, group=parts[0].group, perm=perms[0])
+    cpu = codes.device.type != "cuda"
+    # (the CPU multiplies the weight-only modes' dequantized weight, in the checkpoint's k order)
+    dequantized = cpu_weight(torch.cat([p.dequantize() for p in parts]).to(dtype)) if cpu else None
+    mode = mode_of(cfg)
     if cfg.bits == 8:
         if bool((zeros != 128).any()):
-            raise FlashgenError(f"{name}: 8-bit zero points other than 128: w8a16 takes symmetric weights only")
-        q.w8, q.w8_scale = (codes.to(torch.int16) - 128).to(torch.int8), scales[:, 0].float().contiguous()
-    elif mode_of(cfg) == "w4a8":  # (per channel, symmetric: compressed_tensors.parse_config)
-        q.w4, q.w4a8_scale = pack_int4(codes), scales[:, 0].float().contiguous()
-        if codes.device.type != "cuda":
-            q.w4a8_int8 = (codes.to(torch.int16) - 8).to(torch.int8)
-    else:
-        ordered = codes if perms[0] is None else codes[:, perms[0]]
-        q.w4, q.w4_scales = pack_int4(ordered), scales.to(dtype)
-        if bool((zeros != 8).any()):  # (all 8: the symmetric kernel, which reads no zero points)
-            q.w4_zeros = zeros.to(torch.int8)
-    if codes.device.type != "cuda" and q.w4a8_int8 is None:  # the CPU multiplies the dequantized weight,
-        # in the checkpoint's k order
-        q.weight = cpu_weight(torch.cat([p.dequantize() for p in parts]).to(dtype))
-    return q
+            raise FlashgenError(f"{name}: 8-bit zero points other than 128: {mode.mode} takes symmetric weights only")
+        return mode((n, k), (codes.to(torch.int16) - 128).to(torch.int8), scales[:, 0].float().contiguous(),
+                    weight=dequantized if mode.activations is None else None)
+    if mode is W4A8Linear:  # (per channel, symmetric: compressed_tensors.parse_config)
+        return W4A8Linear((n, k), pack_int4(codes), scales[:, 0].float().contiguous(), None, parts[0].group,
+                          (codes.to(torch.int16) - 8).to(torch.int8) if cpu else None)
+    ordered = codes if perms[0] is None else codes[:, perms[0]]
+    zp = zeros.to(torch.int8) if bool((zeros != 8).any()) else None  # (all 8: the symmetric kernel, no zero points)
+    return W4A16Linear((n, k), pack_int4(ordered), scales.to(dtype), parts[0].group, zp, perms[0], weight=dequantized)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flashgen.errors import FlashgenError, one_line
-from flashgen.runtime.linear import QuantLinear
+from flashgen.runtime.quant_modes import QuantLinear
 from flashgen.runtime.model import Decoder
 from flashgen.runtime.model_config import ModelConfig
 from flashgen.runtime.ranks import PeerFailure

@@ -813,22 +813,35 @@ def test_nan_logits_in_replayed_steps_fail_their_requests():
 def test_quantized_linear_on_gpu(mode):
     """A layer quantized on the GPU (no dequantized copy kept there) against the same weight quantized
     on the CPU and multiplied by torch: the same codes and scales, products within the dtype's error."""
+    import dataclasses
+
     from flashgen.runtime import register_all
-    from flashgen.runtime.linear import apply, prepare
+    from flashgen.runtime.linear import apply
+    from flashgen.runtime.quant_modes import MixedLinear, prepare
     register_all()  # apply() calls torch.ops.flashgen.*
     gen = torch.Generator().manual_seed(23)
     w = (torch.randn(384, 512, generator=gen) * 0.05).to(torch.bfloat16)
     x = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
     dev, cpu = prepare(w.to(DEVICE), mode), prepare(w, mode)
-    assert dev.weight is None and dev.shape == (384, 512)
-    for name in ("w4", "w4_scales", "w8", "w8_scale", "w4a8_scale", "w4a8_group", "f8", "f8_scale"):
-        a, b = getattr(dev, name), getattr(cpu, name)
-        bits = (lambda t: t.view(torch.uint8)) if name == "f8" else (lambda t: t)  # (torch.equal has no fp8)
-        assert (a is None) == (b is None) and (a is None or torch.equal(bits(a.cpu()), bits(b))), name
+    assert type(dev) is type(cpu) and dev.weight is None and dev.shape == (384, 512)
+    pairs = list(zip(dev.choices.values(), cpu.choices.values())) if isinstance(dev, MixedLinear) else [(dev, cpu)]
+    for d, c in pairs:
+        assert d.weight is None
+        for f in dataclasses.fields(d):
+            a, b = getattr(d, f.name), getattr(c, f.name)
+            if f.name in ("weight", "w4a8_int8") or not isinstance(a, torch.Tensor):  # (the CPU's own copies)
+                continue
+            bits = (lambda t: t.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda t: t)  # (torch.equal has no fp8)
+            assert torch.equal(bits(a.cpu()), bits(b)), f.name
     # w4a8 on the CPU keeps its int8 operand; mixed the 4-bit weight's dequantized copy: mixed runs w4a8
-    out = apply(x.to(DEVICE), dev, mode, None, set(), chooser=lambda n, k, m: "w4a8").float().cpu()
-    weight = (cpu.weight.float() if cpu.weight is not None else cpu.w4a8_int8.float() * cpu.w4a8_scale[:, None]
-              if mode == "w4a8" else cpu.w8.float() * cpu.w8_scale[:, None])
+    pick = lambda n, k, m: "w4a8"  # noqa: E731
+    out = apply(x.to(DEVICE), dev, None, set(), chooser=pick).float().cpu()
+    chosen = cpu.choose(5, pick)
+    if chosen.weight is not None:
+        weight = chosen.weight.float()
+    else:
+        w8, scale = chosen.int8_operand()
+        weight = w8.float() * scale[:, None]
     ref = torch.nn.functional.linear(x.float(), weight)
     assert torch.allclose(out, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item()), (out - ref).abs().max()
 

@@ -192,15 +192,15 @@ def test_stacked_experts_are_the_ops_layout(quant, weights):
     references, give what each expert's own quantized linears give (the torch loop's weights): the
     stacked codes and scales mean what the ops read. Modes without a stacked form are named."""
     from flashgen.oplib.moe import MOE_GEMM_DOWN, MOE_GEMM_GATE_UP
-    from flashgen.runtime.linear import prepare
-    from flashgen.runtime.moe_experts import stack_experts, stacked_format
-    assert stacked_format(quant, 256, 384) == weights
-    assert stacked_format("w4a16", 64, 384) is None and stacked_format("w8a8", 256, 384) is None
+    from flashgen.runtime.moe_experts import stack_experts
+    from flashgen.runtime.quant_modes import prepare, quant_mode
+    assert quant_mode(quant).stacked_format(256, 384) == weights
+    assert quant_mode("w4a16").stacked_format(64, 384) is None and quant_mode("w8a8").stacked_format(256, 384) is None
     g = torch.Generator().manual_seed(7)
     e, kt, m, hidden, inter = 4, 2, 5, 256, 384
     w13 = [(torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).half() for _ in range(e)]
     w2 = [(torch.randn(hidden, inter, generator=g) / inter ** 0.5).half() for _ in range(e)]
-    up, down = stack_experts([(lambda a=a: a, lambda b=b: b) for a, b in zip(w13, w2)], quant, weights)
+    up, down = stack_experts([(lambda a=a: a, lambda b=b: b) for a, b in zip(w13, w2)], quant_mode(quant))
     x = torch.randn(m, hidden, generator=g).half()
     ids = torch.stack([torch.randperm(e, generator=g)[:kt] for _ in range(m)]).to(torch.int32)
     tw = torch.rand(m * kt, generator=g) + 0.1

@@ -156,23 +156,24 @@ def test_dispatch_falls_back_to_the_plain_form(tmp_path):
 def test_linear_takes_its_norm_gate_and_residual_on_cpu():
     """runtime/linear.py on CPU tensors: the norm's and the gate's own kernels, torch's product, the
     residual added; equal to the float64 composition."""
-    from flashgen.runtime.linear import apply, prepare
+    from flashgen.runtime.linear import apply
+    from flashgen.runtime.quant_modes import prepare
     g = torch.Generator().manual_seed(5)
     w, x, r = torch.randn(48, 96, generator=g), torch.randn(3, 96, generator=g), torch.randn(3, 48, generator=g)
     nw = torch.randn(96, generator=g) * 0.2 + 1
     q = prepare(w, "bf16")
     x64 = x.double()
     normed = x64 * (x64.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt() * nw.double()
-    out = apply(x, q, "bf16", None, set(), norm=nw, eps=1e-6, residual=r)
+    out = apply(x, q, None, set(), norm=nw, eps=1e-6, residual=r)
     assert rel(out, normed @ w.double().T + r.double()) < 1e-5
     xg = torch.randn(3, 192, generator=g)
     gate, up = xg.double().chunk(2, dim=-1)
-    out = apply(xg, q, "bf16", None, set(), gated=True)
+    out = apply(xg, q, None, set(), gated=True)
     assert rel(out, (gate * torch.sigmoid(gate) * up) @ w.double().T) < 1e-5
     assert q.weight.is_mkldnn  # a float32 CPU weight is held reordered for oneDNN
     for m in (1, 5):  # odd N, a bias, one row
         w7, b7, x7 = torch.randn(77, 96, generator=g), torch.randn(77, generator=g), torch.randn(m, 96, generator=g)
-        out = apply(x7, prepare(w7, "bf16"), "bf16", b7, set())
+        out = apply(x7, prepare(w7, "bf16"), b7, set())
         assert out.shape == (m, 77) and rel(out, x7.double() @ w7.double().T + b7.double()) < 1e-5
 
 
@@ -182,15 +183,16 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     mode its chooser picks for M."""
     from flashgen.oplib._common import quantize_ref
     from flashgen.quant import quantize_w4a8
-    from flashgen.runtime.linear import apply, prepare
+    from flashgen.runtime.linear import apply
+    from flashgen.runtime.quant_modes import prepare
     g = torch.Generator().manual_seed(6)
     w, x, b = torch.randn(40, 96, generator=g), torch.randn(5, 96, generator=g) * 3, torch.randn(40, generator=g)
     q, fallbacks = prepare(w, "w8a8"), set()
     assert q.weight is None  # no dequantized copy: torch multiplies the int8 codes
-    out = apply(x, q, "w8a8", b, fallbacks)
+    out = apply(x, q, b, fallbacks)
     xq, xs = quantize_ref(x.double(), "int8")
     assert rel(out, (xq @ q.w8.double().T) * xs[:, None] * q.w8_scale.double() + b.double()) < 1e-6
-    assert 1e-4 < rel(out, apply(x, prepare(w, "w8a16"), "w8a16", b, set())) < 2e-2  # the activations' rounding
+    assert 1e-4 < rel(out, apply(x, prepare(w, "w8a16"), b, set())) < 2e-2  # the activations' rounding
     assert fallbacks == {"w8a8 linear (torch on int8 product of per-token int8 activations on cpu)"}
 
     # w4a8 (K=96: per channel; K=256: groups of 128) as gemm_w4a8 computes: an int8 operand (u - 8) * s_group
@@ -199,7 +201,7 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
         q4 = prepare(wk, "w4a8")
         qa = quantize_w4a8(wk, 128 if k == 256 else None)
         xq, xs = quantize_ref(xk.double(), "int8")
-        y4 = apply(xk, q4, "w4a8", b, fallbacks)
+        y4 = apply(xk, q4, b, fallbacks)
         assert rel(y4, (xq * xs[:, None]) @ qa.dequantize().T + b.double()) < 1e-6
         assert rel(y4, xk.double() @ wk.double().T + b.double()) < 0.2  # 4-bit weights' rounding
     assert fallbacks == {"w8a8 linear (torch on int8 product of per-token int8 activations on cpu)",
@@ -210,7 +212,7 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     for m in (1, 5):
         xm, f8 = x[:m], set()
         xq, xs = quantize_ref(xm.double(), "fp8e4m3")
-        y8 = apply(xm, prepare(w, "fp8"), "fp8", b, f8)
+        y8 = apply(xm, prepare(w, "fp8"), b, f8)
         assert rel(y8, (xq * xs[:, None]) @ quantize_fp8(w).dequantize().T + b.double()) < 1e-5
         assert 1e-3 < rel(y8, xm.double() @ w.double().T + b.double()) < 0.1  # e4m3's 3-bit mantissas
         assert f8 == {"fp8 linear (torch on fp8e4m3 product of per-token fp8e4m3 activations on cpu)"}
@@ -219,11 +221,12 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     qm = prepare(w, "mixed")
     modes = {5: "w8a8", 1: "w4a16", 3: "w4a8"}
     chooser = lambda n, k, m: picks.append((n, k, m)) or modes[m]  # noqa: E731
-    assert torch.equal(apply(x, qm, "mixed", b, mixed, chooser), out)
+    assert torch.equal(apply(x, qm, b, mixed, chooser), out)
     # both 4-bit modes share one weight, w4a8's: w4a16 multiplies it dequantized, w4a8 as its GEMM does
     qa = quantize_w4a8(w, None)
-    assert rel(apply(x[:1], qm, "mixed", b, mixed, chooser), x[:1].double() @ qa.dequantize().T + b.double()) < 1e-6
-    assert torch.equal(apply(x[:3], qm, "mixed", b, mixed, chooser), apply(x[:3], prepare(w, "w4a8"), "w4a8", b, set()))
+    assert rel(apply(x[:1], qm, b, mixed, chooser), x[:1].double() @ qa.dequantize().T + b.double()) < 1e-6
+    assert torch.equal(apply(x[:3], qm, b, mixed, chooser), apply(x[:3], prepare(w, "w4a8"), b, set()))
+    assert qm.choices["w4a16"].w4 is qm.choices["w4a8"].w4  # (one tensor of codes)
     assert picks == [(40, 96, 5), (40, 96, 1), (40, 96, 3)]
     assert mixed == fallbacks | {"w4a16 linear (torch on the dequantized weight on cpu)"}
 
