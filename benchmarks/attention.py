@@ -39,7 +39,7 @@ from flashgen.db.record import schedule_key  # noqa: E402
 from flashgen.kernel_classes import SCHEDULE_BACKENDS, schedule_backend  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
-from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.schedules.tuner import TuneTask, tune  # noqa: E402
 from flashgen.workload import Workload  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 from flashgen.targets.descriptor import Target  # noqa: E402
@@ -143,8 +143,8 @@ def main() -> None:
     with Database(args.db) as db, tuning_session(target) as session:
         for kind, name, wl, ins, peer in cases:
             space = ScheduleSpace(wl, target)
-            tune(wl, target, db, args.trials, strategy="evolutionary", progress=None,
-                 fixed={k: v for k, v in fixed.items() if k in space.knobs()}, **session)
+            pinned = TuneTask.pinned({k: v for k, v in fixed.items() if k in space.knobs()})
+            tune(TuneTask(wl, target, args.trials, strategy="evolutionary", fixed=pinned), db, progress=None, **session)
             best = {}  # generator -> (its kernel fastest on these inputs, that kernel's place in the db's order)
             for backend in space.knobs().get("backend", (0,)):
                 candidates = fastest_recorded(db, wl, target, space, max(1, args.rerank), backend)

@@ -33,7 +33,7 @@ from flashgen.db import Database  # noqa: E402
 from flashgen.quant import unpack_int4  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
-from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.schedules.tuner import TuneTask, tune  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 
 SHAPES = {"8192x8192": (8192, 8192), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -131,8 +131,8 @@ def main() -> None:
                 n, k = SHAPES[shape]
                 for m in map(int, args.ms.split(",")):
                     wl = make_workload(op, m, n, k)
-                    res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, fixed=fixed,
-                               **session)
+                    task = TuneTask(wl, target, args.trials, strategy="evolutionary", fixed=TuneTask.pinned(fixed))
+                    res = tune(task, db, progress=None, **session)
                     if res.best is None:
                         print(f"{wl}: no correct schedule" + ("" if args.trials else " recorded (--trials 0 measures none)"),
                               flush=True)

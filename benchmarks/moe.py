@@ -34,7 +34,7 @@ import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.oplib.moe import moe_align  # noqa: E402
 from flashgen.runtime.model import IDS_ROUTING_MAX_TOKENS  # noqa: E402
-from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.schedules.tuner import TuneTask, tune  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 
 # (experts, top-k, hidden, intermediate)
@@ -79,7 +79,7 @@ def main() -> None:
                 wl_up = flashgen.workload("moe_gemm_gate_up", N=inter, K=hidden, **kw)
                 wl_down = flashgen.workload("moe_gemm_down", N=hidden, K=inter, **kw)
                 for wl in (wl_up, wl_down):
-                    tune(wl, target, db, args.trials, strategy="evolutionary", progress=None, **session)
+                    tune(TuneTask(wl, target, args.trials, strategy="evolutionary"), db, progress=None, **session)
                 k_up = flashgen.compile(wl_up, target, db=db)
                 k_down = flashgen.compile(wl_down, target, db=db)
                 x = torch.randn(m, hidden, generator=gen).to(dev, torch.bfloat16)

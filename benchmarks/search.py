@@ -25,7 +25,7 @@ from flashgen.db import Database  # noqa: E402
 from flashgen.schedules.builder import Builder  # noqa: E402
 from flashgen.schedules.measure import Runner  # noqa: E402
 from flashgen.schedules.space import ScheduleSpace  # noqa: E402
-from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.schedules.tuner import TuneTask, tune  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 
 OPS = ("rmsnorm", "add_rmsnorm", "dynamic_quant", "rmsnorm_quant", "silu_mul", "rope")
@@ -46,7 +46,7 @@ def sweep(args: argparse.Namespace) -> None:
     with Database(args.db) as db:
         for wl, scheds in plan:
             t1 = time.perf_counter()
-            res = tune(wl, target, db, len(scheds), strategy="exhaustive", builder=builder, runner=runner,
+            res = tune(TuneTask(wl, target, len(scheds), strategy="exhaustive"), db, builder=builder, runner=runner,
                        batch=64, progress=None)
             best = res.best.latency_us if res.best else float("nan")
             print(f"{str(wl):55s} {res.measured:4d} measured, best {best:8.2f} us, default "
@@ -63,7 +63,7 @@ def tune_time(args: argparse.Namespace) -> None:
     with Database(args.db) as db:
         for wl in (flashgen.workload("rmsnorm", M=2048, N=5120, dtype="bf16"),
                    flashgen.workload("silu_mul", M=512, N=14336, dtype="bf16")):
-            res = tune(wl, target, db, args.trials, strategy="evolutionary", progress=None)
+            res = tune(TuneTask(wl, target, args.trials, strategy="evolutionary"), db, progress=None)
             best = res.best.latency_us if res.best else float("nan")
             rows.append((str(wl), res.measured, res.wall_s, best, res.default_us or float("nan")))
             print(f"{wl}: {res.measured} trials in {res.wall_s:.1f} s, best {best:.2f} us, "

@@ -25,7 +25,7 @@ from gemm import SHAPES, peer  # noqa: E402
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.roofline import bytes_moved  # noqa: E402
-from flashgen.schedules.tuner import tune  # noqa: E402
+from flashgen.schedules.tuner import TuneTask, tune  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 
 MODES = {"w4a8": ("gemm_w4a8", {"G": 128, "dtype": "bf16"}), "w8a8": ("gemm_w8a8", {"dtype": "bf16"}),
@@ -58,7 +58,7 @@ def main() -> None:
                 for mode, (op, kw) in MODES.items():
                     wl = flashgen.workload(op, M=m, N=n, K=k, **kw)
                     trials = args.trials if mode == "w4a8" else args.peer_trials
-                    res = tune(wl, target, db, trials, strategy="evolutionary", progress=None, **session)
+                    res = tune(TuneTask(wl, target, trials, strategy="evolutionary"), db, progress=None, **session)
                     if res.best is None and trials:
                         print(f"{wl}: no correct schedule", flush=True)
                         continue

@@ -214,9 +214,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         with Database(args.db) as db:
             for i, (wl, producer) in enumerate(plan):
                 # the producer's schedule as the database has it now: earlier lines may have tuned it
-                report(i, tune(wl, target, db, args.trials, strategy=args.strategy, seed=args.seed,
-                               progress=sys.stderr, fixed=fixed, behind=with_schedule(producer, target, db),
-                               retry_failed=args.retry_failed))
+                report(i, tune(options.task(wl, target, with_schedule(producer, target, db)), db, progress=sys.stderr))
     if args.plot:
         plot_history([results[i] for i in sorted(results)], args.plot)
         print(f"wrote {args.plot}")

@@ -20,7 +20,8 @@ from typing import Any, Callable
 from flashgen.errors import FlashgenError, reason
 from flashgen.processes import ignore_sigint, sigint_deferred
 from flashgen.schedules.builder import Builder
-from flashgen.schedules.tuner import TuneResult, tune, with_schedule
+from flashgen.schedules.space import Schedule
+from flashgen.schedules.tuner import TuneResult, TuneTask, tune, with_schedule
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
@@ -29,12 +30,16 @@ Plan = list[tuple[Workload, Workload | None]]  # (workload, the producer it is t
 
 @dataclass(frozen=True)
 class TuneOptions:
-    """What each workload's `tune` is given besides its workload, target and database."""
+    """What every line of a plan is tuned with: its `TuneTask` less the workload and the producer."""
     trials: int
     strategy: str = "evolutionary"
     seed: int = 0
     fixed: dict[str, int] = field(default_factory=dict)
     retry_failed: bool = False
+
+    def task(self, wl: Workload, target: Target, behind: tuple[Workload, Schedule] | None = None) -> TuneTask:
+        return TuneTask(wl, target, self.trials, self.strategy, self.seed, TuneTask.pinned(self.fixed), behind,
+                        self.retry_failed)
 
 
 def gpu_slots(spec: str, gpus: int) -> list[str]:
@@ -71,8 +76,7 @@ def tune_line(wl: Workload, producer: Workload | None, target: Target, db: Any, 
               builder: Builder) -> TuneResult:
     """One plan line's tune in a worker: its producer's schedule as `db` has it now, the worker's Builder,
     no progress bar."""
-    return tune(wl, target, db, options.trials, strategy=options.strategy, seed=options.seed, fixed=options.fixed,
-                behind=with_schedule(producer, target, db), retry_failed=options.retry_failed, builder=builder)
+    return tune(options.task(wl, target, with_schedule(producer, target, db)), db, builder=builder)
 
 
 def _worker(plan: Plan, target: Target, db_path: str | None, options: TuneOptions, build_workers: int,

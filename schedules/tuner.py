@@ -42,6 +42,31 @@ DENSE_SEEDS = 3  # the dense form's fastest records tried on a weight dequantize
 ALONE_SEEDS = 6  # a tune behind a producer first times the fastest schedules timed alone
 
 
+@dataclass(frozen=True)
+class TuneTask:
+    """One workload's tuning job, as every path that tunes builds it (the CLI, the GPU fan-out, Ray,
+    benchmarks): what is searched (the workload on the target, with knobs pinned by `fixed`: the
+    `space`), how (`trials` new measurements, `strategy`, `seed`), timed alone or `behind` a producer
+    (its workload and schedule), and whether schedules recorded as timeout or crash are measured again."""
+    workload: Workload
+    target: Target
+    trials: int
+    strategy: str = "evolutionary"
+    seed: int = 0
+    fixed: tuple[tuple[str, int], ...] = ()  # (knob, value), sorted: `pinned` builds it from a mapping
+    behind: tuple[Workload, Schedule] | None = None
+    retry_failed: bool = False
+
+    @staticmethod
+    def pinned(fixed: Mapping[str, int] | None) -> tuple[tuple[str, int], ...]:
+        """`fixed` knobs in the form a task (and ScheduleSpace) holds them."""
+        return tuple(sorted((fixed or {}).items()))
+
+    @property
+    def space(self) -> ScheduleSpace:
+        return ScheduleSpace(self.workload, self.target, self.fixed)
+
+
 @dataclass
 class TuneResult:
     workload: Workload
@@ -151,20 +176,17 @@ def with_schedule(producer: Workload | None, target: Target, db: Database) -> tu
     return producer, best.schedule if best is not None else ScheduleSpace(producer, target).default()
 
 
-def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: str = "evolutionary",
-         seed: int = 0, batch: int = 16, builder: Builder | None = None, runner: Runner | None = None,
-         device_name: str | None = None, progress: TextIO | None = None,
-         fixed: Mapping[str, int] | None = None, behind: tuple[Workload, Schedule] | None = None,
-         retry_failed: bool = False) -> TuneResult:
-    """Measure up to `trials` new schedules of `wl` on `target`, recording each in `db`; `fixed` pins
-    knobs (name -> value) so that only schedules with those values are proposed; `behind` (a producer
-    workload and its schedule) times each right after that kernel; `retry_failed` measures again the
-    schedules recorded as timeout or crash."""
+def tune(task: TuneTask, db: Database, *, batch: int = 16, builder: Builder | None = None,
+         runner: Runner | None = None, device_name: str | None = None, progress: TextIO | None = None) -> TuneResult:
+    """Measure up to `task.trials` new schedules of its workload on its target, recording each in `db`
+    (`TuneTask` says what is searched and how); `builder` and `runner` may be shared between tunes, a
+    `runner` timing as the task does (alone or behind its producer); `progress` takes a status line."""
+    wl, target, behind, seed = task.workload, task.target, task.behind, task.seed
     if runner is not None and (runner.behind is None) != (behind is None):  # records would misname their timing
         raise FlashgenError(f"the runner given times {'alone' if runner.behind is None else 'behind a producer'}, "
                             f"this tune {'alone' if behind is None else 'behind a producer'}")
     t0 = time.perf_counter()
-    space = ScheduleSpace(wl, target, tuple(sorted((fixed or {}).items())))
+    space = task.space
     own_builder, own_runner = builder is None, runner is None
     builder = builder or Builder(target)
     if behind is not None and (why := builder.build(behind[0], [behind[1]])[0]):  # built here, not in the timed worker
@@ -174,15 +196,15 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
     runner = runner or Runner(target, seed=seed, behind=behind)
     device = device_name or _device_name(target)
     known = _recorded(db, wl, target, space, behind)
-    retry = [r.schedule for r in known.values() if retry_failed and r.status in RETRIED and space.is_valid(r.schedule)]
+    retry = [r.schedule for r in known.values() if task.retry_failed and r.status in RETRIED and space.is_valid(r.schedule)]
     retried = {schedule_key(space.complete(s)) for s in retry}
     for k in retried:
         del known[k]
     context = ALONE if behind is None else f"{BEHIND} {behind[0].key}"
     # Only the evolutionary search is guided by the learned model; the others need no training.
-    model = CostModel.for_database(db.path, wl.op.kclass) if strategy == "evolutionary" else None
+    model = CostModel.for_database(db.path, wl.op.kclass) if task.strategy == "evolutionary" else None
     in_space = [r for r in known.values() if space.is_valid(r.schedule)]
-    strat = make_strategy(strategy, space, model, seed,
+    strat = make_strategy(task.strategy, space, model, seed,
                           measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in in_space])
     default = space.pinned_default()
     seeds = alone_seeds(space, db) if behind is not None else []
@@ -190,8 +212,8 @@ def tune(wl: Workload, target: Target, db: Database, trials: int, *, strategy: s
                if schedule_key(space.complete(c)) not in known]
     # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5; islice
     # takes no stop past sys.maxsize, which a count of trials given through the API may pass)
-    stop = min(trials + len(in_space), sys.maxsize)
-    total = min(trials, sum(1 for _ in itertools.islice(space, stop)) - len(in_space))
+    stop = min(task.trials + len(in_space), sys.maxsize)
+    total = min(task.trials, sum(1 for _ in itertools.islice(space, stop)) - len(in_space))
     bar = Progress(wl, total, roofline_us(wl, target), progress)
     history: list[float | None] = []
     taken: set[str] = set()  # proposed here but claimed by another tune

@@ -918,13 +918,13 @@ def test_tune_behind_a_producer_on_gpu(tmp_path):
     first, then recorded with its cost there, timed behind, and dispatch serves the fastest of those."""
     from flashgen.db import Database
     from flashgen.runtime.dispatch import Dispatcher
-    from flashgen.schedules.tuner import tune
+    from flashgen.schedules.tuner import TuneTask, tune
 
     wl = flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16")
     producer = flashgen.workload("rmsnorm", M=1, N=4096, dtype="bf16")
     with Database(tmp_path / "t.db") as db:
-        res = tune(wl, TARGET, db, 3, strategy="random", progress=None,
-                   behind=(producer, ScheduleSpace(producer, TARGET).default()))
+        behind = (producer, ScheduleSpace(producer, TARGET).default())
+        res = tune(TuneTask(wl, TARGET, 3, strategy="random", behind=behind), db, progress=None)
         recs = db.records(wl.key, TARGET.id)
     assert res.measured == 3 and [r.status for r in recs] == ["ok"] * 3, [r.extra for r in recs]
     assert all(r.timing == "behind" and 1.0 < r.latency_us < 1000.0 for r in recs), [r.latency_us for r in recs]

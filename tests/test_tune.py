@@ -9,7 +9,7 @@ import flashgen
 from flashgen.cli import main
 from flashgen.db import Database
 from flashgen.schedules.space import ScheduleSpace
-from flashgen.schedules.tuner import tune
+from flashgen.schedules.tuner import TuneTask, tune
 from flashgen.targets import get_target
 
 
@@ -43,8 +43,8 @@ def test_tune_resumes_without_measuring_again(tmp_path):
     wl = flashgen.workload("silu_mul", M=16, N=1000, dtype="fp32")
     target = get_target("cpu")
     with Database(tmp_path / "t.db") as db:
-        first = tune(wl, target, db, 4, strategy="random", seed=1, progress=None)
-        second = tune(wl, target, db, 4, strategy="evolutionary", seed=2, progress=None)
+        first = tune(TuneTask(wl, target, 4, strategy="random", seed=1), db, progress=None)
+        second = tune(TuneTask(wl, target, 4, strategy="evolutionary", seed=2), db, progress=None)
         records = db.records(wl.key, target.id)
     assert first.measured == 4 and second.measured == 4
     assert len({r.schedule_key for r in records}) == len(records) == 8
@@ -56,8 +56,8 @@ def test_tune_takes_a_count_of_trials_past_sys_maxsize(tmp_path):
     wl = flashgen.workload("rmsnorm", M=3, N=64, dtype="fp32")
     target = get_target("cpu")
     with Database(tmp_path / "t.db") as db:  # every knob pinned: a space of one schedule
-        res = tune(wl, target, db, 10**20, strategy="exhaustive", progress=None,
-                   fixed=ScheduleSpace(wl, target).default())
+        every = TuneTask.pinned(ScheduleSpace(wl, target).default())
+        res = tune(TuneTask(wl, target, 10**20, strategy="exhaustive", fixed=every), db, progress=None)
     assert res.measured == 1
 
 
@@ -85,8 +85,8 @@ def test_tune_fix_pins_a_knob_and_counts_only_its_subspace(tmp_path, capsys):
     wl = flashgen.workload("silu_mul", M=16, N=1000, dtype="fp32")
     target = get_target("cpu")
     with Database(tmp_path / "t.db") as db:
-        tune(wl, target, db, 3, strategy="random", seed=1, progress=None)          # records outside the pin too
-        pinned = tune(wl, target, db, 3, strategy="evolutionary", seed=2, progress=None, fixed={"block_c": 32})
+        tune(TuneTask(wl, target, 3, strategy="random", seed=1), db, progress=None)          # records outside the pin too
+        pinned = tune(TuneTask(wl, target, 3, strategy="evolutionary", seed=2, fixed=TuneTask.pinned({"block_c": 32})), db, progress=None)
         records = db.records(wl.key, target.id)
     assert pinned.measured == 3
     assert sum(r.schedule["block_c"] == 32 for r in records) >= 3
@@ -138,7 +138,7 @@ def test_tune_behind_a_producer_keeps_its_own_records(tmp_path, capsys):
     target = get_target("cpu")
     db_path = tmp_path / "t.db"
     with Database(db_path) as db:
-        alone = tune(wl, target, db, 8, strategy="random", seed=3, progress=None)
+        alone = tune(TuneTask(wl, target, 8, strategy="random", seed=3), db, progress=None)
     assert alone.measured == 8
     code = main(["tune", "softmax", "--dim", "M=64", "--dim", "N=2048", "--dtype", "fp32", "--target", "cpu",
                  "--trials", "5", "--db", str(db_path), "--behind", json.dumps(BEHIND)])
@@ -162,14 +162,14 @@ def test_tune_behind_a_producer_keeps_its_own_records(tmp_path, capsys):
     assert len(table_from_records(records)) == len({r.schedule_key for r in first})
     # resumed, it measures none of its own schedules again
     with Database(db_path) as db:
-        again = tune(wl, target, db, 2, strategy="random", seed=4, progress=None,
-                     behind=(flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32"), best.extra["behind_schedule"]))
+        producer = (flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32"), best.extra["behind_schedule"])
+        again = tune(TuneTask(wl, target, 2, strategy="random", seed=4, behind=producer), db, progress=None)
         keys = [r.schedule_key for r in db.records(wl.key, target.id) if r.timing == "behind"]
     assert again.measured == 2 and len(keys) == len(set(keys)) == 7
     from flashgen.errors import FlashgenError
     from flashgen.schedules.measure import Runner
     with Database(db_path) as db, pytest.raises(FlashgenError, match="runner given times alone"):
-        tune(wl, target, db, 1, runner=Runner(target), behind=(flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32"), {}))
+        tune(TuneTask(wl, target, 1, behind=(flashgen.workload("rmsnorm", M=64, N=2048, dtype="fp32"), {})), db, runner=Runner(target))
 
 
 def test_tune_behind_a_producer_that_cannot_feed_it_is_a_clear_error(tmp_path, capsys):

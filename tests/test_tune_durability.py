@@ -23,12 +23,12 @@ import sys
 import flashgen
 from flashgen.db import Database
 from flashgen.schedules.measure import Runner
-from flashgen.schedules.tuner import tune
+from flashgen.schedules.tuner import TuneTask, tune
 from flashgen.targets import get_target
 wl, t = flashgen.workload("rmsnorm", M=4, N=512, dtype="fp32"), get_target("cpu")
 runner = Runner(t, devices=["cpu"], timeout_s=600, runs=3, factory=sys.argv[2], start_timeout_s=120)
 with Database(sys.argv[1]) as db:
-    tune(wl, t, db, int(sys.argv[3]), strategy="random", seed=7, batch=8, runner=runner)
+    tune(TuneTask(wl, t, int(sys.argv[3]), strategy="random", seed=7), db, batch=8, runner=runner)
 """
 
 

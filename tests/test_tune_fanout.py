@@ -95,11 +95,11 @@ def test_a_local_ray_cluster_tunes_every_workload_once(tmp_path, monkeypatch):
     with two measurements of one workload, which its actor does not make again."""
     ray = pytest.importorskip("ray")
     from flashgen.schedules.ray_fanout import fan_out_ray
-    from flashgen.schedules.tuner import tune
+    from flashgen.schedules.tuner import TuneTask, tune
 
     target, db_path = get_target("cpu"), tmp_path / "t.db"
     with Database(db_path) as db:
-        tune(PLAN[1][0], target, db, 2, strategy="random", seed=5)
+        tune(TuneTask(PLAN[1][0], target, 2, strategy="random", seed=5), db)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
