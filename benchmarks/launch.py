@@ -30,7 +30,8 @@ from peers import PEERS  # noqa: E402
 import flashgen  # noqa: E402
 from flashgen.ir.op import eval_int  # noqa: E402
 from flashgen.runtime import register_all  # noqa: E402
-from flashgen.schedules.timing import cuda_graph, gpu_time  # noqa: E402
+from flashgen.runtime.serving.graphs import cuda_graph  # noqa: E402
+from flashgen.schedules.timing import gpu_time  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 from flashgen.targets.kernel import Kernel, bind_dims  # noqa: E402
 from flashgen.targets.triton.build import load_function  # noqa: E402

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, copy_gbs, environment, print_table, write_results  # noqa: E402
 
 from flashgen.errors import FlashgenError  # noqa: E402
-from flashgen.runtime import bench, linear  # noqa: E402
-from flashgen.runtime.dispatch import describe_sources  # noqa: E402
-from flashgen.runtime.quant_modes import quant_mode  # noqa: E402
+from flashgen.runtime.decoder import bench, linear  # noqa: E402
+from flashgen.runtime.serving.dispatch import describe_sources  # noqa: E402
+from flashgen.runtime.decoder.quant_modes import quant_mode  # noqa: E402
 
 
 def hf_model(config: str, device: str, dtype: torch.dtype, weights: dict[str, torch.Tensor] | None = None):
@@ -90,7 +90,7 @@ def cpu_main(args: argparse.Namespace) -> None:
     length and new tokens, greedy, float32; both sides alternate in each round."""
     from dataclasses import replace
 
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.decoder.model import Decoder
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,7 +133,7 @@ def cpu_main(args: argparse.Namespace) -> None:
 
 def tp_degrees(text: str, config: str) -> list[int]:
     """--tp's degrees, each checked against the model's heads and this machine's GPUs before anything runs."""
-    from flashgen.runtime.tensor_parallel import check_gpus, check_tp
+    from flashgen.runtime.decoder.tensor_parallel import check_gpus, check_tp
 
     try:
         degrees = [int(t) for t in text.split(",")]
@@ -166,7 +166,7 @@ def split_run(tp: int, run_args: tuple, fused_rows: int, cuda_graphs: bool) -> l
     """`bench.run`'s rows of the model split over `tp` spawned ranks, one per GPU."""
     import tempfile
 
-    from flashgen.runtime.ranks import launch
+    from flashgen.runtime.decoder.ranks import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.pt"
@@ -187,10 +187,10 @@ def main() -> None:
                     help="batches for the transformers peers (default: --batch; 'none': no peers)")
     ap.add_argument("--fused-rows", default=str(linear.FUSED_MAX_ROWS),
                     help="comma-separated row limits for norms and SiLU·mul fused into the linears they feed "
-                         "(runtime/linear.py), one run of each (0: their own kernels)")
+                         "(runtime/decoder/linear.py), one run of each (0: their own kernels)")
     ap.add_argument("--tp", default="1",
                     help="tensor-parallel degrees, comma-separated, one run of each (GPU runs; a degree needs as "
-                         "many GPUs): the model split over that many ranks (runtime/tensor_parallel.py)")
+                         "many GPUs): the model split over that many ranks (runtime/decoder/tensor_parallel.py)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default=None, help="result files: <out-dir>/<name>.json and .md "
                                                  "(default: model, model_cpu with --device cpu)")
@@ -226,7 +226,7 @@ def main() -> None:
                       "decode_gemm_schedules: how many of the decode step's GEMM workloads ran "
                       "a record of the tuning database (exact, or a bucket; other-device record: tuned on another GPU "
                       "of the architecture) and how many the analytic default. "
-                      "A tp=N row: the model split over N GPUs (runtime/tensor_parallel.py), its limit at the "
+                      "A tp=N row: the model split over N GPUs (runtime/decoder/tensor_parallel.py), its limit at the "
                       "bandwidth of the N together.")
 
     for tp, quant, fused_rows in ((t, q, int(f)) for t in degrees for q in args.quant.split(",")

@@ -33,7 +33,7 @@ from common import RESULTS, bench_side_by_side, copy_gbs, environment, print_tab
 import flashgen  # noqa: E402
 from flashgen.db import Database  # noqa: E402
 from flashgen.oplib.moe import moe_align  # noqa: E402
-from flashgen.runtime.model import IDS_ROUTING_MAX_TOKENS  # noqa: E402
+from flashgen.runtime.decoder.model import IDS_ROUTING_MAX_TOKENS  # noqa: E402
 from flashgen.schedules.tuner import TuneTask, tune  # noqa: E402
 from flashgen.targets import device_target  # noqa: E402
 

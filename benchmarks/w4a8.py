@@ -4,7 +4,7 @@ first (`--trials` new measured schedules, every candidate checked against the fl
 W8A8 (bf16) and W4A16 (groups of 128, fp16) GEMMs time the database's best records (the shipped ones
 where the database has none), after `--peer-trials` new ones each. The peer: torch.matmul fp16 on the
 W4A16 weight dequantized. Every record stays in the database, which the decoder's `quant=mixed` then
-chooses from (runtime/linear.py).
+chooses from (runtime/decoder/linear.py).
 
     python benchmarks/w4a8.py --db DB [--trials 6] [--peer-trials 0] [--shapes qkv,o,gate_up,down]
         [--ms 1,16,64,256,4096] [--name w4a8]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from flashgen.runtime.engine import SamplingParams
+    from flashgen.runtime.decoder.sampling import SamplingParams
     from flashgen.workload import Workload
 
 EXIT_USAGE = 2
@@ -252,7 +252,7 @@ def _check_plot_path(path: str) -> None:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Which schedule the runtime would dispatch for this workload, and why."""
     from flashgen.compiler import check_supported, resolve_target
-    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.runtime.serving.dispatch import Dispatcher
 
     wl = _workload(args)
     target = resolve_target(args.target, args.targets_dir)
@@ -328,9 +328,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from flashgen.runtime.model_config import ModelConfig
-    from flashgen.runtime.ranks import launch, start_rank, stop_rank, under_torchrun
-    from flashgen.runtime.tensor_parallel import check_gpus, check_tp
+    from flashgen.runtime.checkpoints.model_config import ModelConfig
+    from flashgen.runtime.decoder.ranks import launch, start_rank, stop_rank, under_torchrun
+    from flashgen.runtime.decoder.tensor_parallel import check_gpus, check_tp
 
     check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
     params, cap = _sampling(args, Path(args.model))
@@ -352,12 +352,12 @@ DEFAULT_NEW_TOKENS = 64
 
 def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, int | None]:
     """The request's decoding: each flag where given, else the model folder's generation_config.json
-    setting (runtime/generation_config.py), else SamplingParams' default; and the file's max_length, the
+    setting (runtime/checkpoints/generation_config.py), else SamplingParams' default; and the file's max_length, the
     cap on prompt + new tokens where neither --max-new-tokens nor the file's max_new_tokens says how
     many (None: no cap). The file is checked even where every flag is given: a broken one is never
     half-read."""
-    from flashgen.runtime.engine import SamplingParams
-    from flashgen.runtime.generation_config import generation_defaults
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.checkpoints.generation_config import generation_defaults
 
     defaults = generation_defaults(folder)
     cap = defaults.pop("max_length", None)
@@ -390,13 +390,13 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
 
     import torch
 
-    from flashgen.runtime.engine import Engine
-    from flashgen.runtime.generation_config import within_max_length
-    from flashgen.runtime.memory import cache_bytes, check_fits
-    from flashgen.runtime.model import Decoder
-    from flashgen.runtime.tensor_parallel import ShardedDecoder, shard_config
-    from flashgen.runtime.tokenizer import load_tokenizer
-    from flashgen.runtime.weights import ModelConfig, check_weights, load_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.checkpoints.generation_config import within_max_length
+    from flashgen.runtime.decoder.memory import cache_bytes, check_fits
+    from flashgen.runtime.decoder.model import Decoder
+    from flashgen.runtime.decoder.tensor_parallel import ShardedDecoder, shard_config
+    from flashgen.runtime.checkpoints.tokenizer import load_tokenizer
+    from flashgen.runtime.checkpoints.weights import ModelConfig, check_weights, load_weights
 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
@@ -438,7 +438,7 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
     """Decode throughput on random weights of a known architecture, against the bandwidth limit."""
-    from flashgen.runtime.bench import defaults, run
+    from flashgen.runtime.decoder.bench import defaults, run
     from flashgen.table import print_table
     from flashgen.targets import device_target
 
@@ -463,7 +463,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
                  for r in rows])
     if rows and rows[0]["fallbacks"]:
         print("torch fallbacks: " + "; ".join(rows[0]["fallbacks"]))
-    from flashgen.runtime.dispatch import describe_sources
+    from flashgen.runtime.serving.dispatch import describe_sources
     for r in rows:
         if r["decode_gemm_schedules"]:
             print(f"batch {r['batch']} decode GEMM schedules: {describe_sources(r['decode_gemm_schedules'])}")

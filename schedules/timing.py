@@ -14,7 +14,7 @@ its power cap from about 100 ms on and clocks down: long GEMMs, cuBLAS included,
 slower than in their first 50 ms, and the plateau's median after 300 ms and after 1 s agree within
 1.3% (`benchmarks/results/sustained_load.md`). Timed cold, a call is ranked by a speed it does not keep,
 and two calls timed at different points of that ramp compare unlike speeds.
-`cuda_graph` (capture after a warm-up on a side stream) also serves the runtime's decode graphs.
+Short calls are timed as replays of a CUDA graph (runtime/serving/graphs.py `cuda_graph`, as the decoder's steps run).
 `behind_cost` times a call where a decode step runs it: right behind the kernel that writes its input.
 """
 from __future__ import annotations
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from flashgen.runtime.serving.graphs import cuda_graph
 
 
 @dataclass(frozen=True)
@@ -53,31 +55,6 @@ def flush_buffer(device: torch.device, l2_bytes: int) -> torch.Tensor:
     if idx not in _FLUSH:
         _FLUSH[idx] = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device=device)
     return _FLUSH[idx]
-
-
-_CAPTURE: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device for every capture
-
-
-def cuda_graph(fn: Callable[[], Any], device: torch.device, pool: Any = None) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """`fn()` captured into a CUDA graph (in memory pool `pool`, when given) on a side stream, as capture
-    requires, after one call there that loads its modules and fills caches, which capture would refuse.
-    Returns the graph and what the captured call returned: its outputs, rewritten by each replay. Every
-    capture on a device shares one side stream: torch keeps a cuBLAS workspace (32 MiB on sm_90) for
-    each stream that ran a matmul, for the life of the process, so a new stream per capture would hold
-    one more each time an engine captures its graphs."""
-    device = torch.device(device)
-    device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
-    if device not in _CAPTURE:
-        _CAPTURE[device] = torch.cuda.Stream(device)
-    stream = _CAPTURE[device]
-    stream.wait_stream(torch.cuda.current_stream(device))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    return graph, out
 
 
 def gpu_time(fn: Callable[[], Any], device: torch.device, flush_l2: bool, l2_bytes: int,

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from flashgen.runtime.graphs import greedy
-from flashgen.runtime.model import Batch, Decoder
+from flashgen.runtime.decoder.decode_graphs import greedy
+from flashgen.runtime.decoder.model import Batch, Decoder
 
 
 class EagerGraphs:
-    """What the engine asks of its CUDA graphs (runtime/graphs.py), run eagerly on the CPU: each step's
+    """What the engine asks of its CUDA graphs (runtime/decoder/decode_graphs.py), run eagerly on the CPU: each step's
     greedy tokens are kept as the next chained step's inputs, as a replay leaves them on the device."""
 
     def __init__(self, model: Decoder, cache):

@@ -10,7 +10,10 @@ from typing import Callable
 import torch
 
 from flashgen.check import tolerance
-from flashgen.runtime.engine import Engine, SamplingParams
+from flashgen.runtime.decoder.engine import Engine
+
+# (prompt length, new tokens) of the requests joining at each step: lengths of one token, under, at and
+from flashgen.runtime.decoder.sampling import SamplingParams
 
 # (prompt length, new tokens) of the requests joining at each step: lengths of one token, under, at and
 # over a block of 16; 10 blocks hold only some of them at once, so later ones reuse freed blocks

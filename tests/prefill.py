@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from flashgen.runtime.engine import Engine
-from flashgen.runtime.model import Batch, Decoder
+from flashgen.runtime.decoder.engine import Engine
+from flashgen.runtime.decoder.model import Batch, Decoder
 
 
 def prefill_logits(model: Decoder, prompt: list[int], num_blocks: int = 32) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _judge(wl, inputs: dict, backing: dict, before: dict, outs: dict) -> None:
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_rope_cache_skips_out_of_range_slots_cpu(style):
-    from flashgen.runtime.torch_ops import register_all
+    from flashgen.runtime.serving.torch_ops import register_all
     register_all()
     wl, inputs, backing = _case(style, seed=3)
     before = {n: b.clone() for n, b in backing.items()}
@@ -99,7 +99,7 @@ def test_paged_attention_refuses_tables_outside_the_cache(op, lens, tables, mess
     """Lengths past the table and used entries past the cache are refused before any kernel runs;
     entries past a sequence's length (padding) are not looked at."""
     from flashgen.errors import FlashgenError
-    from flashgen.runtime.torch_ops import check_tables
+    from flashgen.runtime.serving.torch_ops import check_tables
     nb, bs = 4, 16
     t = {"k_cache": torch.zeros(nb, bs, 1, 16), "block_tables": torch.tensor(tables, dtype=torch.int32),
          ("context_lens" if op == "paged_decode_attention" else "prefix_lens"): torch.tensor(lens, dtype=torch.int32)}

@@ -13,10 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashgen.errors import FlashgenError  # noqa: E402
-from flashgen.runtime.engine import Engine  # noqa: E402
-from flashgen.runtime.model import Decoder  # noqa: E402
-from flashgen.runtime.model_config import ModelConfig  # noqa: E402
-from flashgen.runtime.weights import load_weights  # noqa: E402
+from flashgen.runtime.decoder.engine import Engine  # noqa: E402
+from flashgen.runtime.decoder.model import Decoder  # noqa: E402
+from flashgen.runtime.checkpoints.model_config import ModelConfig  # noqa: E402
+from flashgen.runtime.checkpoints.weights import load_weights  # noqa: E402
 from tests.prefill import prefill_logits, write_checkpoint  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -106,7 +106,7 @@ def test_eos_ids_come_from_config_and_generation_config(tmp_path):
 
 
 def test_generation_stops_at_eos_by_default(tmp_path):
-    from flashgen.runtime.engine import SamplingParams
+    from flashgen.runtime.decoder.sampling import SamplingParams
     _, folder = _llama(tmp_path)
     c = ModelConfig.from_folder(folder)
     model = Decoder(c, load_weights(folder))
@@ -221,7 +221,7 @@ def test_a_tied_model_storing_another_head_is_refused(tiny, tmp_path):
     """A tied config with a stored lm_head: the embedding's copy loads (also as one rank's vocabulary
     slice), any other head is refused rather than ignored."""
     import shutil
-    from flashgen.runtime.tensor_parallel import shard_weights
+    from flashgen.runtime.decoder.tensor_parallel import shard_weights
     folder = tmp_path / "m"
     shutil.copytree(tiny, folder)
     _edit(folder, tie_word_embeddings=True)
@@ -370,7 +370,7 @@ def test_generation_defaults_read_generation_config_as_transformers_writes_it(ti
     50 for a user who samples all the same."""
     import shutil
 
-    from flashgen.runtime.generation_config import generation_defaults
+    from flashgen.runtime.checkpoints.generation_config import generation_defaults
     folder = tmp_path / "m"
     shutil.copytree(tiny, folder)
     transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, min_p=0.02,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.compressed_tensors import ignored
-from flashgen.runtime.prequant import mode_of, parse_config, quant_linear, read_linear
+from flashgen.runtime.checkpoints.compressed_tensors import ignored
+from flashgen.runtime.checkpoints.prequant import mode_of, parse_config, quant_linear, read_linear
 from tests.test_prequant import pack_cols
 
 SRC = Path("ckpt/config.json")

@@ -11,9 +11,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashgen.errors import FlashgenError  # noqa: E402
-from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
-from flashgen.runtime.model import Batch, Decoder  # noqa: E402
-from flashgen.runtime.weights import ModelConfig, load_weights  # noqa: E402
+from flashgen.runtime.decoder.engine import Engine  # noqa: E402
+from flashgen.runtime.decoder.sampling import SamplingParams  # noqa: E402
+from flashgen.runtime.decoder.model import Batch, Decoder  # noqa: E402
+from flashgen.runtime.checkpoints.weights import ModelConfig, load_weights  # noqa: E402
 from tests.prefill import prefill_logits, write_checkpoint  # noqa: E402
 from tests.eager_graphs import EagerGraphs  # noqa: E402
 
@@ -104,7 +105,7 @@ def test_the_sampling_distribution_is_transformers(params):
     """`distribution` against transformers' own processors in its order (penalty, temperature, top-k,
     top-p, min-p; do_sample as generate sets it), in float64, on fresh random logits with some negative
     ones among the seen tokens."""
-    from flashgen.runtime.engine import distribution
+    from flashgen.runtime.decoder.sampling import distribution
     torch.manual_seed(len(repr(params)))
     logits = torch.randn(300, dtype=torch.float64)
     seen = torch.randint(0, 300, (40,)).tolist() + [int(logits.argmax())] * 2
@@ -219,7 +220,7 @@ def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
 
 def test_mixed_mode_picks_by_measured_latency(tmp_path):
     from flashgen.db import Record
-    from flashgen.runtime.linear import choose, latency_at
+    from flashgen.runtime.decoder.linear import choose, latency_at
     import flashgen
     db = tmp_path / "t.db"
     from flashgen.db import Database
@@ -273,7 +274,7 @@ def test_chained_steps_keep_every_token():
     reached at different steps (no step is computed past it), a stop token met inside a chained step (the
     one extra token is dropped and the request's blocks freed once), and requests joining mid-run, one of
     them sampled (chaining pauses for both)."""
-    from flashgen.runtime.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
     model = Decoder(CONFIGS["tiny"], random_weights(CONFIGS["tiny"], torch.float32, torch.device("cpu"), seed=1))
 
     def run(chain: bool, stops: tuple[int, ...] = ()) -> tuple[list[list[int]], int]:
@@ -308,8 +309,8 @@ def test_torch_decode_attention_views_and_gathers_alike(window):
     """A CPU decode step's attention over all sequences at once, through a view of evenly spaced block
     runs or a gather of scattered tables, against each sequence's own attention (float64 softmax)."""
     from dataclasses import replace as with_
-    from flashgen.runtime import bench
-    from flashgen.runtime.kv_cache import PagedKVCache
+    from flashgen.runtime.decoder import bench
+    from flashgen.runtime.decoder.kv_cache import PagedKVCache
 
     c = with_(bench.CONFIGS["tiny"], sliding_window=window)
     model = Decoder(c, bench.random_weights(c, torch.float32, torch.device("cpu")))

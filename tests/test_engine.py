@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.bench import CONFIGS, random_weights
-from flashgen.runtime.engine import Engine, SamplingParams
-from flashgen.runtime.model import Decoder
+from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+from flashgen.runtime.decoder.engine import Engine
+from flashgen.runtime.decoder.sampling import SamplingParams
+from flashgen.runtime.decoder.model import Decoder
 from tests.eager_graphs import EagerGraphs
 
 PROMPTS = [[1, 5, 9, 20, 33], [7, 8, 100, 3, 4, 5, 6, 77, 2, 1, 0, 9, 8, 7, 6, 5, 4, 3, 11, 12], [42]]

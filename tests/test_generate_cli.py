@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashgen.cli import main
-from flashgen.runtime import bench
+from flashgen.runtime.decoder import bench
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,7 +154,7 @@ def test_a_tokenizer_the_model_cannot_serve_is_one_line(folder, tmp_path, capsys
 
 
 def test_cache_blocks_are_bounded_by_free_memory(folder, capsys, monkeypatch):
-    from flashgen.runtime import memory
+    from flashgen.runtime.decoder import memory
     monkeypatch.setattr(memory, "available_bytes", lambda dev: 10**8)
     assert main(["generate", "--model", str(folder), "--prompt", "w1", "--cache-blocks", "100000"]) == 2
     err = capsys.readouterr().err
@@ -186,7 +186,7 @@ def _with_json(folder: Path, tmp_path: Path, name: str, content: object) -> Path
 @pytest.fixture
 def added(monkeypatch):
     """The (prompt, params) of every request `flashgen generate` adds to its engine."""
-    from flashgen.runtime.engine import Engine
+    from flashgen.runtime.decoder.engine import Engine
     seen, add = [], Engine.add
 
     def recorded(self, prompt, params):
@@ -342,7 +342,7 @@ def test_bad_tokenizer_config_is_one_line(folder, tmp_path, capsys, config, mess
 @pytest.fixture
 def no_loading(monkeypatch):
     """Loading the weights fails the test: a refusal must come before it."""
-    from flashgen.runtime import weights
+    from flashgen.runtime.checkpoints import weights
 
     def loaded(*args, **kwargs):
         raise AssertionError("the weights were loaded")

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 
 from flashgen.targets import device_target  # noqa: E402
-from flashgen.runtime.torch_ops import dispatcher  # noqa: E402
+from flashgen.runtime.serving.torch_ops import dispatcher  # noqa: E402
 
 DEVICE = torch.device("cuda")
 TARGET = device_target(DEVICE)
@@ -623,9 +623,9 @@ def test_garbage_in_the_cache_changes_no_token_on_gpu(fill, graphs):
     request gives the tokens of a clean one (bf16, the generated attention): ragged prompts (1 token,
     under, at and over a block), requests joining while others decode, blocks reused, with and without
     CUDA graphs."""
-    from flashgen.runtime.bench import CONFIGS, random_weights
-    from flashgen.runtime.engine import Engine
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.model import Decoder
     from tests.garbage import check_ragged_runs
     c = CONFIGS["tiny"]
     model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
@@ -636,9 +636,10 @@ def test_garbage_in_the_cache_changes_no_token_on_gpu(fill, graphs):
 
 def test_decoder_on_gpu_matches_its_torch_path():
     """The decoder with generated attention and GEMMs against itself with torch attention (bf16)."""
-    from flashgen.runtime.bench import CONFIGS, random_weights
-    from flashgen.runtime.engine import Engine, SamplingParams
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.decoder.model import Decoder
     c = CONFIGS["tiny"]
     w = random_weights(c, torch.bfloat16, DEVICE)
     prompts = [[1, 2, 3, 4, 5] * 7, [9] * 3, list(range(100))]
@@ -657,9 +658,10 @@ def test_decoder_cuda_graphs_match_eager():
     padded buckets: the logits agree within bf16 rounding. (Comparing sampled tokens instead lets one near-tie,
     e.g. from a GEMM schedule chosen for 4 rows instead of 3, change every later token.) Then a whole bucket
     of 4, with no padding rows, token for token."""
-    from flashgen.runtime.bench import CONFIGS, random_weights
-    from flashgen.runtime.engine import Engine, SamplingParams
-    from flashgen.runtime.model import Batch, Decoder
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.decoder.model import Batch, Decoder
     c = CONFIGS["tiny"]
     model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
     joins = {0: [([1, 2, 3, 4, 5] * 7, 12), ([9] * 3, 5), (list(range(100)), 9)],
@@ -714,9 +716,10 @@ def test_engines_with_and_without_graphs_compute_the_same_logits():
     kernels, are the same: with the pad block taken out of num_blocks, the graphs' tables were a block
     narrower and its paged-decode attention another workload, whose rounding turned a near-tie of the
     penalized logits into other tokens from the 6th on."""
-    from flashgen.runtime.bench import CONFIGS, random_weights
-    from flashgen.runtime.engine import Engine, SamplingParams
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.decoder.model import Decoder
     c = CONFIGS["tiny"]
     model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
     prompts = [[5, 6, 7] * 9, [11] * 40, [3], list(range(60))]
@@ -745,9 +748,10 @@ def test_engines_of_any_cache_size_share_one_process():
     """Engines whose block tables are 64 and then 63 blocks wide in one process: the generated attention
     binary built for the first serves the second (a table width is a row dim, never promised divisible
     by 16 in the binary); before, every request of the second engine failed its first step."""
-    from flashgen.runtime.bench import CONFIGS, random_weights
-    from flashgen.runtime.engine import Engine, SamplingParams
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.decoder.model import Decoder
     c = CONFIGS["tiny"]
     model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
     for blocks in (64, 63):
@@ -763,8 +767,8 @@ def test_bench_runs_give_their_memory_back():
     batch allocates its own), and after a mode's run its weights, caches and graph pools are given back
     to the device (torch's allocator keeps no more than partly used segments), so the next mode finds
     them free. SmolLM2-135M's shape: its 0.27 GB of bf16 weights would stay reserved otherwise."""
-    from flashgen.runtime import bench
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.decoder import bench
+    from flashgen.runtime.decoder.model import Decoder
     config, slack = "smollm2-135m", 64 << 20
     c = bench.CONFIGS[config]
     model = Decoder(c, bench.random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
@@ -788,9 +792,10 @@ def test_nan_logits_in_replayed_steps_fail_their_requests():
     """Logits that turn NaN inside chained steps replayed from CUDA graphs (the lm_head poisoned in place,
     as an overflow would) fail every request naming the step, instead of decoding token 0 on; the
     chained inputs stay valid ids (no device-side assert), and the blocks are freed."""
-    from flashgen.runtime.bench import CONFIGS, random_weights
-    from flashgen.runtime.engine import Engine, SamplingParams
-    from flashgen.runtime.model import Decoder
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.decoder.model import Decoder
     c = CONFIGS["tiny"]
     model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
     eng = Engine(model, num_blocks=64, cuda_graphs=True)
@@ -816,8 +821,8 @@ def test_quantized_linear_on_gpu(mode):
     import dataclasses
 
     from flashgen.runtime import register_all
-    from flashgen.runtime.linear import apply
-    from flashgen.runtime.quant_modes import MixedLinear, prepare
+    from flashgen.runtime.decoder.linear import apply
+    from flashgen.runtime.decoder.quant_modes import MixedLinear, prepare
     register_all()  # apply() calls torch.ops.flashgen.*
     gen = torch.Generator().manual_seed(23)
     w = (torch.randn(384, 512, generator=gen) * 0.05).to(torch.bfloat16)
@@ -885,12 +890,12 @@ def test_fused_prologue_gemm_on_gpu(wl, s):
 @pytest.mark.parametrize("mode", ["bf16", "w4a16", "w8a16"])
 def test_decoder_fused_prologues_match_separate_kernels(mode, monkeypatch):
     """A decode step of 3 sequences with each norm and SiLU·mul fused into the linear it feeds (the
-    row limit and modes of runtime/linear.py widened to it) against the same model with their own
+    row limit and modes of runtime/decoder/linear.py widened to it) against the same model with their own
     kernels: logits within bf16 rounding."""
-    import flashgen.runtime.linear as linear
-    from flashgen.runtime.bench import CONFIGS, random_weights
-    from flashgen.runtime.engine import Engine
-    from flashgen.runtime.model import Batch, Decoder
+    import flashgen.runtime.decoder.linear as linear
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.model import Batch, Decoder
     c = CONFIGS["tiny"]
     model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16, quant=mode)
     eng = Engine(model, num_blocks=64)
@@ -917,7 +922,7 @@ def test_tune_behind_a_producer_on_gpu(tmp_path):
     """Candidates timed right behind the kernel that writes their input, in CUDA graphs: each is checked
     first, then recorded with its cost there, timed behind, and dispatch serves the fastest of those."""
     from flashgen.db import Database
-    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.runtime.serving.dispatch import Dispatcher
     from flashgen.schedules.tuner import TuneTask, tune
 
     wl = flashgen.workload("gemm", M=1, N=4096, K=4096, dtype="bf16")

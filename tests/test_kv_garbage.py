@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.runtime.bench import CONFIGS, random_weights
-from flashgen.runtime.engine import Engine
-from flashgen.runtime.model import Decoder
+from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+from flashgen.runtime.decoder.engine import Engine
+from flashgen.runtime.decoder.model import Decoder
 from tests.eager_graphs import EagerGraphs
 from tests.garbage import check_both, check_ragged_runs, own_tables, packed
 

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from flashgen.errors import FlashgenError  # noqa: E402
-from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
-from flashgen.runtime.model import Decoder  # noqa: E402
-from flashgen.runtime.model_config import ModelConfig  # noqa: E402
-from flashgen.runtime.weights import load_weights  # noqa: E402
+from flashgen.runtime.decoder.engine import Engine  # noqa: E402
+from flashgen.runtime.decoder.sampling import SamplingParams  # noqa: E402
+from flashgen.runtime.decoder.model import Decoder  # noqa: E402
+from flashgen.runtime.checkpoints.model_config import ModelConfig  # noqa: E402
+from flashgen.runtime.checkpoints.weights import load_weights  # noqa: E402
 from tests.prefill import prefill_logits, write_checkpoint  # noqa: E402
 from tests.test_decoder import PROMPTS, QK_NORMS, hf_greedy  # noqa: E402
 
@@ -192,8 +193,8 @@ def test_stacked_experts_are_the_ops_layout(quant, weights):
     references, give what each expert's own quantized linears give (the torch loop's weights): the
     stacked codes and scales mean what the ops read. Modes without a stacked form are named."""
     from flashgen.oplib.moe import MOE_GEMM_DOWN, MOE_GEMM_GATE_UP
-    from flashgen.runtime.moe_experts import stack_experts
-    from flashgen.runtime.quant_modes import prepare, quant_mode
+    from flashgen.runtime.decoder.moe_experts import stack_experts
+    from flashgen.runtime.decoder.quant_modes import prepare, quant_mode
     assert quant_mode(quant).stacked_format(256, 384) == weights
     assert quant_mode("w4a16").stacked_format(64, 384) is None and quant_mode("w8a8").stacked_format(256, 384) is None
     g = torch.Generator().manual_seed(7)

@@ -150,7 +150,7 @@ def test_bad_workloads_are_one_line(kw, match):
 
 def test_cpu_refuses_in_one_line():
     """The moe class has no CPU generator: the torch op says so before anything is chosen or built."""
-    from flashgen.runtime.torch_ops import register_all
+    from flashgen.runtime.serving.torch_ops import register_all
 
     register_all()
     ids = torch.tensor([[0, 1], [1, 2], [2, 3]], dtype=torch.int32)
@@ -183,7 +183,7 @@ def test_moe_gemm_on_gpu(wl):
 def test_bad_calls_on_gpu_are_one_line():
     """A stacked weight of the wrong width, and ids given to the sorted routing: one error naming the
     tensor, before any launch."""
-    from flashgen.runtime.torch_ops import register_all
+    from flashgen.runtime.serving.torch_ops import register_all
 
     register_all()
     x = torch.randn(3, 64, dtype=torch.bfloat16, device="cuda")

@@ -66,7 +66,7 @@ def _workload(style: str) -> flashgen.Workload:
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_partial_rotary_cpu_op(style):
-    from flashgen.runtime.torch_ops import register_all
+    from flashgen.runtime.serving.torch_ops import register_all
     register_all()
     t = _inputs(seed=1)
     q_out, k_out = torch.ops.flashgen.rope_cache_partial(*(t[s.name] for s in _workload(style).inputs), style=style)

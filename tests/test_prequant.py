@@ -1,5 +1,5 @@
 """Pre-quantized GPTQ and AWQ linears: packed here by loops written from the formats' documented
-layouts (independent of runtime/prequant.py's unpacking), read back into codes, scales and zero
+layouts (independent of runtime/checkpoints/prequant.py's unpacking), read back into codes, scales and zero
 points, dequantized against the formula; and every malformed config or tensor refused by name."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.prequant import AWQ_ORDER, parse_config, read_linear
+from flashgen.runtime.checkpoints.prequant import AWQ_ORDER, parse_config, read_linear
 
 SRC = Path("ckpt/config.json")
 

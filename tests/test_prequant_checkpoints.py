@@ -16,9 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashgen.errors import FlashgenError  # noqa: E402
-from flashgen.runtime.model import Decoder  # noqa: E402
-from flashgen.runtime.weights import ModelConfig, load_weights  # noqa: E402
-from flashgen.runtime.prequant import AWQ_ORDER  # noqa: E402
+from flashgen.runtime.decoder.model import Decoder  # noqa: E402
+from flashgen.runtime.checkpoints.weights import ModelConfig, load_weights  # noqa: E402
+from flashgen.runtime.checkpoints.prequant import AWQ_ORDER  # noqa: E402
 from tests.prefill import prefill_logits  # noqa: E402
 from tests.test_decoder import COMMON, PROMPTS  # noqa: E402
 from tests.test_compressed_tensors import FP8, INT8, scheme, weights  # noqa: E402
@@ -45,7 +45,7 @@ ACTIVATIONS = {"ct-w8a8": "int8", "ct-fp8": "fp8e4m3", "ct-w4a8": "int8"}  # per
 
 def ct_quantize(w: torch.Tensor, qc: dict, order: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A [N, K] weight's tensors as compressed-tensors stores them in `qc`'s scheme (module docstring of
-    runtime/compressed_tensors.py), and the float weight they stand for."""
+    runtime/checkpoints/compressed_tensors.py), and the float weight they stand for."""
     fmt, args = qc["format"], qc["config_groups"]["group_0"]["weights"]
     n, k, wd = *w.shape, w.double()
     if fmt != "pack-quantized":

@@ -48,7 +48,7 @@ def test_custom_ops_on_cpu_tensors():
     rest = torch.ones(10, dtype=torch.bool).index_fill_(0, slots, False)
     assert torch.equal(kc[rest], before[rest])
     from flashgen.oplib import get_op
-    from flashgen.runtime.torch_ops import schema
+    from flashgen.runtime.serving.torch_ops import schema
     assert "Tensor(a!) k_cache, Tensor(b!) v_cache" in schema(get_op("rope_cache"))
 
 
@@ -95,7 +95,7 @@ def test_dispatch_exact_bucket_default(tmp_path, capsys):
     d.kernel("rmsnorm", {"x": torch.randn(40, 1000, dtype=torch.float16), "w": w.half()})
     assert d.sources("rowwise") == {"bucket": 1, "exact": 1, "other-dtype bucket": 1}
     assert d.sources("rowwise", rows=64) == {"exact": 1} and d.sources("contraction") == {}
-    from flashgen.runtime.dispatch import describe_sources
+    from flashgen.runtime.serving.dispatch import describe_sources
     assert describe_sources(d.sources("rowwise")) == "bucket 1, exact 1, other-dtype bucket 1"
     assert main(["explain", "rmsnorm", "--dim", "M=40", "--dim", "N=1000", "--target", "h200", "--db", str(db_path)]) == 0
     assert "bucket M=64" in capsys.readouterr().out
@@ -154,10 +154,10 @@ def test_dispatch_falls_back_to_the_plain_form(tmp_path):
 
 
 def test_linear_takes_its_norm_gate_and_residual_on_cpu():
-    """runtime/linear.py on CPU tensors: the norm's and the gate's own kernels, torch's product, the
+    """runtime/decoder/linear.py on CPU tensors: the norm's and the gate's own kernels, torch's product, the
     residual added; equal to the float64 composition."""
-    from flashgen.runtime.linear import apply
-    from flashgen.runtime.quant_modes import prepare
+    from flashgen.runtime.decoder.linear import apply
+    from flashgen.runtime.decoder.quant_modes import prepare
     g = torch.Generator().manual_seed(5)
     w, x, r = torch.randn(48, 96, generator=g), torch.randn(3, 96, generator=g), torch.randn(3, 48, generator=g)
     nw = torch.randn(96, generator=g) * 0.2 + 1
@@ -183,8 +183,8 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     mode its chooser picks for M."""
     from flashgen.oplib._common import quantize_ref
     from flashgen.quant import quantize_w4a8
-    from flashgen.runtime.linear import apply
-    from flashgen.runtime.quant_modes import prepare
+    from flashgen.runtime.decoder.linear import apply
+    from flashgen.runtime.decoder.quant_modes import prepare
     g = torch.Generator().manual_seed(6)
     w, x, b = torch.randn(40, 96, generator=g), torch.randn(5, 96, generator=g) * 3, torch.randn(40, generator=g)
     q, fallbacks = prepare(w, "w8a8"), set()
@@ -273,7 +273,7 @@ def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
 def test_mixed_linears_read_the_database_once_per_state(tmp_path, monkeypatch):
     """A mixed-mode linear asks for its mode on every call: the records are read once, and again only
     after the database changed (a later record flips the choice), while dispatch's buckets share them."""
-    from flashgen.runtime.linear import choose
+    from flashgen.runtime.decoder.linear import choose
 
     reads = []
     best_all = Database.best_all
@@ -318,7 +318,7 @@ def test_dims_not_in_shapes_must_be_given():
 
 
 def test_decode_graph_buckets_and_padding():
-    from flashgen.runtime.graphs import bucket_for, buckets, input_columns, padded_inputs
+    from flashgen.runtime.decoder.decode_graphs import bucket_for, buckets, input_columns, padded_inputs
     assert buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256] and buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     assert buckets(1) == [1]
     sizes = buckets(48)
@@ -332,7 +332,7 @@ def test_decode_graph_buckets_and_padding():
 def test_greedy_is_argmax_with_first_index_on_ties(vocab):
     """The two-reduction greedy choice against torch.argmax on fresh random rows, bf16 (many ties among
     the top values), a prime vocabulary (chunks of one) and a row whose maximum repeats in other chunks."""
-    from flashgen.runtime.graphs import NON_FINITE, greedy
+    from flashgen.runtime.decoder.decode_graphs import NON_FINITE, greedy
     g = torch.Generator().manual_seed(vocab)
     for rows in (1, 3, 64):
         x = (torch.randn(rows, vocab, generator=g) * 4).to(torch.bfloat16)
@@ -346,7 +346,7 @@ def test_greedy_is_argmax_with_first_index_on_ties(vocab):
 
 
 def test_pad_block_is_never_handed_out_and_pads_tables():
-    from flashgen.runtime.kv_cache import BlockManager
+    from flashgen.runtime.decoder.kv_cache import BlockManager
     m = BlockManager(4, 16, pad_block=True)  # four blocks to hand out, and the pad block after them
     assert m.pad == 4 and m.reserve(0, 40) == [0, 1, 2] and m.reserve(1, 16) == [3]
     assert not m.can_hold(2, 1)                                          # the pad block is not free

@@ -104,7 +104,7 @@ def test_a_shipped_record_whose_workload_is_not_its_key_is_not_served(tmp_path, 
     assert len(problems) == 1 and "whose workload is not the one their key names" in problems[0], problems
     assert rec.workload_key in problems[0]
     monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
-    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.runtime.serving.dispatch import Dispatcher
     target = get_target("h200")
     with pytest.warns(UserWarning, match="whose workload is not the one their key names"):
         d = Dispatcher(target, tmp_path / "none.db").choose(wl, target)
@@ -226,7 +226,7 @@ def test_db_best_shows_what_compile_takes_user_shipped_and_other_device(tmp_path
 
 
 def test_dispatch_serves_shipped_records_exactly_and_as_buckets(tmp_path):
-    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.runtime.serving.dispatch import Dispatcher
     rec = next(r for r in shipped_database().best_all("cuda:sm_90/h200") if r.workload["op"] == "rmsnorm")
     wl = recorded_workload(rec.workload, rec.workload_key)
     target = get_target("h200")

@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 from flashgen.cli import main
 from flashgen.errors import FlashgenError
-from flashgen.runtime.bench import CONFIGS, random_weights
-from flashgen.runtime.engine import Engine, SamplingParams
-from flashgen.runtime.model import Decoder
-from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.ranks import launch, start_rank
-from flashgen.runtime.tensor_parallel import ShardedDecoder, check_gpus, check_tp, shard_weights
-from flashgen.runtime.weights import load_weights
+from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+from flashgen.runtime.decoder.engine import Engine
+from flashgen.runtime.decoder.sampling import SamplingParams
+from flashgen.runtime.decoder.model import Decoder
+from flashgen.runtime.checkpoints.model_config import ModelConfig
+from flashgen.runtime.decoder.ranks import launch, start_rank
+from flashgen.runtime.decoder.tensor_parallel import ShardedDecoder, check_gpus, check_tp, shard_weights
+from flashgen.runtime.checkpoints.weights import load_weights
 from tests.prefill import prefill_logits
 
 # q, k, v, o and MLP biases; K of o and down 256 and 512, so split in two each rank's int4 groups of 128

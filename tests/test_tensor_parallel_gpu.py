@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.bench import random_weights
-from flashgen.runtime.engine import Engine, SamplingParams
-from flashgen.runtime.model import Decoder
-from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.ranks import launch
-from flashgen.runtime.tensor_parallel import ShardedDecoder
+from flashgen.runtime.decoder.bench import random_weights
+from flashgen.runtime.decoder.engine import Engine
+from flashgen.runtime.decoder.sampling import SamplingParams
+from flashgen.runtime.decoder.model import Decoder
+from flashgen.runtime.checkpoints.model_config import ModelConfig
+from flashgen.runtime.decoder.ranks import launch
+from flashgen.runtime.decoder.tensor_parallel import ShardedDecoder
 from tests.prefill import prefill_logits
 
 pytestmark = pytest.mark.gpu

@@ -129,7 +129,7 @@ def test_tune_behind_a_producer_keeps_its_own_records(tmp_path, capsys):
     """A tune behind a producer re-times schedules measured alone, the fastest of them first after the
     default, records how each was timed, and becomes what dispatch serves; the cost model and the
     replay tables leave its records out."""
-    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.runtime.serving.dispatch import Dispatcher
     from flashgen.schedules.cost_model import samples_from_records
     from flashgen.schedules.replay import table_from_records
     from flashgen.schedules.tuner import ALONE_SEEDS

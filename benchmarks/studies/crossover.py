@@ -1,6 +1,6 @@
 """The mixed compute mode's crossover, replayed on the CPU from GEMM records measured on a GPU: for
 each layer shape measured both ways, the fastest W4A16 and W8A8 kernel at each M, and the mode the
-runtime's per-call choice (runtime/linear.py `choose`) picks from the same records.
+runtime's per-call choice (runtime/decoder/linear.py `choose`) picks from the same records.
 
     python benchmarks/studies/crossover.py benchmarks/results/h200_gemm_records.jsonl [--target cuda:sm_90/h200]
 
@@ -17,7 +17,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import RESULTS, environment, print_table, replayed_records, write_results  # noqa: E402
 
 from flashgen.db import Database  # noqa: E402
-from flashgen.runtime.linear import choose  # noqa: E402
+from flashgen.runtime.decoder.linear import choose  # noqa: E402
 from flashgen.workload import recorded_workload  # noqa: E402
 
 SHAPE_NAMES = {(8192, 8192): "8192x8192", (6144, 4096): "qkv", (28672, 4096): "gate_up", (4096, 14336): "down",
@@ -58,7 +58,7 @@ def main() -> None:
     write_results("crossover", ("shape", "M", "N", "K", "w4a16_us", "w8a8_us", "w8a8_over_w4a16", "faster",
                                 "runtime_picks"), rows, meta, args.out_dir,
                   "Fastest correct record of each mode per workload (GEMM time only: W8A8's activation "
-                  "quantization is not counted). runtime_picks: `choose` of runtime/linear.py on these records.")
+                  "quantization is not counted). runtime_picks: `choose` of runtime/decoder/linear.py on these records.")
     print_table(("shape", "M", "w4a16_us", "w8a8_us", "faster", "runtime_picks"),
                 [(r[0], r[1], r[4], r[5], r[7], r[8]) for r in rows])
 

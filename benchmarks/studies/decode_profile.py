@@ -26,9 +26,10 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, copy_gbs, environment, print_table, write_results  # noqa: E402
 
-from flashgen.runtime import bench  # noqa: E402
-from flashgen.runtime.engine import Engine, SamplingParams  # noqa: E402
-from flashgen.runtime.model import Decoder  # noqa: E402
+from flashgen.runtime.decoder import bench  # noqa: E402
+from flashgen.runtime.decoder.engine import Engine  # noqa: E402
+from flashgen.runtime.decoder.sampling import SamplingParams  # noqa: E402
+from flashgen.runtime.decoder.model import Decoder  # noqa: E402
 
 
 def step_kernels(engine: Engine, steps: int) -> list[list[tuple[str, float]]]:

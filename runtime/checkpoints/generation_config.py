@@ -1,7 +1,7 @@
 """A model folder's generation_config.json read as transformers' `generate` reads it: the defaults of
 `flashgen generate`'s decoding, or refused in one line.
 
-Each setting the engine applies (runtime/engine.py `distribution`) is checked and taken: the temperature
+Each setting the engine applies (runtime/decoder/engine.py `distribution`) is checked and taken: the temperature
 only where do_sample is true (1.0 where it gives none; greedy otherwise, as in transformers), the
 repetition penalty, top-k, top-p and min-p as given, top-k 50 where the file (or the folder) has none,
 as transformers samples. max_new_tokens is the default length; without it, max_length caps prompt + new
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.model_config import json_object
+from flashgen.runtime.checkpoints.model_config import json_object
 
 TRANSFORMERS_TOP_K = 50  # transformers' GenerationConfig default, in force whenever it samples
 
@@ -76,7 +76,7 @@ def _changes_nothing(value: Any, neutral: Any) -> bool:
 
 
 def generation_defaults(folder: str | Path) -> dict[str, Any]:
-    """The folder's decoding defaults (module docstring) as SamplingParams fields (runtime/engine.py),
+    """The folder's decoding defaults (module docstring) as SamplingParams fields (runtime/decoder/engine.py),
     plus max_length where the file gives one (a cap, not a field)."""
     path = Path(folder) / "generation_config.json"
     g = json_object(path)

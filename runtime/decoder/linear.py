@@ -1,4 +1,4 @@
-"""A linear layer's call in any mode (runtime/quant_modes.py: each mode's weights and GEMM), and the
+"""A linear layer's call in any mode (runtime/decoder/quant_modes.py: each mode's weights and GEMM), and the
 per-call choice of the mixed mode.
 
 A linear may take the RMSNorm that feeds it (`norm`), a gated input (`gated`: x = [g | u], the
@@ -22,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from flashgen.runtime.buckets import best_records
-from flashgen.runtime.quant_modes import QuantLinear
+from flashgen.runtime.serving.buckets import best_records
+from flashgen.runtime.decoder.quant_modes import QuantLinear
 from flashgen.workload import recorded_workload
 
-# The modes mixed chooses among (runtime/quant_modes.py MixedLinear), and the op of each whose records decide
+# The modes mixed chooses among (runtime/decoder/quant_modes.py MixedLinear), and the op of each whose records decide
 MIXED_OPS = {"w4a16": "gemm_w4a16", "w8a8": "gemm_w8a8", "w4a8": "gemm_w4a8"}
 DEFAULT_CROSSOVER_M = 64
 FUSED_MAX_ROWS = 1

@@ -19,9 +19,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.int_weight import shape_fits
-from flashgen.runtime.prequant import LINEARS, stored_tensors
+from flashgen.runtime.checkpoints.model_config import ModelConfig
+from flashgen.runtime.checkpoints.int_weight import shape_fits
+from flashgen.runtime.checkpoints.prequant import LINEARS, stored_tensors
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; the decoder derives them
@@ -101,7 +101,7 @@ def expected_tensors(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[s
         if c.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
     tensors = {name: (shape, FLOAT_DTYPES) for name, shape in out.items()}
-    if c.prequant is not None:  # each linear's weight as its stored tensors (runtime/prequant.py)
+    if c.prequant is not None:  # each linear's weight as its stored tensors (runtime/checkpoints/prequant.py)
         for i in range(c.num_layers):
             for lin in LINEARS:
                 name = f"model.layers.{i}.{lin}"

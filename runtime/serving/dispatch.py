@@ -33,7 +33,7 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.oplib import get_op
-from flashgen.runtime.buckets import best_records, nearest
+from flashgen.runtime.serving.buckets import best_records, nearest
 from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
 from flashgen.targets.device import device_target

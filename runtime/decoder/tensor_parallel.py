@@ -16,9 +16,9 @@ column-parallel slice keeps its rows' per-channel scales; a row-parallel slice's
 slice only, so quantized modes compute close to one process, not bit for bit.
 
 Every rank runs the same engine on the same requests, so admission and block tables agree without a
-message; rank 0 samples and broadcasts a sampling step's tokens (`agree`; runtime/engine.py says why
+message; rank 0 samples and broadcasts a sampling step's tokens (`agree`; runtime/decoder/engine.py says why
 greedy steps need no message). Collectives go through
-torch.distributed (runtime/ranks.py starts the group) with a timeout: a rank that dies or stalls makes
+torch.distributed (runtime/decoder/ranks.py starts the group) with a timeout: a rank that dies or stalls makes
 the others fail in one line (`PeerFailure`, a FlashgenError), never hang.
 """
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from flashgen.errors import FlashgenError, one_line
-from flashgen.runtime.quant_modes import QuantLinear
-from flashgen.runtime.model import Decoder
-from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.ranks import PeerFailure
-from flashgen.runtime.weights import load_weights
+from flashgen.runtime.decoder.quant_modes import QuantLinear
+from flashgen.runtime.decoder.model import Decoder
+from flashgen.runtime.checkpoints.model_config import ModelConfig
+from flashgen.runtime.decoder.ranks import PeerFailure
+from flashgen.runtime.checkpoints.weights import load_weights
 
 COLUMN_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "ff", "up_proj": "ff"}
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ff"}
@@ -121,7 +121,7 @@ def shard_weights(c: ModelConfig, weights: dict[str, torch.Tensor] | str | Path,
 
 def _collective(what: str, run, rank: int) -> None:
     """Runs one collective; a peer that died or timed out is one line naming this rank (a PeerFailure:
-    the launcher stops the others at once, runtime/ranks.py)."""
+    the launcher stops the others at once, runtime/decoder/ranks.py)."""
     try:
         run()
     except (RuntimeError, dist.DistError) as e:
@@ -132,7 +132,7 @@ def _collective(what: str, run, rank: int) -> None:
 class ShardedDecoder(Decoder):
     """This rank's part of a tensor-parallel decoder, built from the whole model's float `weights`, or read
     from a checkpoint folder (module docstring), in `group` (the default: every rank), which must be up
-    (runtime/ranks.py). Its forward returns every row's logits over the whole vocabulary, the same on
+    (runtime/decoder/ranks.py). Its forward returns every row's logits over the whole vocabulary, the same on
     every rank."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | str | Path,
@@ -140,7 +140,7 @@ class ShardedDecoder(Decoder):
                  group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
             raise FlashgenError("a ShardedDecoder runs in each rank of a process group: launch it with torchrun "
-                                "or flashgen.runtime.ranks.launch")
+                                "or flashgen.runtime.decoder.ranks.launch")
         tp = dist.get_world_size(group)
         check_tp(config, tp)
         self.tp, self.rank, self.group = tp, dist.get_rank(group), group

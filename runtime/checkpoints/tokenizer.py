@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.model_config import json_object
+from flashgen.runtime.checkpoints.model_config import json_object
 
 FLAGS = (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token"))  # (flag, the token it adds)
 

@@ -1,8 +1,8 @@
 """Pre-quantized checkpoints: a config.json's `quantization_config` (GPTQ, AWQ, compressed-tensors)
-read into one form, integer codes [N, K] with per-group scales and zero points (runtime/int_weight.py),
+read into one form, integer codes [N, K] with per-group scales and zero points (runtime/checkpoints/int_weight.py),
 from which flashgen repacks its own layouts once at load (flashgen/quant.py's `pack_int4`; gemm_w4a16's
 `zp=asym` zeros), or int8 / e4m3 values with per-channel scales (compressed-tensors' int- and
-float-quantized formats, runtime/compressed_tensors.py). This module is the one entry point: each
+float-quantized formats, runtime/checkpoints/compressed_tensors.py). This module is the one entry point: each
 function below dispatches on the config's kind.
 
 The formats, as their projects document them (a linear of N outputs over K inputs, groups of G
@@ -27,10 +27,10 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.quant import pack_int4
-from flashgen.runtime import compressed_tensors as ct
-from flashgen.runtime.compressed_tensors import CompressedConfig
-from flashgen.runtime.int_weight import IntWeight, act_order, check_stored, unpack_cols, unpack_rows
-from flashgen.runtime.quant_modes import QuantLinear, W4A8Linear, W4A16Linear, W8A16Linear, cpu_weight
+from flashgen.runtime.checkpoints import compressed_tensors as ct
+from flashgen.runtime.checkpoints.compressed_tensors import CompressedConfig
+from flashgen.runtime.checkpoints.int_weight import IntWeight, act_order, check_stored, unpack_cols, unpack_rows
+from flashgen.runtime.decoder.quant_modes import QuantLinear, W4A8Linear, W4A16Linear, W8A16Linear, cpu_weight
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 # The linears a pre-quantized checkpoint stores quantized (the embeddings, norms and head stay float)
@@ -143,7 +143,7 @@ def mode_of(cfg: "PrequantConfig | CompressedConfig") -> type[QuantLinear]:
     """The decoder's linear mode for a pre-quantized checkpoint: GPTQ's and AWQ's int4 codes run as
     w4a16 (zero points and act-order included); 8-bit GPTQ only as w8a16, whose int8 GEMM takes
     per-channel symmetric weights (model_config refuses other 8-bit checkpoints); compressed-tensors as
-    its scheme says (runtime/compressed_tensors.py)."""
+    its scheme says (runtime/checkpoints/compressed_tensors.py)."""
     if isinstance(cfg, CompressedConfig):
         return cfg.mode
     return W4A16Linear if cfg.bits == 4 else W8A16Linear

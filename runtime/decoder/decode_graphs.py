@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flashgen.runtime.kv_cache import PagedKVCache
-from flashgen.runtime.model import Batch, Decoder
-from flashgen.schedules.timing import cuda_graph
+from flashgen.runtime.decoder.kv_cache import PagedKVCache
+from flashgen.runtime.decoder.model import Batch, Decoder
+from flashgen.runtime.serving.graphs import cuda_graph
 
 MAX_BATCH = 256  # larger decode steps run eagerly
 

@@ -12,14 +12,15 @@ from dataclasses import replace
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.engine import Engine, SamplingParams
-from flashgen.runtime.graphs import bucket_for
-from flashgen.runtime.memory import available_bytes, cache_bytes
-from flashgen.runtime.model import Decoder
-from flashgen.runtime.quant_modes import quant_mode
-from flashgen.runtime.tensor_parallel import ShardedDecoder
-from flashgen.runtime.torch_ops import dispatcher
-from flashgen.runtime.weights import ModelConfig, expected_shapes
+from flashgen.runtime.decoder.engine import Engine
+from flashgen.runtime.decoder.sampling import SamplingParams
+from flashgen.runtime.decoder.decode_graphs import bucket_for
+from flashgen.runtime.decoder.memory import available_bytes, cache_bytes
+from flashgen.runtime.decoder.model import Decoder
+from flashgen.runtime.decoder.quant_modes import quant_mode
+from flashgen.runtime.decoder.tensor_parallel import ShardedDecoder
+from flashgen.runtime.serving.torch_ops import dispatcher
+from flashgen.runtime.checkpoints.weights import ModelConfig, expected_shapes
 from flashgen.schedules.moe_space import touched_experts
 
 CONFIGS = {
@@ -47,7 +48,7 @@ def defaults() -> dict[str, str | int]:
 
 
 def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Every tensor the decoder reads for `c` (runtime/weights.py's `expected_shapes`): norms at one,
+    """Every tensor the decoder reads for `c` (runtime/checkpoints/weights.py's `expected_shapes`): norms at one,
     matrices and biases normal with a 1/sqrt(fan-in) scale."""
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -111,7 +112,7 @@ def check_memory(config: str, c: ModelConfig, dtype: torch.dtype, dev: torch.dev
 def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
         device: str | None = None, cuda_graphs: bool = True, tp: int = 1) -> list[dict]:
     """One row per batch; with `tp` > 1, this rank's run of the model split over the group's ranks
-    (runtime/tensor_parallel.py), every rank calling it alike, `copy_gbs` then the ranks' together."""
+    (runtime/decoder/tensor_parallel.py), every rank calling it alike, `copy_gbs` then the ranks' together."""
     if config not in CONFIGS:
         raise FlashgenError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
     if prompt_len < 1 or new_tokens < 1:

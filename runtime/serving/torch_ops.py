@@ -18,7 +18,7 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.ir.op import Op, eval_int
 from flashgen.oplib import OPS
-from flashgen.runtime.dispatch import Dispatcher, bind_shapes
+from flashgen.runtime.serving.dispatch import Dispatcher, bind_shapes
 
 _LIB = torch.library.Library("flashgen", "DEF")
 _DISPATCHER = Dispatcher()

@@ -34,8 +34,8 @@ from typing import Mapping
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.int_weight import IntWeight, act_order, check_stored, unpack_cols
-from flashgen.runtime.quant_modes import (Fp8Linear, QuantLinear, W4A8Linear, W4A16Linear, W8A8Linear, W8A16Linear,
+from flashgen.runtime.checkpoints.int_weight import IntWeight, act_order, check_stored, unpack_cols
+from flashgen.runtime.decoder.quant_modes import (Fp8Linear, QuantLinear, W4A8Linear, W4A16Linear, W8A8Linear, W8A16Linear,
                                           cpu_weight)
 
 FORMATS = ("int-quantized", "float-quantized", "pack-quantized")

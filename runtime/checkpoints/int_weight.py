@@ -1,5 +1,5 @@
 """A pre-quantized linear's integer codes, read out of a checkpoint's packed tensors into one form that
-every format shares (runtime/prequant.py for GPTQ and AWQ, runtime/compressed_tensors.py), from which
+every format shares (runtime/checkpoints/prequant.py for GPTQ and AWQ, runtime/checkpoints/compressed_tensors.py), from which
 flashgen repacks its own layouts once at load."""
 from __future__ import annotations
 

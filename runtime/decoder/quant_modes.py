@@ -1,6 +1,6 @@
 """The decoder's linear modes, one class each: what a layer keeps of its weight (`prepare`, or a
 checkpoint dialect's loader building the object from stored codes) and how a call computes with it
-(`gemm` on a GPU, `cpu_product` on the CPU). runtime/linear.py runs the part every mode shares (the
+(`gemm` on a GPU, `cpu_product` on the CPU). runtime/decoder/linear.py runs the part every mode shares (the
 norm and the gate that feed a linear, the residual it adds); nothing else asks which mode a layer is in.
 
 Modes: bf16 (the weight as is), w8a16 and w4a16 (weight-only int8 / int4, RTN-quantized at load, int4
@@ -8,7 +8,7 @@ in groups of 128 along K where K allows, else per channel), w8a8 (int8 weights a
 quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with integer group scales on int8 tensor
 cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), fp8 (e4m3 weights with per-channel
 scales and per-token dynamically quantized e4m3 activations: gemm_fp8, sm_90), and mixed, which holds a
-w4a16, a w8a8 and a w4a8 linear and lets each call take one of them for its row count (runtime/linear.py
+w4a16, a w8a8 and a w4a8 linear and lets each call take one of them for its row count (runtime/decoder/linear.py
 `choose`); its two 4-bit linears share one tensor of codes (w4a16's scales are w4a8's two levels
 multiplied out, in the activation dtype).
 

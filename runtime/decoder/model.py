@@ -1,7 +1,7 @@
 """A Llama-family decoder (Llama 2/3 with scaled RoPE and optional biases, Mistral with sliding window,
 Qwen2 with qkv bias and per-layer windows, Qwen3 with per-head q/k norms, Mixtral, Qwen2-MoE and
 Qwen3-MoE with routed experts) over a paged KV cache, computing with flashgen's generated kernels. What
-it computes is what runtime/model_config.py accepted: anything else was refused there.
+it computes is what runtime/checkpoints/model_config.py accepted: anything else was refused there.
 
 One forward serves a batch of sequences, each bringing its new tokens (a whole prompt, a chunk, or one
 decode token), packed along one token axis. Norms, SiLU·mul and RoPE (with the new tokens' keys and
@@ -9,13 +9,13 @@ values written into the cache in the same launch) run as `torch.ops.flashgen` op
 in bf16 decode steps of one row on a GPU the norms and SiLU·mul run inside the linears they feed.
 Each residual add is the epilogue of the linear before it. Linears and attention run as generated
 GEMM and attention kernels on a GPU and as torch code on the CPU (the `fallbacks` set names each one
-used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8, w4a8 or mixed; runtime/linear.py).
+used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8, w4a8 or mixed; runtime/decoder/linear.py).
 
 An MoE layer's router, unquantized so that weight rounding does not change which experts a token
 gets, gives float32 logits; the generated `moe_route` kernel picks each token's top-k experts and
 their weights. On a GPU, in bf16, w8a16 and w4a16 (group 128) modes, the experts run as the generated
 grouped GEMMs of the moe class, their weights stacked and quantized as the mode says
-(runtime/moe_experts.py): `moe_gemm_gate_up` gives each (token, expert) pair's SiLU(gate) * up, and
+(runtime/decoder/moe_experts.py): `moe_gemm_gate_up` gives each (token, expert) pair's SiLU(gate) * up, and
 `moe_gemm_down` adds each pair's weighted expert output into its token's row, reading each touched
 expert's weights once. A decode step's kernels find each expert's pairs in the router's ids; a longer
 batch's pairs are first ordered by expert (`moe_align`, torch's sort, no host sync). Such
@@ -36,15 +36,15 @@ import torch.nn.functional as F
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, moe_align
-from flashgen.runtime.kv_cache import PagedKVCache
-from flashgen.runtime.linear import apply, choose
-from flashgen.runtime.quant_modes import Bf16Linear, QuantLinear, cpu_weight, quant_mode, torch_linear
-from flashgen.runtime.torch_ops import dispatcher, register_all
-from flashgen.runtime.model_config import ModelConfig
-from flashgen.runtime.moe_experts import Stacked, stack_experts
-from flashgen.runtime.prequant import mode_of, quant_linear, quantized_tensor, read_linear
-from flashgen.runtime.rope_scaling import rope_table
-from flashgen.runtime.weights import moe_names
+from flashgen.runtime.decoder.kv_cache import PagedKVCache
+from flashgen.runtime.decoder.linear import apply, choose
+from flashgen.runtime.decoder.quant_modes import Bf16Linear, QuantLinear, cpu_weight, quant_mode, torch_linear
+from flashgen.runtime.serving.torch_ops import dispatcher, register_all
+from flashgen.runtime.checkpoints.model_config import ModelConfig
+from flashgen.runtime.decoder.moe_experts import Stacked, stack_experts
+from flashgen.runtime.checkpoints.prequant import mode_of, quant_linear, quantized_tensor, read_linear
+from flashgen.runtime.checkpoints.rope_scaling import rope_table
+from flashgen.runtime.checkpoints.weights import moe_names
 
 
 # Up to this many tokens the generated experts take the router's ids as they are (`routing="ids"`);
@@ -78,12 +78,12 @@ class MoeBlock:
     shared: tuple[QuantLinear, QuantLinear] | None = None  # Qwen2-MoE's shared expert's gate|up and down
     shared_gate: torch.Tensor | None = None         # [1, hidden]
     # the generated path's stacked weights, gate|up [E, 2I, hidden] and down [E, hidden, I] in the moe
-    # ops' layout of the quant mode (runtime/moe_experts.py; experts then empty)
+    # ops' layout of the quant mode (runtime/decoder/moe_experts.py; experts then empty)
     stacked: tuple[Stacked, Stacked] | None = None
 
 
 class Decoder:
-    tp = 1    # the ranks that hold this model's layers (runtime/tensor_parallel.py), and this one's
+    tp = 1    # the ranks that hold this model's layers (runtime/decoder/tensor_parallel.py), and this one's
     rank = 0
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
@@ -92,7 +92,7 @@ class Decoder:
         self.c, self.device, self.dtype, self.mode = config, torch.device(device), dtype, quant_mode(quant)
         self.generated_attention = True  # on a GPU; False keeps the torch path (a reference for tests)
         self.fallbacks: set[str] = set()
-        if config.prequant is not None:  # the checkpoint's codes decide the mode (runtime/prequant.py)
+        if config.prequant is not None:  # the checkpoint's codes decide the mode (runtime/checkpoints/prequant.py)
             stored = mode_of(config.prequant)
             if self.mode not in (Bf16Linear, stored):
                 raise FlashgenError(f"a {config.prequant.method} checkpoint computes as {stored.mode}, "
@@ -103,7 +103,7 @@ class Decoder:
         w = {k: v.to(self.device, dtype if v.is_floating_point() and not (keep and quantized_tensor(k)) else None)
              for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        # (on the CPU a tied head is a second copy of the embedding, in oneDNN's form: runtime/linear.py)
+        # (on the CPU a tied head is a second copy of the embedding, in oneDNN's form: runtime/decoder/linear.py)
         self.lm_head = cpu_weight(self.embed if config.tie_word_embeddings else w["lm_head.weight"])
         self.final_norm = w["model.norm.weight"]
         self.layers = []
@@ -133,7 +133,7 @@ class Decoder:
 
     def _linear_weights(self, w: dict[str, torch.Tensor], parts: list[str], name: str) -> QuantLinear:
         """A decoder linear, its checkpoint linears `parts` stacked along N: float weights quantized in
-        the decoder's mode, or a pre-quantized checkpoint's codes repacked (runtime/prequant.py)."""
+        the decoder's mode, or a pre-quantized checkpoint's codes repacked (runtime/checkpoints/prequant.py)."""
         pq = self.c.prequant
         if pq is None:
             return self.mode.prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1
@@ -151,7 +151,7 @@ class Decoder:
     @property
     def moe_weights(self) -> str | None:
         """The moe ops' `weights` attr the experts run with as the generated grouped GEMMs (on a GPU, a
-        top-k the ops take, a mode with a stacked form: runtime/moe_experts.py), or None (torch)."""
+        top-k the ops take, a mode with a stacked form: runtime/decoder/moe_experts.py), or None (torch)."""
         c = self.c
         if self.device.type != "cuda" or str(c.experts_per_tok) not in MOE_GEMM_GATE_UP.attrs["topk"]:
             return None
@@ -186,7 +186,7 @@ class Decoder:
                norm: torch.Tensor | None = None, gated: bool = False,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """A layer's linear in the decoder's quantization mode, with the RMSNorm or SiLU·mul that feeds
-        it and the residual it adds (see runtime/linear.py)."""
+        it and the residual it adds (see runtime/decoder/linear.py)."""
         if self.device.type != "cuda":
             self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
         return apply(x, w, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, gated, residual)
@@ -427,7 +427,7 @@ class Decoder:
     def row_linear(self, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None = None, gated: bool = False,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
         """A linear whose output joins the residual stream (o, down): computed whole here; a
-        tensor-parallel rank sums its partial product with the other ranks' (runtime/tensor_parallel.py)."""
+        tensor-parallel rank sums its partial product with the other ranks' (runtime/decoder/tensor_parallel.py)."""
         return self.linear(x, w, bias, gated=gated, residual=residual)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import torch
 
 from flashgen.oplib.rope import cos_sin_table
-from flashgen.runtime.model_config import ModelConfig
+from flashgen.runtime.checkpoints.model_config import ModelConfig
 
 
 def _llama3(inv: torch.Tensor, p: dict) -> torch.Tensor:

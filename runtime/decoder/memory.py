@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.model_config import ModelConfig
+from flashgen.runtime.checkpoints.model_config import ModelConfig
 
 
 def cache_bytes(c: ModelConfig, dtype_bytes: int, blocks: int, block_size: int) -> int:

@@ -6,7 +6,7 @@ biases, an explicit head_dim, tied embeddings, sliding windows per layer, EOS id
 routing) or refused in one
 line naming it: a folder never loads to compute something other than what its config says. Sizes and
 ranges are checked before anything is allocated from them. generation_config.json adds EOS ids (its
-decoding settings: runtime/generation_config.py).
+decoding settings: runtime/checkpoints/generation_config.py).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.compressed_tensors import CompressedConfig, ignored
-from flashgen.runtime.prequant import LINEARS, PrequantConfig, parse_config
+from flashgen.runtime.checkpoints.compressed_tensors import CompressedConfig, ignored
+from flashgen.runtime.checkpoints.prequant import LINEARS, PrequantConfig, parse_config
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")  # per-head RMSNorm of q and k before RoPE
@@ -57,7 +57,7 @@ class ModelConfig:
     norm_topk_prob: bool = False              # whether the top-k router weights are renormalised to sum to 1
     moe_layers: tuple[bool, ...] = ()         # per layer, whether its MLP is the MoE block; (): none is
     qk_norm: bool = False                     # Qwen3: q and k RMS-normalised per head (q_norm, k_norm) before RoPE
-    prequant: PrequantConfig | CompressedConfig | None = None  # a pre-quantized checkpoint's quantization_config (runtime/prequant.py)
+    prequant: PrequantConfig | CompressedConfig | None = None  # a pre-quantized checkpoint's quantization_config (runtime/checkpoints/prequant.py)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention, None for full attention."""

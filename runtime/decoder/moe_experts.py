@@ -1,7 +1,7 @@
 """A MoE layer's experts stacked in the moe ops' layouts (flashgen/oplib/moe.py), in the decoder's
 quantization mode, so that the generated grouped GEMMs run them whatever the mode allows.
 
-Each expert is quantized as a dense linear would be (its mode's `prepare`, runtime/quant_modes.py: the
+Each expert is quantized as a dense linear would be (its mode's `prepare`, runtime/decoder/quant_modes.py: the
 same RTN codes and scales), then the experts' tensors are stacked along a new first axis: gate|up [E, 2I, H]
 and down [E, H, I] as 16-bit weights, int8 codes with per-row fp32 scales (w8a16), or packed int4
 codes with group-128 scales (w4a16). Modes the moe ops do not take (w8a8, w4a8, mixed, int4 of a width
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from flashgen.runtime.quant_modes import QuantLinear
+from flashgen.runtime.decoder.quant_modes import QuantLinear
 
 Stacked = dict[str, torch.Tensor]  # the moe op's weight inputs by name (w; w_q, w_scale; w_packed, scales)
 
