@@ -11,8 +11,9 @@ The generated text is plain TVMScript, readable and parseable as is:
   operations); a ragged end is one more, narrower vectorized loop, so no lane is ever masked.
 - A rowwise op walks the row once per reduction, each pass keeping `block_c` partial results in a local
   buffer that is folded by halving at the end of the pass; a last pass makes the stores that need every
-  reduction, and each store goes into the earliest pass that can make it (the Triton backend's
-  multi-tile plan). Rows of LLM ops fit in L1/L2, so the repeated reads are cache hits.
+  reduction, and each store goes into the earliest pass that can make it (the row plan of
+  flashgen/ir/row_plan.py, which the Triton backend walks too). Rows of LLM ops fit in L1/L2, so the
+  repeated reads are cache hits.
 - Every float computes in fp32. bf16 tensors are `uint16` buffers converted by hand (shift to load;
   round to nearest even, NaN kept, to store) because TVM's own bf16 legalization miscompiles values
   bound by `T.let` (it converts the integer bits as numbers). "rint" is `T.round`, which TVM lowers to
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
-from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, eval_int, refs
+from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, eval_int
+from flashgen.ir.row_plan import RowLevel, row_plan
 from flashgen.workload import Schedule, Workload, domain
 
 PARALLEL_MIN_ELEMENTS = 1 << 16  # smaller domains run serially (a parallel launch costs ~5 us)
@@ -332,29 +334,11 @@ class _Gen:
         else:
             raise NotImplementedError(f"the cpu target does not write {dt} tensors")
 
-    def deps(self, e: E.Expr) -> set[str]:
-        """Reductions a value needs, through the Lets it names."""
-        out: set[str] = set()
-        for name in refs(e):
-            if name in self.lets:
-                out |= self.deps(self.lets[name])
-            else:
-                out.add(name)
-        return out
-
     def is_vector(self, e: E.Expr | None) -> bool:
+        """Whether a value varies along the row (emitted in the column loops, not hoisted)."""
         return e is not None and depends_on_cols(e, self.lets)
 
-    def store_is_vector(self, st: Store) -> bool:
-        return any(self.is_vector(x) for x in (st.value, st.mask, *st.indices))
-
-    def store_deps(self, st: Store) -> set[str]:
-        out = self.deps(st.value) | (self.deps(st.mask) if st.mask is not None else set())
-        for ix in st.indices:
-            out |= self.deps(ix)
-        return out
-
-    def column_pass(self, scope: _Scope, stores: list[Store], red: Reduce | None, acc: str | None) -> None:
+    def column_pass(self, scope: _Scope, stores: tuple[Store, ...], red: Reduce | None, acc: str | None) -> None:
         """One walk over the row: full tiles of block_c, then the ragged end, both vectorized."""
         bc, cols = self.bc, self.cols
         full, tail = divmod(cols, bc)
@@ -398,43 +382,33 @@ class _Gen:
         code = FOLD[red.kind].format(f"{acc}[0]", f"{acc}[1]") if width == 2 else f"{acc}[0]"
         return self.temp(scope, code, "f32")
 
+    def row_level(self, step: RowLevel, scope: _Scope) -> None:
+        """Row-level values and stores, at row scope between the passes."""
+        for name in step.lets:
+            self.emit(E.Ref(name), scope)
+        for st in step.stores:
+            self.store(st, scope)
+
     def row(self, scope: _Scope, accs: dict[str, str]) -> None:
-        """The body for one row r: passes over its columns, row-level values and stores between them."""
-        stores = [st for st in self.body if isinstance(st, Store)]
-        pending = list(stores)
-        done: set[str] = set()
-
-        def row_level_ready() -> None:
-            for name, value in self.lets.items():
-                if not self.is_vector(value) and self.deps(value) <= done:
-                    self.emit(E.Ref(name), scope)
-            for st in [s for s in pending if not self.store_is_vector(s) and self.store_deps(s) <= done]:
-                self.store(st, scope)
-                pending.remove(st)
-
-        row_level_ready()
-        for n, red in enumerate(self.reduces + [None]):
-            now = [s for s in pending if self.store_is_vector(s) and self.store_deps(s) <= done]
-            if red is None and not now:
-                break
+        """The body for one row r: the row plan's passes over its columns (flashgen/ir/row_plan.py),
+        row-level values and stores between them."""
+        plan = row_plan(self.body)
+        self.row_level(plan.before, scope)
+        for n, p in enumerate(plan.passes):
+            red = p.reduce
             acc = accs[red.name] if red is not None else None
             what = [f"{red.name} = {red.kind} over the row"] if red is not None else []
-            what += [f"store {s.tensor}" for s in now]
+            what += [f"store {s.tensor}" for s in p.stores]
             scope.add(f"# pass {n + 1}: {', '.join(what)}")
             if red is not None:
                 if not self.is_vector(red.value):
                     raise NotImplementedError(f"{self.op.name}: reduction {red.name} does not vary along the row")
                 scope.add(f"for ci in T.vectorized({self.bc}):")
                 scope.add(f"    {acc}[ci] = {IDENTITY[red.kind]}")
-            self.column_pass(scope, now, red, acc)
-            for st in now:
-                pending.remove(st)
+            self.column_pass(scope, p.stores, red, acc)
             if red is not None:
                 self.red_vars[red.name] = self.fold(scope, red, acc)
-                done.add(red.name)
-                row_level_ready()
-        if pending:
-            raise AssertionError(f"stores never became ready: {pending}")
+            self.row_level(p.after, scope)
 
     # ---- function ----------------------------------------------------------------------------
     def args(self) -> list[Arg]:
