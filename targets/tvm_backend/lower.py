@@ -58,8 +58,9 @@ FOLD = {"sum": "{} + {}", "max": "T.max({}, {})", "min": "T.min({}, {})"}
 
 
 @dataclass(frozen=True)
-class Arg:
-    """One argument of the generated function, in call order."""
+class TVMArg:
+    """One argument of the generated function, in call order (a Triton kernel's parameter is
+    targets/triton/emit.py's `Arg`)."""
     name: str          # the argument's name in the source
     kind: str          # "tensor" | "dim" | "param"
     tensor: str = ""   # for tensors: the op's tensor name
@@ -70,11 +71,13 @@ class Arg:
 
 
 @dataclass
-class KernelSource:
+class TVMSource:
+    """The TVMScript of one workload under one schedule and its arguments (a Triton or Gluon module is
+    targets/triton/emit.py's `KernelSource`)."""
     name: str
     source: str        # the whole text, with a header and the import line
     script: str        # the part TVM parses (the decorated function)
-    args: list[Arg]
+    args: list[TVMArg]
 
 
 @dataclass
@@ -411,16 +414,16 @@ class _Gen:
             self.row_level(p.after, scope)
 
     # ---- function ----------------------------------------------------------------------------
-    def args(self) -> list[Arg]:
+    def args(self) -> list[TVMArg]:
         op = self.op
         present = self.wl.inputs + self.wl.outputs
-        out = [Arg(f"{self.buf[t.name]}_h", "tensor", t.name, self.tdtype(t.name)) for t in present]
+        out = [TVMArg(f"{self.buf[t.name]}_h", "tensor", t.name, self.tdtype(t.name)) for t in present]
         bound = {e.name for t in present for e in t.shape if isinstance(e, E.Dim)}
-        out += [Arg(d, "dim") for d in op.row_dims if d not in bound]
-        out += [Arg(self.param[p], "param") for p in op.params]
+        out += [TVMArg(d, "dim") for d in op.row_dims if d not in bound]
+        out += [TVMArg(self.param[p], "param") for p in op.params]
         return out
 
-    def generate(self) -> KernelSource:
+    def generate(self) -> TVMSource:
         op = self.op
         name = f"{op.name}_kernel"
         args = self.args()
@@ -482,9 +485,9 @@ class _Gen:
                   f"# workload: {self.wl.canonical()}",
                   f"# schedule: {json.dumps(self.s, sort_keys=True)}",
                   "from tvm.script import tirx as T", "", ""]
-        return KernelSource(name, "\n".join(header) + script, script, args)
+        return TVMSource(name, "\n".join(header) + script, script, args)
 
 
-def generate(wl: Workload, schedule: Schedule) -> KernelSource:
+def generate(wl: Workload, schedule: Schedule) -> TVMSource:
     """The rowwise and pointwise classes' generator (flashgen/kernel_classes.py)."""
     return _Gen(wl, schedule).generate()
