@@ -20,14 +20,19 @@ under a mask other than the plain causal one); the op's score expression (softca
 from the IR as in the Triton kernel. A TMA box copies whole rows: the value rows of a tile's last key
 tile that lie past its sequence (the next sequence's, padding) are zeroed in their ring slot before
 their MMA, since a masked logit's zero probability times a NaN or inf value is still NaN.
+
+One function writes each part of the kernel: the shared tiles and rings (`_shared_tiles`), the
+barriers (`_barriers`), the call starting the partitions (`_partitions`), the copy warp (`_load_kv`)
+and a consumer (`_attend_rows`: its first key tile, each pipelined step, the last values and the
+store).
 """
 from __future__ import annotations
 
 from flashgen.ir import dtypes
 from flashgen.ir.contraction import WARPGROUP, WARPGROUP_ROWS
 from flashgen.ir.op import Attend
-from flashgen.targets.gluon.contraction import CONSUMER_REGS, PRODUCER_REGS
-from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
+from flashgen.targets.gluon.emit import (CONSUMER_REGS, NS, PRODUCER_REGS, GluonEmitter, def_params, grid_dependency,
+                                         module_header, module_text)
 from flashgen.targets.triton.attention import CAUSAL, _logit, _sequence_of_tile
 from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
 from flashgen.workload import Schedule, Workload
@@ -154,6 +159,17 @@ def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: boo
              "    it = 0  # key tiles through the ring so far: its slot and phase"]
     tile = _tile_loop(Scope(lines, "    ", {}), WARPGROUP, group)
     tile.axes.update({"h": ("h", None), "qpos": ("qpos", None), "kpos": ("kpos", "jmask")})
+    _first_key_tile(em, att, tile, dt)
+    tile.line("for j in range(1, n_tiles):")
+    _key_tile(em, att, tile.child(tile.indent + "    "), pingpong, dt)
+    _last_values(tile, d, dt)
+    return lines + ["", ""]
+
+
+def _first_key_tile(em: GluonEmitter, att: Attend, tile: Scope, dt: str) -> None:
+    """The tile's running max, sum and values zeroed, its queries awaited, and the first key tile's
+    logits and softmax: the pipelined loop then always has a tile's values to issue beside the next
+    tile's logits."""
     for line in [f"r0 = m0 + first * {ROWS}",
                  f"qpos = r0 + gl.arange(0, {ROWS}, layout=gl.SliceLayout(1, s_layout))[:, None]",
                  f"m_i = gl.full([{ROWS}], float(\"-inf\"), gl.float32, gl.SliceLayout(1, s_layout))",
@@ -165,8 +181,12 @@ def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: boo
                  "sc = warpgroup_mma_wait(0, deps=[sc])"]:
         tile.line(line)
     _softmax(em, att, tile, "0", dt)
-    tile.line("for j in range(1, n_tiles):")
-    body = tile.child(tile.indent + "    ")
+
+
+def _key_tile(em: GluonEmitter, att: Attend, body: Scope, pingpong: bool, dt: str) -> None:
+    """Step j of the consumer's loop: key tile j's logits and tile j - 1's values MMAs issued back to
+    back (taking turns with the other consumer under `pingpong`), tile j's softmax while both run, then
+    the slot of tile j - 1 handed back and the values rescaled."""
     body.line("g = it + j")
     body.line("slot = g % STAGES")
     body.line("prev = (g - 1) % STAGES")
@@ -182,6 +202,12 @@ def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: boo
     body.line("acc = warpgroup_mma_wait(0, deps=[acc])")
     body.line("mbarrier.arrive(free.index(prev))  # hand that slot back")
     body.line("acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]")
+
+
+def _last_values(tile: Scope, d: int, dt: str) -> None:
+    """The tile's end: the queries' slot freed for the next tile, the last key tile's values (rows past
+    the sequence zeroed first), the rows normalized by their sums and stored where they lie in their
+    sequence."""
     tile.line("mbarrier.arrive(q_free)  # the tile's logits are done: the next tile's queries may come")
     tile.line("last = (it + n_tiles - 1) % STAGES")
     _values_past_sequence(tile, d)
@@ -196,7 +222,6 @@ def _attend_rows(em: GluonEmitter, att: Attend, params: list[str], pingpong: boo
                  f"gl.store(out_ptr + (s0 + r).to(gl.int64) * out_s0 + h * out_s1 + dd, out.to({dt}), "
                  "mask=(r >= 0) & (r < n))"]:
         tile.line(line)
-    return lines + ["", ""]
 
 
 def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
@@ -209,12 +234,23 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     em = GluonEmitter(op, attrs, {})
     name = f"{op.name}_kernel"
     args = kernel_args(wl, {"BLOCK_M": ROWS * consumers, "BLOCK_N": s["block_n"], "STAGES": s["num_stages"]})
-    params = [a.name + (f": {NS}.constexpr" if a.kind == "constexpr" else "") for a in args]
     lines = module_header(wl, s, name, args)
     dt = dtypes.TL[attrs["dtype"]].replace("tl.", f"{NS}.")
     top = Scope(lines, "    ", {})
     grid_dependency(top)
     top.line(f"tiles = {NS}.minimum({NS}.cdiv(T, BLOCK_M) + B, T) * Hq  # as many as the grid of one program per tile")
+    _shared_tiles(top, dt)
+    _barriers(top, consumers, pingpong)
+    _partitions(top, [a.name for a in args], consumers, pingpong)
+    params = def_params(args)
+    helpers = _load_kv(params, group) + _attend_rows(em, att, params, pingpong, dt, group, dim["D"])
+    return KernelSource(name, module_text(em, lines, helpers), args, (ROWS * consumers, 1), tile_cols=True,
+                        seq_tiles="B", flat=True, persistent=s["persistent"], dialect="gluon")
+
+
+def _shared_tiles(top: Scope, dt: str) -> None:
+    """TMA descriptors of q, k and v (a box of rows of one head), the query tile and the key and value
+    rings of STAGES slots in shared memory."""
     for t, heads, block in (("q", "Hq", "BLOCK_M"), ("k", "Hkv", "BLOCK_N"), ("v", "Hkv", "BLOCK_N")):
         top.line(f"{t}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([{block}, 1, D], {dt})")
         top.line(f"{t}_desc = tma.make_tensor_descriptor({t}_ptr, shape=[T, {heads}, D], strides=[{t}_s0, {t}_s1, 1], "
@@ -222,6 +258,12 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
     top.line(f"q_tile = {NS}.allocate_shared_memory({dt}, [BLOCK_M, 1, D], q_layout)")
     for t in ("k", "v"):
         top.line(f"{t}_ring = {NS}.allocate_shared_memory({dt}, [STAGES, BLOCK_N, 1, D], {t}_layout)")
+
+
+def _barriers(top: Scope, consumers: int, pingpong: bool) -> None:
+    """The hand-offs: the query tile's `q_ready` (copied) and `q_free` (every consumer's logits done
+    with it), each ring slot's `ready` and `free` (every consumer has read it), and under `pingpong` a
+    `turn` per consumer; all initialized and fenced before any copy signals one."""
     for bar in ("q_ready", "q_free"):
         top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [1], mbarrier.MBarrierLayout())")
     bars = ["ready", "free"] + (["turn"] if pingpong else [])
@@ -236,14 +278,13 @@ def generate_attention(wl: Workload, s: Schedule) -> KernelSource:
         top.line(f"for i in {NS}.static_range(2):")
         top.line("    mbarrier.init(turn.index(i), count=1)")
     top.line("fence_async_shared()  # the barriers are initialized before any copy signals them")
-    names = [a.name for a in args]
+
+
+def _partitions(top: Scope, names: list[str], consumers: int, pingpong: bool) -> None:
+    """The kernel's `warp_specialize` call: the consumer warpgroups (the first is the default partition,
+    a second a worker of CONSUMER_REGS registers) and the copy warp of few registers."""
     top.line(f"{NS}.warp_specialize([")
-    for first in range(consumers):  # the default partition first; a second consumer is a worker
+    for first in range(consumers):
         top.line(f"    (_attend_rows, ({', '.join(names + RING + (['turn'] if pingpong else []) + ['tiles', str(first)])})),")
     top.line(f"    (_load_kv, ({', '.join(names + ['q_desc', 'k_desc', 'v_desc'] + RING + ['tiles'])})),")
     top.line(f"], {[WARPGROUP] * (consumers - 1) + [1]}, {[CONSUMER_REGS] * (consumers - 1) + [PRODUCER_REGS]})")
-    helpers = _load_kv(params, group) + _attend_rows(em, att, params, pingpong, dt, group, dim["D"])
-    head = lines.index("@gluon.jit")
-    lines[head:head] = helpers
-    return KernelSource(name, to_gluon(em.finish(lines)), args, (ROWS * consumers, 1), tile_cols=True,
-                        seq_tiles="B", flat=True, persistent=s["persistent"], dialect="gluon")

@@ -10,22 +10,25 @@ warp only issues the copies (`_load_tiles`) while the program's warps only issue
 (`_mma_tiles`), `gl.warp_specialize` giving the copy warp few registers and the MMA warps the rest;
 with 0 the same warps do both, copying `num_stages` - 1 steps ahead (`_pipelined_tiles`). An MMA is
 retired one step later (`warpgroup_mma_wait(1)`), so each overlaps the next step's wait.
+
+One function writes each part of the kernel: the tile and k-step counts (`_counts`), the operands'
+rings (`_operand_rings`), a TMA store's tile (`_output_tile`), the barriers (`_barriers`), then the
+copy warp and MMA partitions (`_specialized`: `_load_tiles`, `_mma_tiles`, `_partitions`) or the one
+partition (`_one_partition`). The start and the epilogue are tile.py's, shared with int4.py's tiles.
 """
 from __future__ import annotations
 
 from flashgen.ir import dtypes
 from flashgen.ir.contraction import (WARPGROUP, WARPGROUP_ROWS, gluon_int4_operands, operand_dtype, tma_operands,
                                      tma_output)
-from flashgen.ir.op import Contract, Let, Store, eval_int
-from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
+from flashgen.targets.gluon.emit import CONSUMER_REGS, NS, PRODUCER_REGS, def_params, grid_dependency
 from flashgen.targets.gluon.int4 import generate_int4
+from flashgen.targets.gluon.tile import Tile, epilogue, start
 from flashgen.targets.triton.contraction.kernel import tile_order
-from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
+from flashgen.targets.triton.emit import KernelSource, Scope
 from flashgen.workload import Schedule, Workload
 
 GL = {"fp32": "gl.float32", "int32": "gl.int32"}
-PRODUCER_REGS = 40  # registers per thread of the copy warp (it holds only addresses and loop state)
-CONSUMER_REGS = 224  # and of a second consumer warpgroup: with the default one's 256 and the copy warp's 40, in 64K
 
 _MMA_STEP = ["s = it % STAGES",
              "mbarrier.wait(ready.index(s), (it // STAGES) & 1)",
@@ -67,19 +70,19 @@ def _tile_loop(scope: Scope, consumers: int = 1) -> Scope:
     return inner
 
 
-def _load_tiles(lines: list[str]) -> None:
+def _load_tiles() -> list[str]:
     """The copy warp: a slot is refilled once the MMA that read it has handed it back."""
-    lines += ["@gluon.jit",
-              "def _load_tiles(a_desc, w_desc, a_ring, w_ring, ready, free, tiles_m, tiles_n, k_steps,",
-              "                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,",
-              "                GROUP_M: gl.constexpr, STAGES: gl.constexpr):",
-              "    # the copy warp: a slot is refilled once the MMA that read it has handed it back"]
+    lines = ["@gluon.jit",
+             "def _load_tiles(a_desc, w_desc, a_ring, w_ring, ready, free, tiles_m, tiles_n, k_steps,",
+             "                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,",
+             "                GROUP_M: gl.constexpr, STAGES: gl.constexpr):",
+             "    # the copy warp: a slot is refilled once the MMA that read it has handed it back"]
     tile = _tile_loop(Scope(lines, "    ", {}))
     tile.line("for ki in range(k_steps):")
     for line in ["s = it % STAGES", "mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)", *_copy("s", "ki"),
                  "it += 1"]:
         tile.line("    " + line)
-    lines += ["", ""]
+    return lines + ["", ""]
 
 
 def _pipelined_tiles(sync: bool) -> list[str]:
@@ -101,81 +104,68 @@ def _pipelined_tiles(sync: bool) -> list[str]:
             "    return acc", "", ""]
 
 
-def _epilogue(em: GluonEmitter, scope: Scope, stores: tuple, rows: str, cols: str, cmask: str | None,
-              staged: str | None) -> None:
-    """The op's stores in the accumulator's layout: the tile's rows and columns are its slices. The
-    `staged` output's tile goes through shared memory and a TMA copy, which runs on while the program
-    computes its next tile (the copy before it must have left the buffer first)."""
-    scope.line(f"r = off_m + {NS}.arange(0, BLOCK_M, layout={NS}.SliceLayout(1, acc_layout))[:, None]")
-    scope.line(f"rmask = r < {rows}")
-    scope.line(f"c = off_n + {NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(0, acc_layout))[None, :]")
-    if cmask:
-        scope.line(f"cmask = c < {cols}")
-    for st in stores:
-        if not isinstance(st, Store):
-            continue
-        if st.tensor != staged:
-            em.store(st, scope)
-            continue
-        v = em.emit(st.value, scope)
-        scope.line("tma.store_wait(0)  # the previous tile's copy has left the buffer")
-        scope.line(f"{st.tensor}_tile.store({v}.to({dtypes.TL[em.op.dtype_of(st.tensor, em.attrs)]}))")
-        scope.line("fence_async_shared()")
-        scope.line(f"tma.async_copy_shared_to_global({st.tensor}_desc, [off_m, off_n], {st.tensor}_tile)")
-
-
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     """A contraction workload's Gluon kernel for schedule `s` (sm_90; schedules/contraction_space.py
     says which schedules it takes)."""
     pair = tma_operands(wl)
     if pair is None:
         assert gluon_int4_operands(wl), "Gluon contraction tiles take plain or int4-code W loads"
-        return generate_int4(wl, s, _epilogue)
-    op, attrs = wl.op, wl.attr
-    body = op.body(attrs)
-    [con] = [st for st in body if isinstance(st, Contract)]
-    assert body.index(con) == 0, "a row pass before the contraction gives A a prologue"
-    lets = {st.name: st.value for st in body if isinstance(st, Let)}
-    em = GluonEmitter(op, attrs, lets)
-    em.named[con.name] = "acc"
-    name = f"{op.name}_kernel"
-    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"],
-              "STAGES": s["num_stages"]}
-    args = kernel_args(wl, consts)
-    lines = module_header(wl, s, name, args)
-    m_extent, n_extent = op.domain
-    cmask = "cmask" if eval_int(n_extent, wl.dim) % s["block_n"] else None
-    top = Scope(lines, "    ", {"r": ("r", "rmask"), "c": ("c", cmask)})
-    rows, cols = em.emit(m_extent, top), em.emit(n_extent, top)
-    operand = dtypes.TL[operand_dtype(wl)].replace("tl.", f"{NS}.")
-    k_per_instr = 32 // dtypes.BYTES[operand_dtype(wl)]  # a warpgroup MMA reads 32 bytes of k per row
-    acc_layout = (f"acc_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
-                  f"warps_per_cta=[{s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_N, {k_per_instr}])")
-    acc_dtype = GL[con.acc]
-    sync = s["num_warps"] > WARPGROUP
-    consumers = s["consumers"]
-    a, w = pair
-
-    grid_dependency(top)
-    top.line(f"tiles_m = {NS}.cdiv({rows}, BLOCK_M)")
-    top.line(f"tiles_n = {NS}.cdiv({cols}, BLOCK_N)")
-    top.line(f"k_steps = {NS}.cdiv({em.emit(con.extent, top)}, BLOCK_K)")
-    for tensor, ring, block in ((a, "a", "BLOCK_M"), (w, "w", "BLOCK_N")):
-        shape = ", ".join(em.emit(d, top) for d in op.tensors[tensor].shape)
-        top.line(f"{ring}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([{block}, BLOCK_K], {operand})")
-        top.line(f"{ring}_desc = tma.make_tensor_descriptor({tensor}_ptr, shape=[{shape}], strides=[{tensor}_s0, 1], "
-                 f"block_shape=[{block}, BLOCK_K], layout={ring}_layout)")
-        top.line(f"{ring}_ring = {NS}.allocate_shared_memory({operand}, [STAGES, {block}, BLOCK_K], {ring}_layout)")
+        return generate_int4(wl, s)
+    t = start(wl, s, {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"],
+                      "GROUP_M": s["group_m"], "STAGES": s["num_stages"]})
+    assert t.body.index(t.con) == 0, "a row pass before the contraction gives A a prologue"
     staged = tma_output(wl) if s["tma_store"] else None
+    _counts(t)
+    _operand_rings(t, pair)
     if staged:
-        out_dt = dtypes.TL[op.dtype_of(staged, attrs)].replace("tl.", f"{NS}.")
-        shape = ", ".join(em.emit(d, top) for d in op.tensors[staged].shape)
-        top.line(f"{staged}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], {out_dt})")
-        top.line(f"{staged}_desc = tma.make_tensor_descriptor({staged}_ptr, shape=[{shape}], strides=[{staged}_s0, 1], "
-                 f"block_shape=[BLOCK_M, BLOCK_N], layout={staged}_layout)")
-        tiles = f"{consumers}, " if consumers > 1 else ""  # a tile per consumer
-        top.line(f"{staged}_tile = {NS}.allocate_shared_memory({out_dt}, [{tiles}BLOCK_M, BLOCK_N], {staged}_layout)")
-    barriers = ("ready", "free") if s["producer_warps"] else ("ready",)
+        _output_tile(t, staged)
+    _barriers(t)
+    helpers = _specialized(t, staged) if s["producer_warps"] else _one_partition(t, staged)
+    return KernelSource(t.name, t.module(helpers), t.args, (s["block_m"], s["block_n"]), tile_cols=True,
+                        flat=True, dialect="gluon", persistent=s["persistent"])
+
+
+def _counts(t: Tile) -> None:
+    """The wait for the previous kernel, then the counts every partition's walk reads: the output's
+    row and column tiles and the k steps of each."""
+    grid_dependency(t.top)
+    t.top.line(f"tiles_m = {NS}.cdiv({t.rows}, BLOCK_M)")
+    t.top.line(f"tiles_n = {NS}.cdiv({t.cols}, BLOCK_N)")
+    t.top.line(f"k_steps = {NS}.cdiv({t.em.emit(t.con.extent, t.top)}, BLOCK_K)")
+
+
+def _operand_rings(t: Tile, pair: tuple[str, str]) -> None:
+    """TMA descriptors of the A and W tensors, and a ring of STAGES shared-memory slots for each in the
+    swizzled layout the warpgroup MMA reads."""
+    operand = dtypes.TL[operand_dtype(t.wl)].replace("tl.", f"{NS}.")
+    a, w = pair
+    for tensor, ring, block in ((a, "a", "BLOCK_M"), (w, "w", "BLOCK_N")):
+        shape = ", ".join(t.em.emit(d, t.top) for d in t.wl.op.tensors[tensor].shape)
+        t.top.line(f"{ring}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([{block}, BLOCK_K], {operand})")
+        t.top.line(f"{ring}_desc = tma.make_tensor_descriptor({tensor}_ptr, shape=[{shape}], strides=[{tensor}_s0, 1], "
+                   f"block_shape=[{block}, BLOCK_K], layout={ring}_layout)")
+        t.top.line(f"{ring}_ring = {NS}.allocate_shared_memory({operand}, [STAGES, {block}, BLOCK_K], {ring}_layout)")
+
+
+def _output_tile(t: Tile, staged: str) -> None:
+    """The TMA store's descriptor of the `staged` output and its shared-memory tile, one per consumer
+    (each stores its own tiles, and its copy runs on while it computes the next)."""
+    op, consumers = t.wl.op, t.s["consumers"]
+    out_dt = dtypes.TL[op.dtype_of(staged, t.wl.attr)].replace("tl.", f"{NS}.")
+    shape = ", ".join(t.em.emit(d, t.top) for d in op.tensors[staged].shape)
+    t.top.line(f"{staged}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], {out_dt})")
+    t.top.line(f"{staged}_desc = tma.make_tensor_descriptor({staged}_ptr, shape=[{shape}], strides=[{staged}_s0, 1], "
+               f"block_shape=[BLOCK_M, BLOCK_N], layout={staged}_layout)")
+    tiles = f"{consumers}, " if consumers > 1 else ""  # a tile per consumer
+    t.top.line(f"{staged}_tile = {NS}.allocate_shared_memory({out_dt}, [{tiles}BLOCK_M, BLOCK_N], {staged}_layout)")
+
+
+def _barriers(t: Tile) -> None:
+    """The ring's barriers: `ready` (a slot's copies have landed), `free` where a copy warp refills
+    slots (the MMA that read one is done), `turn` where two consumers take turns; all initialized and
+    fenced before any copy signals one."""
+    top, consumers = t.top, t.s["consumers"]
+    barriers = ("ready", "free") if t.s["producer_warps"] else ("ready",)
     for bar in barriers:
         top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [STAGES, 1], mbarrier.MBarrierLayout())")
     top.line(f"for i in {NS}.static_range(STAGES):")
@@ -188,59 +178,82 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         top.line(f"for i in {NS}.static_range({consumers}):")
         top.line("    mbarrier.init(turn.index(i), count=1)")
     top.line("fence_async_shared()  # the barriers are initialized before any copy signals them")
-    helpers: list[str] = []
-    if s["producer_warps"]:
-        # The MMA warps walk the same tiles as the copy warp, each tile's epilogue in their partition
-        # while the copy warp already fills the ring with the next tile's steps.
-        _load_tiles(helpers)
-        params = [x.name + (f": {NS}.constexpr" if x.kind == "constexpr" else "") for x in args]
-        ring = ["a_ring", "w_ring", "ready", "free", "tiles_m", "tiles_n", "k_steps",
-                *([f"{staged}_desc", f"{staged}_tile"] if staged else [])]
-        pingpong = ["turn", "first"] if consumers > 1 else []
-        helpers += ["@gluon.jit", f"def _mma_tiles({', '.join(params + ring + pingpong)}):",
-                    "    # the MMA warps: each step's MMA runs while the next step's copy is awaited", f"    {acc_layout}"]
-        tile = _tile_loop(Scope(helpers, "    ", dict(top.axes)), consumers)
-        tile.line(f"acc = {NS}.zeros([BLOCK_M, BLOCK_N], {acc_dtype}, acc_layout)")
-        if consumers > 1:
-            tile.line("mbarrier.wait(turn.index(first), ((q // 2) & 1) ^ (1 - first))  # the other's k loop is issued")
-        tile.line("for ki in range(k_steps):")
-        for line in [*_MMA_STEP, *(_SYNC if sync else []),
-                     "mbarrier.arrive(free.index((it + STAGES - 1) % STAGES), pred=ki > 0)  # hand that slot back",
-                     "it += 1"]:
-            tile.line("    " + line)
-        if consumers > 1:
-            tile.line("mbarrier.arrive(turn.index(1 - first))  # its turn: this epilogue overlaps its MMAs")
-        tile.line("acc = warpgroup_mma_wait(0, deps=[acc])")
-        if sync:
-            tile.line(_SYNC[0])
-        tile.line("mbarrier.arrive(free.index((it + STAGES - 1) % STAGES))  # and the tile's last slot")
-        _epilogue(em, tile, body[1:], rows, cols, cmask, staged)
-        if staged:
-            helpers.append("    tma.store_wait(0)  # the last tile's copy is done before the program ends")
-        helpers += ["", ""]
-        top.line(f"{NS}.warp_specialize([")
-        mma_args = [x.name for x in args] + ring
-        for first in range(consumers):  # the default partition first; a second consumer is a worker
-            call = [a.replace(f"{staged}_tile", f"{staged}_tile.index({first})") for a in mma_args] if consumers > 1 else mma_args
-            top.line(f"    (_mma_tiles, ({', '.join(call + (['turn', str(first)] if consumers > 1 else []))})),")
-        top.line("    (_load_tiles, (a_desc, w_desc, a_ring, w_ring, ready, free, tiles_m, tiles_n, k_steps, BLOCK_M, BLOCK_N,")
-        top.line("                   BLOCK_K, GROUP_M, STAGES)),")
-        warps = [s["num_warps"]] * (consumers - 1) + [s["producer_warps"]]
-        regs = [CONSUMER_REGS] * (consumers - 1) + [PRODUCER_REGS]
-        top.line(f"], {warps}, {regs})")
-    else:
-        helpers = _pipelined_tiles(sync)
-        top.line(f"pid = {NS}.program_id(0)")
-        tile_order(top, NS)
-        top.line("off_m = pid_m * BLOCK_M")
-        top.line("off_n = pid_n * BLOCK_N")
-        top.line(acc_layout)
-        top.line(f"acc = _pipelined_tiles(a_desc, w_desc, a_ring, w_ring, ready, off_m, off_n, k_steps, "
-                 f"BLOCK_M, BLOCK_N, BLOCK_K, STAGES, {acc_dtype}, acc_layout)")
-        _epilogue(em, top, body[1:], rows, cols, cmask, staged)
-        if staged:
-            top.line("tma.store_wait(0)")
-    head = lines.index("@gluon.jit")
-    lines[head:head] = helpers
-    return KernelSource(name, to_gluon(em.finish(lines)), args, (s["block_m"], s["block_n"]), tile_cols=True,
-                        flat=True, dialect="gluon", persistent=s["persistent"])
+
+
+def _acc_layout(t: Tile) -> str:
+    """The accumulator's register layout, the warpgroup MMA's: num_warps along the rows, 32 bytes of k
+    per instruction."""
+    k_per_instr = 32 // dtypes.BYTES[operand_dtype(t.wl)]  # a warpgroup MMA reads 32 bytes of k per row
+    return (f"acc_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
+            f"warps_per_cta=[{t.s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_N, {k_per_instr}])")
+
+
+def _specialized(t: Tile, staged: str | None) -> list[str]:
+    """With a copy warp: its partition and the MMA warps' as helpers, and the kernel's call that starts
+    them; returns the helpers."""
+    ring = ["a_ring", "w_ring", "ready", "free", "tiles_m", "tiles_n", "k_steps",
+            *([f"{staged}_desc", f"{staged}_tile"] if staged else [])]
+    helpers = _load_tiles() + _mma_tiles(t, ring, staged)
+    _partitions(t, ring, staged)
+    return helpers
+
+
+def _mma_tiles(t: Tile, ring: list[str], staged: str | None) -> list[str]:
+    """The MMA warps' partition: they walk the same tiles as the copy warp, each tile's epilogue in
+    their partition while the copy warp already fills the ring with the next tile's steps."""
+    consumers, sync = t.s["consumers"], t.s["num_warps"] > WARPGROUP
+    pingpong = ["turn", "first"] if consumers > 1 else []
+    lines = ["@gluon.jit", f"def _mma_tiles({', '.join(def_params(t.args) + ring + pingpong)}):",
+             "    # the MMA warps: each step's MMA runs while the next step's copy is awaited", f"    {_acc_layout(t)}"]
+    tile = _tile_loop(Scope(lines, "    ", dict(t.top.axes)), consumers)
+    tile.line(f"acc = {NS}.zeros([BLOCK_M, BLOCK_N], {GL[t.con.acc]}, acc_layout)")
+    if consumers > 1:
+        tile.line("mbarrier.wait(turn.index(first), ((q // 2) & 1) ^ (1 - first))  # the other's k loop is issued")
+    tile.line("for ki in range(k_steps):")
+    for line in [*_MMA_STEP, *(_SYNC if sync else []),
+                 "mbarrier.arrive(free.index((it + STAGES - 1) % STAGES), pred=ki > 0)  # hand that slot back",
+                 "it += 1"]:
+        tile.line("    " + line)
+    if consumers > 1:
+        tile.line("mbarrier.arrive(turn.index(1 - first))  # its turn: this epilogue overlaps its MMAs")
+    tile.line("acc = warpgroup_mma_wait(0, deps=[acc])")
+    if sync:
+        tile.line(_SYNC[0])
+    tile.line("mbarrier.arrive(free.index((it + STAGES - 1) % STAGES))  # and the tile's last slot")
+    epilogue(t, tile, staged)
+    if staged:
+        lines.append("    tma.store_wait(0)  # the last tile's copy is done before the program ends")
+    return lines + ["", ""]
+
+
+def _partitions(t: Tile, ring: list[str], staged: str | None) -> None:
+    """The kernel's `warp_specialize` call: the MMA partition first (the default; a second consumer is
+    a worker, with its own output tile), then the copy warp, with their warps and registers."""
+    top, consumers = t.top, t.s["consumers"]
+    top.line(f"{NS}.warp_specialize([")
+    mma_args = [x.name for x in t.args] + ring
+    for first in range(consumers):
+        call = [a.replace(f"{staged}_tile", f"{staged}_tile.index({first})") for a in mma_args] if consumers > 1 else mma_args
+        top.line(f"    (_mma_tiles, ({', '.join(call + (['turn', str(first)] if consumers > 1 else []))})),")
+    top.line("    (_load_tiles, (a_desc, w_desc, a_ring, w_ring, ready, free, tiles_m, tiles_n, k_steps, BLOCK_M, BLOCK_N,")
+    top.line("                   BLOCK_K, GROUP_M, STAGES)),")
+    warps = [t.s["num_warps"]] * (consumers - 1) + [t.s["producer_warps"]]
+    regs = [CONSUMER_REGS] * (consumers - 1) + [PRODUCER_REGS]
+    top.line(f"], {warps}, {regs})")
+
+
+def _one_partition(t: Tile, staged: str | None) -> list[str]:
+    """Without a copy warp: the program's one tile, its warps copying num_stages - 1 steps ahead of
+    their MMAs (`_pipelined_tiles`, the helper returned), then its epilogue."""
+    top = t.top
+    top.line(f"pid = {NS}.program_id(0)")
+    tile_order(top, NS)
+    top.line("off_m = pid_m * BLOCK_M")
+    top.line("off_n = pid_n * BLOCK_N")
+    top.line(_acc_layout(t))
+    top.line(f"acc = _pipelined_tiles(a_desc, w_desc, a_ring, w_ring, ready, off_m, off_n, k_steps, "
+             f"BLOCK_M, BLOCK_N, BLOCK_K, STAGES, {GL[t.con.acc]}, acc_layout)")
+    epilogue(t, top, staged)
+    if staged:
+        top.line("tma.store_wait(0)")
+    return _pipelined_tiles(t.s["num_warps"] > WARPGROUP)

@@ -14,37 +14,39 @@ asynchronous 16-deep MMA per code position against the matching 16 columns of th
 Group scales for the next k step are loaded while the current one computes. Split K: programs
 sharing a tile store partial tiles, the last one to finish sums them in split order and runs the
 op's epilogue.
+
+One function writes each part of the kernel: the tile's place and share of K (`_tile_place`), the
+rings and barriers (`_rings`), the unpacking helpers (`_code_helpers`), the copy warp (`_load_steps`),
+the MMA warps (`_mma_steps`: the first scales, each k step, the transposed epilogue) and the call
+starting both (`_partitions`). The start and the epilogue are tile.py's.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 from flashgen.ir import dtypes
 from flashgen.ir.contraction import WARPGROUP_ROWS, extents, gluon_int4_operands, int4_affine, operand_dtype
-from flashgen.ir.op import Let, eval_int
 from flashgen.quant import INT4_PERIOD
-from flashgen.targets.gluon.emit import NS, GluonEmitter, grid_dependency, module_header, to_gluon
+from flashgen.targets.gluon.emit import NS, PRODUCER_REGS, def_params, grid_dependency
+from flashgen.targets.gluon.tile import Tile, epilogue, start
 from flashgen.targets.triton.contraction.kernel import tile_order
 from flashgen.targets.triton.contraction.ptx import codes_asm
 from flashgen.targets.triton.contraction.split_k import merge_splits, split_scratch
-from flashgen.targets.triton.emit import KernelSource, Scope, kernel_args
+from flashgen.targets.triton.emit import KernelSource, Scope
 from flashgen.workload import Schedule, Workload
 
 RUN = 16  # consecutive k of one code position of consecutive words: one 16-deep MMA each
 COPY_BYTES = 128  # bytes of an activation row per TMA copy (the widest swizzled row)
-PRODUCER_REGS = 40  # registers per thread of the copy warp
 
 
 def _code_helper(operand: str, j: int, scaled: bool) -> tuple[str, list[str]]:
     """A @gluon.jit function giving code j - 8 of a words tile (times its scale when `scaled`) as
     16-bit pairs, two words per PTX statement."""
     name = f"_int4_code{j}_{operand}" + ("_scaled" if scaled else "")
-    params = ["words", "scale"] if scaled else ["words"]
+    inputs = ["words", "scale"] if scaled else ["words"]
     constraints = "=r,r,r,r" if scaled else "=r,r,r"
     dt = dtypes.TL[operand].replace("tl.", f"{NS}.")
-    return name, ["@gluon.jit", f"def {name}({', '.join(params)}):",
+    return name, ["@gluon.jit", f"def {name}({', '.join(inputs)}):",
                   f'    return {NS}.inline_asm_elementwise("{codes_asm(operand, j, scaled)}", "{constraints}", '
-                  f"[{', '.join(params)}], dtype={dt}, is_pure=True, pack=2)", "", ""]
+                  f"[{', '.join(inputs)}], dtype={dt}, is_pure=True, pack=2)", "", ""]
 
 
 def _load_steps(parts: int) -> list[str]:
@@ -79,54 +81,78 @@ def _k_range(top: Scope, k_extent: str, split_k: int) -> None:
         top.line(f"k_hi = {k_extent}")
 
 
-def generate_int4(wl: Workload, s: Schedule, epilogue: Callable[..., None]) -> KernelSource:
+def generate_int4(wl: Workload, s: Schedule) -> KernelSource:
     """A W4A16-form workload's Gluon kernel for schedule `s` (sm_90; schedules/contraction_space.py
-    `gluon_invalid` says which schedules it takes). `epilogue` writes the op's stores
-    (targets/gluon/contraction.py)."""
-    x, word = gluon_int4_operands(wl)
-    op, attrs = wl.op, wl.attr
-    body = op.body(attrs)
-    con = extents(wl)[3]
-    _, _, scale = int4_affine(wl)
-    lets = {st.name: st.value for st in body if isinstance(st, Let)}
-    em = GluonEmitter(op, attrs, lets)
-    em.named[con.name] = "acc"
-    name = f"{op.name}_kernel"
-    operand = operand_dtype(wl)
-    gl_operand = dtypes.TL[operand].replace("tl.", f"{NS}.")
+    `gluon_invalid` says which schedules it takes)."""
     split_k = s["split_k"]
-    scratch = split_scratch(s["block_m"], s["block_n"], split_k, con.acc) if split_k > 1 else ()
+    scratch = split_scratch(s["block_m"], s["block_n"], split_k, extents(wl)[3].acc) if split_k > 1 else ()
     consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"],
               "STAGES": s["num_stages"], **({"SPLIT_K": split_k} if split_k > 1 else {})}
-    args = kernel_args(wl, consts, scratch)
-    lines = module_header(wl, s, name, args)
-    m_extent, n_extent = op.domain
-    cmask = "cmask" if eval_int(n_extent, wl.dim) % s["block_n"] else None
-    top = Scope(lines, "    ", {"r": ("r", "rmask"), "c": ("c", cmask)})
-    rows, cols = em.emit(m_extent, top), em.emit(n_extent, top)
-    part_k = COPY_BYTES // dtypes.BYTES[operand]
-    parts = s["block_k"] // part_k
+    t = start(wl, s, consts, scratch)
+    _tile_place(t)
+    _rings(t)
+    # The MMA warps' partition takes every kernel argument, then the ring and the tile's place.
+    ring = ["x_ring", "w_ring", "ready", "free", "pid", "off_m", "off_n", "k_lo", "k_hi", "k_steps",
+            *(["split"] if split_k > 1 else [])]
+    codes, helpers = _code_helpers(t)
+    helpers += _load_steps(_parts(t)) + _mma_steps(t, ring, codes)
+    _partitions(t, ring)
+    return KernelSource(t.name, t.module(helpers), t.args, (s["block_m"], s["block_n"]), tile_cols=True,
+                        flat=True, grid_z=split_k, scratch=scratch, dialect="gluon")
 
+
+def _operand(t: Tile) -> str:
+    """The MMA's operand dtype, in Gluon's names."""
+    return dtypes.TL[operand_dtype(t.wl)].replace("tl.", f"{NS}.")
+
+
+def _part_k(t: Tile) -> int:
+    """The k of one activation copy: COPY_BYTES of a row."""
+    return COPY_BYTES // dtypes.BYTES[operand_dtype(t.wl)]
+
+
+def _parts(t: Tile) -> int:
+    """Activation copies per k step."""
+    return t.s["block_k"] // _part_k(t)
+
+
+def _scaled(t: Tile) -> bool:
+    """Whether the codes have a scale (group or channel) to multiply in while unpacking."""
+    return int4_affine(t.wl)[2] is not None
+
+
+def _tile_place(t: Tile) -> None:
+    """The wait for the previous kernel, then the program's one tile (numbered as the Triton kernel
+    numbers them), its offsets and its share of K, which both partitions read."""
+    top = t.top
     grid_dependency(top)
-    top.line(f"tiles_m = {NS}.cdiv({rows}, BLOCK_M)")
-    top.line(f"tiles_n = {NS}.cdiv({cols}, BLOCK_N)")
+    top.line(f"tiles_m = {NS}.cdiv({t.rows}, BLOCK_M)")
+    top.line(f"tiles_n = {NS}.cdiv({t.cols}, BLOCK_N)")
     top.line(f"pid = {NS}.program_id(0)")
     tile_order(top, NS)
     top.line("off_m = pid_m * BLOCK_M")
     top.line("off_n = pid_n * BLOCK_N")
-    _k_range(top, em.emit(con.extent, top), split_k)
+    _k_range(top, t.em.emit(t.con.extent, top), t.s["split_k"])
     top.line(f"k_steps = {NS}.cdiv(k_hi - k_lo, BLOCK_K)")
-    top.line(f"PART_K: {NS}.constexpr = {part_k}")
-    words_shape = ", ".join(em.emit(d, top) for d in op.tensors[word.tensor].shape)
-    x_shape = ", ".join(em.emit(d, top) for d in op.tensors[x].shape)
+
+
+def _rings(t: Tile) -> None:
+    """TMA descriptors and rings of STAGES slots: a slot holds a k step's packed words (never a
+    dequantized tile) and its activations in copies of COPY_BYTES a row; the `ready` and `free`
+    barriers of each slot, initialized and fenced before any copy signals one."""
+    x, word = gluon_int4_operands(t.wl)
+    op, top, operand = t.wl.op, t.top, _operand(t)
+    top.line(f"PART_K: {NS}.constexpr = {_part_k(t)}")
+    words_shape = ", ".join(t.em.emit(d, top) for d in op.tensors[word.tensor].shape)
+    x_shape = ", ".join(t.em.emit(d, top) for d in op.tensors[x].shape)
     top.line(f"w_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 8], {NS}.int32)")
     top.line(f"w_desc = tma.make_tensor_descriptor({word.tensor}_ptr, shape=[{words_shape}], "
              f"strides=[{word.tensor}_s0, 1], block_shape=[BLOCK_N, BLOCK_K // 8], layout=w_layout)")
     top.line(f"w_ring = {NS}.allocate_shared_memory({NS}.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_layout)")
-    top.line(f"x_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, PART_K], {gl_operand})")
+    top.line(f"x_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, PART_K], {operand})")
     top.line(f"x_desc = tma.make_tensor_descriptor({x}_ptr, shape=[{x_shape}], strides=[{x}_s0, 1], "
              "block_shape=[BLOCK_M, PART_K], layout=x_layout)")
-    top.line(f"x_ring = {NS}.allocate_shared_memory({gl_operand}, [STAGES * {parts}, BLOCK_M, PART_K], x_layout)")
+    top.line(f"x_ring = {NS}.allocate_shared_memory({operand}, [STAGES * {_parts(t)}, BLOCK_M, PART_K], x_layout)")
     for bar in ("ready", "free"):
         top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [STAGES, 1], mbarrier.MBarrierLayout())")
     top.line(f"for i in {NS}.static_range(STAGES):")
@@ -134,48 +160,68 @@ def generate_int4(wl: Workload, s: Schedule, epilogue: Callable[..., None]) -> K
     top.line("    mbarrier.init(free.index(i), count=1)")
     top.line("fence_async_shared()  # the barriers are initialized before any copy signals them")
 
-    # The MMA warps' partition: every kernel argument, then the ring and the tile's place.
-    params = [a.name + (f": {NS}.constexpr" if a.kind == "constexpr" else "") for a in args]
-    ring = ["x_ring", "w_ring", "ready", "free", "pid", "off_m", "off_n", "k_lo", "k_hi", "k_steps",
-            *(["split"] if split_k > 1 else [])]
-    helpers: list[str] = []
-    scaled = scale is not None
-    code_names = []
+
+def _code_helpers(t: Tile) -> tuple[list[str], list[str]]:
+    """The functions unpacking each code position's run of k (inline PTX), by name, and their source."""
+    names: list[str] = []
+    lines: list[str] = []
     for j in range(INT4_PERIOD // RUN):
-        fn, text = _code_helper(operand, j, scaled)
-        code_names.append(fn)
-        helpers += text
-    helpers += _load_steps(parts)
-    helpers += ["@gluon.jit", f"def _mma_steps({', '.join(params + ring)}):",
-                "    # the MMA warps: unpack each k step's words into the MMA's register operand, one MMA per code position",
-                f"    mma_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
-                f"warps_per_cta=[{s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_M, {RUN}])",
-                f"    w_operand: {NS}.constexpr = {NS}.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)"]
-    mma = Scope(helpers, "    ", dict(top.axes))
-    runs = INT4_PERIOD // RUN
+        fn, text = _code_helper(operand_dtype(t.wl), j, _scaled(t))
+        names.append(fn)
+        lines += text
+    return names, lines
+
+
+def _mma_steps(t: Tile, ring: list[str], codes: list[str]) -> list[str]:
+    """The MMA warps' partition: the transposed tile accumulated over the program's k steps, then the
+    op's epilogue (after the splits' merge, where K is split)."""
+    lines = ["@gluon.jit", f"def _mma_steps({', '.join(def_params(t.args) + ring)}):",
+             "    # the MMA warps: unpack each k step's words into the MMA's register operand, one MMA per code position",
+             f"    mma_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
+             f"warps_per_cta=[{t.s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_M, {RUN}])",
+             f"    w_operand: {NS}.constexpr = {NS}.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)"]
+    mma = Scope(lines, "    ", dict(t.top.axes))
     # k_steps > 0 (every split has steps): with no path around the loop, ptxas keeps the MMAs asynchronous
     mma.line(f"{NS}.assume(k_steps > 0)")
     mma.line(f"acc_t = {NS}.zeros([BLOCK_N, BLOCK_M], {NS}.float32, mma_layout)")
-    if scaled:
-        mma.line(f"c_t = off_n + {NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(1, w_operand))[:, None]")
-        sc_mask = None
-        if cmask:
-            mma.line(f"cmask_t = c_t < {cols}")
-            sc_mask = "cmask_t"
-
-        def scale_tile(scope: Scope, k: str) -> str:
-            """The group scales of the k step starting at `k`, as [block_n, 1] in the operand dtype."""
-            sc = scope.child(axes={"c": ("c_t", sc_mask), "k": (k, None)}, fresh=True)
-            return f"({em.emit(scale, sc)}).to({gl_operand})"
-
-        mma.line(f"sc = {scale_tile(mma, 'k_lo')}")
+    sc_mask = _first_scales(t, mma) if _scaled(t) else None
     mma.line("for ki in range(k_steps):")
-    step = mma.child(mma.indent + "    ")
+    _k_step(t, mma.child(mma.indent + "    "), codes, sc_mask)
+    # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
+    mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{t.s['num_warps']}, 1], [1, 0])")
+    mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
+    epilogue(t, merge_splits(mma, "acc", t.con.acc, "acc_layout") if t.s["split_k"] > 1 else mma, None)
+    return lines + ["", ""]
+
+
+def _scale_tile(t: Tile, scope: Scope, k: str, sc_mask: str | None) -> str:
+    """The group scales of the k step starting at `k`, as [block_n, 1] in the operand dtype."""
+    sc = scope.child(axes={"c": ("c_t", sc_mask), "k": (k, None)}, fresh=True)
+    return f"({t.em.emit(int4_affine(t.wl)[2], sc)}).to({_operand(t)})"
+
+
+def _first_scales(t: Tile, mma: Scope) -> str | None:
+    """The weight rows of the tile in the MMA operand's layout (`c_t`) and the first k step's scales
+    `sc`; returns the mask of the scale loads (where a tile runs past the last column)."""
+    mma.line(f"c_t = off_n + {NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(1, w_operand))[:, None]")
+    sc_mask = None
+    if t.cmask:
+        mma.line(f"cmask_t = c_t < {t.cols}")
+        sc_mask = "cmask_t"
+    mma.line(f"sc = {_scale_tile(t, mma, 'k_lo', sc_mask)}")
+    return sc_mask
+
+
+def _k_step(t: Tile, step: Scope, codes: list[str], sc_mask: str | None) -> None:
+    """One k step: wait for its slot, load the words into the operand's registers, unpack and issue the
+    MMAs in two halves, and hand the slot back once they are done."""
+    scaled = _scaled(t)
+    runs, part_k, parts = INT4_PERIOD // RUN, _part_k(t), _parts(t)
     step.line("s = ki % STAGES")
     if scaled:
         # the next step's scales, loaded while this step computes (the last step reloads its own)
         step.line(f"k_next = {NS}.minimum(k_lo + (ki + 1) * BLOCK_K, k_hi - 1)")
-        step.line(f"sc_next = {scale_tile(step, 'k_next')}")
+        step.line(f"sc_next = {_scale_tile(t, step, 'k_next', sc_mask)}")
     step.line("mbarrier.wait(ready.index(s), (ki // STAGES) & 1)")
     step.line("words = w_ring.index(s).load(w_operand)")
     if scaled:
@@ -185,7 +231,7 @@ def generate_int4(wl: Workload, s: Schedule, epilogue: Callable[..., None]) -> K
     # is handed back then: no MMA is in flight across steps (the other programs on the SM fill the gaps).
     for half in (range(runs // 2), range(runs // 2, runs)):
         for j in half:
-            step.line(f"w{j} = " + (f"{code_names[j]}(words, sc_w)" if scaled else f"{code_names[j]}(words)"))
+            step.line(f"w{j} = " + (f"{codes[j]}(words, sc_w)" if scaled else f"{codes[j]}(words)"))
         for j in half:
             part, col = divmod(j * RUN, part_k)
             step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {parts} + {part}).slice({col}, {RUN}, dim=1)"
@@ -195,18 +241,14 @@ def generate_int4(wl: Workload, s: Schedule, epilogue: Callable[..., None]) -> K
     step.line("mbarrier.arrive(free.index(s))")
     if scaled:
         step.line("sc = sc_next")
-    # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
-    mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{s['num_warps']}, 1], [1, 0])")
-    mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
-    tail = merge_splits(mma, "acc", con.acc, "acc_layout") if split_k > 1 else mma
-    epilogue(em, tail, body[1:], rows, cols, cmask, None)
-    helpers += ["", ""]
+
+
+def _partitions(t: Tile, ring: list[str]) -> None:
+    """The kernel's `warp_specialize` call: the MMA warps (the default partition) and one copy warp of
+    few registers."""
+    top = t.top
     top.line(f"{NS}.warp_specialize([")
-    top.line(f"    (_mma_steps, ({', '.join([a.name for a in args] + ring)})),")
+    top.line(f"    (_mma_steps, ({', '.join([a.name for a in t.args] + ring)})),")
     top.line("    (_load_steps, (x_desc, w_desc, x_ring, w_ring, ready, free, off_m, off_n, k_lo, k_steps, BLOCK_K, "
              "PART_K, STAGES)),")
     top.line(f"], [1], [{PRODUCER_REGS}])")
-    head = lines.index("@gluon.jit")
-    lines[head:head] = helpers
-    return KernelSource(name, to_gluon(em.finish(lines)), args, (s["block_m"], s["block_n"]), tile_cols=True,
-                        flat=True, grid_z=split_k, scratch=scratch, dialect="gluon")

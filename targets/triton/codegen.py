@@ -6,7 +6,7 @@ The generated module is plain, readable Triton: one program per tile of `block_r
 columns of the op's domain; every float computes in fp32 and is cast where it is stored. A rowwise op
 whose row fits one tile reads it once; a longer row is walked in tiles, one pass per reduction and a
 last pass for the stores that need every reduction, each store placed in the earliest pass that can
-make it. A pointwise op (its class `tiles_cols`) tiles its columns across programs too. Dims other
+make it (the row plan, flashgen/ir/row_plan.py, which the TVM backend walks too). A pointwise op (its class `tiles_cols`) tiles its columns across programs too. Dims other
 than the row count are compile-time constants, so tails and masks fold away when a tile divides the row.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from flashgen.ir import expr as E
-from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, refs
+from flashgen.ir.op import Let, Reduce, Stmt, Store
+from flashgen.ir.row_plan import RowLevel, row_plan
 from flashgen.kernel_classes import generator, kernel_class, schedule_backend
 from flashgen.targets.triton.emit import (COMBINE, IDENTITY, REDUCE_FN, Emitter, KernelSource, Scope, grid_dependency, kernel_args,
                                           module_header)
@@ -26,7 +27,6 @@ class _RowGen:
         self.wl, self.op, self.s = wl, wl.op, schedule
         self.body: tuple[Stmt, ...] = self.op.body(wl.attr)
         self.lets = {st.name: st.value for st in self.body if isinstance(st, Let)}
-        self.reduces = [st for st in self.body if isinstance(st, Reduce)]
         self.rows, self.cols = domain(wl)
         self.tiles_cols = kernel_class(self.op.kclass).tiles_cols
         self.looped = not self.tiles_cols and schedule["block_c"] < self.cols
@@ -37,16 +37,6 @@ class _RowGen:
     def reduce_tile(self, st: Reduce, scope: Scope) -> str:
         v = self.em.emit(st.value, scope)
         return f"tl.where(cmask, {v}, {IDENTITY[st.kind]})" if self.cmask else v
-
-    def deps(self, e: E.Expr) -> set[str]:
-        """Reductions a value needs, through the Lets it names."""
-        out: set[str] = set()
-        for name in refs(e):
-            out |= self.deps(self.lets[name]) if name in self.lets else {name}
-        return out
-
-    def is_vector(self, e: E.Expr) -> bool:
-        return depends_on_cols(e, self.lets)
 
     def column_setup(self, scope: Scope, start: str) -> None:
         scope.line(f"c = {start}tl.arange(0, BLOCK_C)[None, :]")
@@ -64,41 +54,31 @@ class _RowGen:
             elif isinstance(st, Store):
                 self.em.store(st, scope)
 
+    def row_level(self, step: RowLevel, scope: Scope) -> None:
+        """Row-level values and stores, at row scope between the tile loops."""
+        for name in step.lets:
+            self.em.emit(E.Ref(name), scope)
+        for st in step.stores:
+            self.em.store(st, scope)
+
     def multi_tile(self, scope: Scope) -> None:
-        done: set[str] = set()
-        pending = [st for st in self.body if isinstance(st, Store)]
-
-        def ready(st: Store) -> bool:
-            return self.deps(st.value) | (self.deps(st.mask) if st.mask is not None else set()) <= done
-
-        def row_level_ready() -> None:
-            for name, value in self.lets.items():
-                if not self.is_vector(value) and self.deps(value) <= done:
-                    self.em.emit(E.Ref(name), scope)
-            for st in [s for s in pending if not self.is_vector(s.value) and ready(s)]:
-                self.em.store(st, scope)
-                pending.remove(st)
-
-        for red in self.reduces + [None]:
-            vec_now = [s for s in pending if self.is_vector(s.value) and ready(s)]
-            if red is None and not vec_now:
-                break
-            acc = None
+        """The row walked in tiles: one loop per pass of the row plan (flashgen/ir/row_plan.py)."""
+        plan = row_plan(self.body)
+        self.row_level(plan.before, scope)
+        for p in plan.passes:
+            red, acc = p.reduce, None
             if red is not None:
                 acc = self.em.temp(scope, f"tl.full([BLOCK_R, BLOCK_C], {IDENTITY[red.kind]}, tl.float32)")
             scope.line(f"for c0 in range(0, {self.em.emit(self.op.domain[1], scope)}, BLOCK_C):")
             inner = scope.child(scope.indent + "    ")
             self.column_setup(inner, "c0 + ")
-            for st in vec_now:
+            for st in p.stores:
                 self.em.store(st, inner)
-                pending.remove(st)
             if red is not None:
                 v = self.reduce_tile(red, inner)
                 inner.line(f"{acc} = {COMBINE[red.kind].format(acc, v)}")
                 self.em.named[red.name] = self.em.temp(scope, f"{REDUCE_FN[red.kind]}({acc}, axis=1)[:, None]", red.name)
-                done.add(red.name)
-                row_level_ready()
-        assert not pending, f"stores never became ready: {pending}"
+            self.row_level(p.after, scope)
 
     def generate(self) -> KernelSource:
         name = f"{self.op.name}_kernel"

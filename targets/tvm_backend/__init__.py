@@ -32,7 +32,7 @@ from flashgen.targets import artifacts
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel
 from flashgen.targets.tvm_backend.launch import TVMLauncher
-from flashgen.targets.tvm_backend.lower import Arg, KernelSource
+from flashgen.targets.tvm_backend.lower import TVMArg, TVMSource
 from flashgen.targets.tvm_backend.runtime import llvm_spec, load_library, tvm_version
 from flashgen.workload import Schedule, Workload
 
@@ -42,14 +42,14 @@ RECORD = "flashgen.json"  # an entry's record of its build: entry, signature, LL
 ASM = ("llvm", "s")
 
 
-def cache_key(ks: KernelSource, llvm: dict[str, str]) -> str:
+def cache_key(ks: TVMSource, llvm: dict[str, str]) -> str:
     """Everything the build reads: the script TVM parses (the source less its comment header), the
     LLVM target and the versions of TVM and flashgen."""
     return artifacts.artifact_key({"script": ks.script, "llvm_target": llvm, "tvm": tvm_version(),
                                    "flashgen": __version__})
 
 
-def _compile(ks: KernelSource, llvm: dict[str, str]) -> dict[str, bytes]:
+def _compile(ks: TVMSource, llvm: dict[str, str]) -> dict[str, bytes]:
     """The entry's files: the .so, its source, LLVM IR and assembly, and the build's record."""
     from tvm.target import codegen
 
@@ -65,7 +65,7 @@ def _compile(ks: KernelSource, llvm: dict[str, str]) -> dict[str, bytes]:
     return files
 
 
-def _record(files: Mapping[str, Path], ks: KernelSource) -> dict | None:
+def _record(files: Mapping[str, Path], ks: TVMSource) -> dict | None:
     """The entry's record when it is the one this kernel's build writes, else None (a damaged entry
     whose manifest was rewritten to match: built again, never a KeyError)."""
     try:
@@ -81,7 +81,7 @@ def _record(files: Mapping[str, Path], ks: KernelSource) -> dict | None:
 def build(wl: Workload, schedule: Schedule, target: Target) -> Kernel:
     if target.backend != "tvm":
         raise ValueError(f"the tvm backend cannot build for {target.key} (backend {target.backend})")
-    ks: KernelSource = generator(wl.op.kclass, "tvm")(wl, schedule)
+    ks: TVMSource = generator(wl.op.kclass, "tvm")(wl, schedule)
     llvm = llvm_spec()
     key = cache_key(ks, llvm)
     files = artifacts.lookup(key)
@@ -131,7 +131,7 @@ def launcher_from_binary(wl: Workload, metadata: Mapping[str, Any], binary: byte
         raise FlashgenError(f"this kernel was built by TVM {built}, and this is TVM {tvm_version()}: "
                             "compile it again with this installation")
     try:
-        args = [Arg(**a) for a in metadata["signature"]]
+        args = [TVMArg(**a) for a in metadata["signature"]]
     except (KeyError, TypeError) as e:
         raise FlashgenError(f"the kernel JSON's signature of {entry} is malformed ({e})") from None
     return TVMLauncher(wl, args, load_library(binary, entry), entry)

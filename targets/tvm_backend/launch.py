@@ -14,7 +14,7 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.ir.op import eval_int
-from flashgen.targets.tvm_backend.lower import Arg
+from flashgen.targets.tvm_backend.lower import TVMArg
 from flashgen.workload import Workload
 
 
@@ -26,7 +26,7 @@ class TVMLauncher:
     seconds per call of each round: a list of `repeat` floats, each the mean over its `number` calls.
     """
 
-    def __init__(self, wl: Workload, args: list[Arg], lib: Any, entry: str):
+    def __init__(self, wl: Workload, args: list[TVMArg], lib: Any, entry: str):
         self.wl, self.args, self.lib, self.entry = wl, args, lib, entry
         self.fn = lib[entry]
 

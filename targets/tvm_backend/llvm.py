@@ -14,7 +14,7 @@ from typing import Any
 import tvm
 
 from flashgen.errors import FlashgenError
-from flashgen.targets.tvm_backend.lower import KernelSource
+from flashgen.targets.tvm_backend.lower import TVMSource
 from flashgen.targets.tvm_backend.runtime import llvm_spec
 
 
@@ -23,14 +23,14 @@ def llvm_target(spec: dict[str, str] | None = None) -> tvm.target.Target:
     return tvm.target.Target(spec or llvm_spec())
 
 
-def parse(ks: KernelSource) -> tvm.tirx.PrimFunc:
+def parse(ks: TVMSource) -> tvm.tirx.PrimFunc:
     try:
         return tvm.script.parse(ks.script)
     except Exception as e:  # the parser reports the line; keep it one readable error
         raise FlashgenError(f"TVM rejected the generated source of {ks.name}: {e}") from None
 
 
-def compile_module(ks: KernelSource, target: tvm.target.Target | None = None) -> Any:
+def compile_module(ks: TVMSource, target: tvm.target.Target | None = None) -> Any:
     """TVMScript text -> an executable module (tvm.runtime.Executable) for the CPU."""
     func = parse(ks)
     return tvm.compile(tvm.IRModule({ks.name: func}), target=target or llvm_target())

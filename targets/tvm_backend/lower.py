@@ -11,8 +11,9 @@ The generated text is plain TVMScript, readable and parseable as is:
   operations); a ragged end is one more, narrower vectorized loop, so no lane is ever masked.
 - A rowwise op walks the row once per reduction, each pass keeping `block_c` partial results in a local
   buffer that is folded by halving at the end of the pass; a last pass makes the stores that need every
-  reduction, and each store goes into the earliest pass that can make it (the Triton backend's
-  multi-tile plan). Rows of LLM ops fit in L1/L2, so the repeated reads are cache hits.
+  reduction, and each store goes into the earliest pass that can make it (the row plan of
+  flashgen/ir/row_plan.py, which the Triton backend walks too). Rows of LLM ops fit in L1/L2, so the
+  repeated reads are cache hits.
 - Every float computes in fp32. bf16 tensors are `uint16` buffers converted by hand (shift to load;
   round to nearest even, NaN kept, to store) because TVM's own bf16 legalization miscompiles values
   bound by `T.let` (it converts the integer bits as numbers). "rint" is `T.round`, which TVM lowers to
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
-from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, eval_int, refs
+from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, eval_int
+from flashgen.ir.row_plan import RowLevel, row_plan
 from flashgen.workload import Schedule, Workload, domain
 
 PARALLEL_MIN_ELEMENTS = 1 << 16  # smaller domains run serially (a parallel launch costs ~5 us)
@@ -56,8 +58,9 @@ FOLD = {"sum": "{} + {}", "max": "T.max({}, {})", "min": "T.min({}, {})"}
 
 
 @dataclass(frozen=True)
-class Arg:
-    """One argument of the generated function, in call order."""
+class TVMArg:
+    """One argument of the generated function, in call order (a Triton kernel's parameter is
+    targets/triton/emit.py's `Arg`)."""
     name: str          # the argument's name in the source
     kind: str          # "tensor" | "dim" | "param"
     tensor: str = ""   # for tensors: the op's tensor name
@@ -68,11 +71,13 @@ class Arg:
 
 
 @dataclass
-class KernelSource:
+class TVMSource:
+    """The TVMScript of one workload under one schedule and its arguments (a Triton or Gluon module is
+    targets/triton/emit.py's `KernelSource`)."""
     name: str
     source: str        # the whole text, with a header and the import line
     script: str        # the part TVM parses (the decorated function)
-    args: list[Arg]
+    args: list[TVMArg]
 
 
 @dataclass
@@ -332,29 +337,11 @@ class _Gen:
         else:
             raise NotImplementedError(f"the cpu target does not write {dt} tensors")
 
-    def deps(self, e: E.Expr) -> set[str]:
-        """Reductions a value needs, through the Lets it names."""
-        out: set[str] = set()
-        for name in refs(e):
-            if name in self.lets:
-                out |= self.deps(self.lets[name])
-            else:
-                out.add(name)
-        return out
-
     def is_vector(self, e: E.Expr | None) -> bool:
+        """Whether a value varies along the row (emitted in the column loops, not hoisted)."""
         return e is not None and depends_on_cols(e, self.lets)
 
-    def store_is_vector(self, st: Store) -> bool:
-        return any(self.is_vector(x) for x in (st.value, st.mask, *st.indices))
-
-    def store_deps(self, st: Store) -> set[str]:
-        out = self.deps(st.value) | (self.deps(st.mask) if st.mask is not None else set())
-        for ix in st.indices:
-            out |= self.deps(ix)
-        return out
-
-    def column_pass(self, scope: _Scope, stores: list[Store], red: Reduce | None, acc: str | None) -> None:
+    def column_pass(self, scope: _Scope, stores: tuple[Store, ...], red: Reduce | None, acc: str | None) -> None:
         """One walk over the row: full tiles of block_c, then the ragged end, both vectorized."""
         bc, cols = self.bc, self.cols
         full, tail = divmod(cols, bc)
@@ -398,55 +385,45 @@ class _Gen:
         code = FOLD[red.kind].format(f"{acc}[0]", f"{acc}[1]") if width == 2 else f"{acc}[0]"
         return self.temp(scope, code, "f32")
 
+    def row_level(self, step: RowLevel, scope: _Scope) -> None:
+        """Row-level values and stores, at row scope between the passes."""
+        for name in step.lets:
+            self.emit(E.Ref(name), scope)
+        for st in step.stores:
+            self.store(st, scope)
+
     def row(self, scope: _Scope, accs: dict[str, str]) -> None:
-        """The body for one row r: passes over its columns, row-level values and stores between them."""
-        stores = [st for st in self.body if isinstance(st, Store)]
-        pending = list(stores)
-        done: set[str] = set()
-
-        def row_level_ready() -> None:
-            for name, value in self.lets.items():
-                if not self.is_vector(value) and self.deps(value) <= done:
-                    self.emit(E.Ref(name), scope)
-            for st in [s for s in pending if not self.store_is_vector(s) and self.store_deps(s) <= done]:
-                self.store(st, scope)
-                pending.remove(st)
-
-        row_level_ready()
-        for n, red in enumerate(self.reduces + [None]):
-            now = [s for s in pending if self.store_is_vector(s) and self.store_deps(s) <= done]
-            if red is None and not now:
-                break
+        """The body for one row r: the row plan's passes over its columns (flashgen/ir/row_plan.py),
+        row-level values and stores between them."""
+        plan = row_plan(self.body)
+        self.row_level(plan.before, scope)
+        for n, p in enumerate(plan.passes):
+            red = p.reduce
             acc = accs[red.name] if red is not None else None
             what = [f"{red.name} = {red.kind} over the row"] if red is not None else []
-            what += [f"store {s.tensor}" for s in now]
+            what += [f"store {s.tensor}" for s in p.stores]
             scope.add(f"# pass {n + 1}: {', '.join(what)}")
             if red is not None:
                 if not self.is_vector(red.value):
                     raise NotImplementedError(f"{self.op.name}: reduction {red.name} does not vary along the row")
                 scope.add(f"for ci in T.vectorized({self.bc}):")
                 scope.add(f"    {acc}[ci] = {IDENTITY[red.kind]}")
-            self.column_pass(scope, now, red, acc)
-            for st in now:
-                pending.remove(st)
+            self.column_pass(scope, p.stores, red, acc)
             if red is not None:
                 self.red_vars[red.name] = self.fold(scope, red, acc)
-                done.add(red.name)
-                row_level_ready()
-        if pending:
-            raise AssertionError(f"stores never became ready: {pending}")
+            self.row_level(p.after, scope)
 
     # ---- function ----------------------------------------------------------------------------
-    def args(self) -> list[Arg]:
+    def args(self) -> list[TVMArg]:
         op = self.op
         present = self.wl.inputs + self.wl.outputs
-        out = [Arg(f"{self.buf[t.name]}_h", "tensor", t.name, self.tdtype(t.name)) for t in present]
+        out = [TVMArg(f"{self.buf[t.name]}_h", "tensor", t.name, self.tdtype(t.name)) for t in present]
         bound = {e.name for t in present for e in t.shape if isinstance(e, E.Dim)}
-        out += [Arg(d, "dim") for d in op.row_dims if d not in bound]
-        out += [Arg(self.param[p], "param") for p in op.params]
+        out += [TVMArg(d, "dim") for d in op.row_dims if d not in bound]
+        out += [TVMArg(self.param[p], "param") for p in op.params]
         return out
 
-    def generate(self) -> KernelSource:
+    def generate(self) -> TVMSource:
         op = self.op
         name = f"{op.name}_kernel"
         args = self.args()
@@ -508,9 +485,9 @@ class _Gen:
                   f"# workload: {self.wl.canonical()}",
                   f"# schedule: {json.dumps(self.s, sort_keys=True)}",
                   "from tvm.script import tirx as T", "", ""]
-        return KernelSource(name, "\n".join(header) + script, script, args)
+        return TVMSource(name, "\n".join(header) + script, script, args)
 
 
-def generate(wl: Workload, schedule: Schedule) -> KernelSource:
+def generate(wl: Workload, schedule: Schedule) -> TVMSource:
     """The rowwise and pointwise classes' generator (flashgen/kernel_classes.py)."""
     return _Gen(wl, schedule).generate()
