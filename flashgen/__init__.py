@@ -7,23 +7,13 @@
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 __version__ = "0.1.0"
 
 from flashgen.errors import FlashgenError  # noqa: E402
+from flashgen.lazy import exports  # noqa: E402
 from flashgen.oplib import OPS, get_op  # noqa: E402
 from flashgen.workload import Workload, workload  # noqa: E402  (the function, not its module, is flashgen.workload)
 
 # The compiler is imported at its first use: `flashgen --help` and `ops` do not load it (nor torch).
-_EXPORTS = {"compile": "flashgen.compiler"}
+__getattr__ = exports("flashgen", {"compile": "flashgen.compiler"})
 __all__ = ["__version__", "compile", "FlashgenError", "OPS", "get_op", "Workload", "workload"]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value

@@ -7,17 +7,9 @@ weights, pre-quantized formats, tokenizer). `flashgen.runtime.register_all()` ma
 module (the tuner imports `serving.graphs`) does not import the others."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from flashgen.lazy import exports
 
 _EXPORTS = {"Decision": "flashgen.runtime.serving.dispatch", "Dispatcher": "flashgen.runtime.serving.dispatch",
             "dispatcher": "flashgen.runtime.serving.torch_ops", "register_all": "flashgen.runtime.serving.torch_ops"}
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'flashgen.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports("flashgen.runtime", _EXPORTS)
