@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
-from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, moe_align
+from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, expert_runs, moe_align
 from flashgen.runtime.kv_cache import PagedKVCache
 from flashgen.runtime.linear import QuantLinear, apply, choose, cpu_weight, prepare, torch_linear
 from flashgen.runtime.torch_ops import dispatcher, register_all
@@ -234,17 +234,14 @@ class Decoder:
         linears (the expert loop reads each expert's token count on the host)."""
         self.fallbacks.add("moe experts (torch)")
         k = self.c.experts_per_tok
-        weights, chosen = weights.flatten().to(h.dtype), chosen.flatten().long()
-        order = chosen.argsort(stable=True)  # the (token, slot) pairs grouped by expert, in token order
+        weights = weights.flatten().to(h.dtype)
         out = torch.zeros_like(h)
-        start = 0
-        for (gate_up, down), n in zip(experts, torch.bincount(chosen, minlength=self.c.num_experts).tolist()):
-            if n:
-                pairs = order[start:start + n]
-                tokens = pairs // k
-                y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
-                out.index_add_(0, tokens, y * weights[pairs, None])
-            start += n
+        # the (token, slot) pairs grouped by expert, in token order; a pair of no expert is in no run
+        for e, pairs in expert_runs(*moe_align(chosen, self.c.num_experts)):
+            gate_up, down = experts[e]
+            tokens = pairs // k
+            y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
+            out.index_add_(0, tokens, y * weights[pairs, None])
         return out
 
     def _choose(self, n: int, k: int, m: int) -> str:

@@ -219,3 +219,24 @@ def test_stacked_experts_are_the_ops_layout(quant, weights):
         act = (F.silu(gu[:inter]) * gu[inter:]).half().double()
         want[tok] += tw[p].double() * (act @ dense(w2[ex]).T)
     assert float((y - want).norm() / want.norm()) < 2e-3
+
+
+NO_EXPERT = {"E": None, "minus_one": -1, "huge": 2**31 - 1, "most_negative": -2**31}
+
+
+@pytest.mark.parametrize("bad", NO_EXPERT.values(), ids=NO_EXPERT.keys())
+def test_torch_experts_skip_ids_of_no_expert(checkpoint, bad):
+    """The torch expert loop (the CPU's, and modes without stacked experts) given a pair whose id is
+    outside [0, E) leaves it out: the sum is the one with that pair's weight 0, nothing is read for it."""
+    _, _, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    block, c = model.layers[0]["moe"], model.c
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(5, c.hidden_size, generator=g)
+    chosen = torch.stack([torch.randperm(c.num_experts, generator=g)[:c.experts_per_tok] for _ in range(5)])
+    weights = torch.rand(5, c.experts_per_tok, generator=g) + 0.1
+    without = weights.clone()
+    without[2, 1] = 0.0
+    want = model._torch_experts(h, block.experts, chosen, without)
+    chosen[2, 1] = c.num_experts if bad is None else bad
+    torch.testing.assert_close(model._torch_experts(h, block.experts, chosen, weights), want, rtol=1e-6, atol=1e-6)

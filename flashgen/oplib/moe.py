@@ -132,7 +132,9 @@ MOE_ROUTE = Op(
 # ---- moe_gemm_gate_up / moe_gemm_down: the experts' grouped GEMMs over the routed (token, expert) pairs ----
 # A pair p = token * KT + j is token p // KT's j-th expert. A program serves one expert's block of
 # pairs (Index("e") is its expert, Index("r") a pair) and reads only that expert's weights, so the
-# weights of experts no pair chose are never read. How programs find their pairs is the `routing`
+# weights of experts no pair chose are never read. A pair whose id is outside [0, E) is no expert's:
+# every path skips it (gate_up leaves its row of h as it was, down adds nothing for it), so no weight is
+# read past the last expert's. How programs find their pairs is the `routing`
 # attr: "sorted" takes them listed expert by expert (`moe_align`: `sorted_pairs`, expert e's at
 # [expert_offsets[e], expert_offsets[e + 1])), "ids" takes the router's [M, KT] `topk_ids` and each
 # program picks its expert's pairs itself (decode: a few hundred pairs, no alignment step to launch).
@@ -145,14 +147,17 @@ IDS_SCAN = 128  # top-k ids an ids-routed kernel reads at a time (its generator'
 
 def moe_align(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs, expert_offsets) of a [M, KT] top-k: the pairs ordered by expert (stable: by
-    token within an expert) and where each expert's run starts, E + 1 int32 offsets."""
+    token within an expert) and where each expert's run starts, E + 1 int32 offsets. A pair whose id
+    is outside [0, E) is no expert's: it sorts after expert E - 1's run (past expert_offsets[E]), so
+    no kernel serves it."""
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < experts), flat, experts)
     order = torch.sort(flat, stable=True).indices.to(torch.int32)
     # counts by a scatter, not bincount (which reads the largest id on the host): no sync, so a decode
     # step holding it can be captured in a CUDA graph
-    ends = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    ends = torch.zeros(experts + 2, dtype=torch.int64, device=flat.device)
     ends.index_add_(0, flat + 1, torch.ones_like(flat))
-    return order, torch.cumsum(ends, 0).to(torch.int32)
+    return order, torch.cumsum(ends[:-1], 0).to(torch.int32)
 
 
 def _weight(a: Attrs, rows: Expr) -> Expr:
@@ -219,14 +224,16 @@ def _routing(d, a, g) -> dict:
     return {"sorted_pairs": pairs, "expert_offsets": offsets}
 
 
-def _pairs_of(t: dict, experts: int) -> list[tuple[int, torch.Tensor]]:
-    """Each expert with pairs, and its pairs (as int64 indices)."""
-    if "topk_ids" in t:
-        pairs, offsets = moe_align(t["topk_ids"], experts)
-    else:
-        pairs, offsets = t["sorted_pairs"], t["expert_offsets"]
-    off, pairs = offsets.tolist(), pairs.long()
+def expert_runs(sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """Each expert with pairs, and its pairs (as int64 indices), from `moe_align`'s ordering: the pairs
+    of no expert (an id outside [0, E)) are in none. Reads the offsets on the host."""
+    off, pairs = expert_offsets.tolist(), sorted_pairs.long()
     return [(e, pairs[off[e]:off[e + 1]]) for e in range(len(off) - 1) if off[e + 1] > off[e]]
+
+
+def _pairs_of(t: dict, experts: int) -> list[tuple[int, torch.Tensor]]:
+    return expert_runs(*(moe_align(t["topk_ids"], experts) if "topk_ids" in t else
+                         (t["sorted_pairs"], t["expert_offsets"])))
 
 
 def _moe_check(d, a) -> str | None:
@@ -254,6 +261,7 @@ def _gate_up(a: Attrs) -> tuple[Stmt, ...]:
 
 def _gate_up_ref(t, p, d, a) -> dict:
     w, x = _expert_weights(t, a), f64(t["x"])
+    # (the row of a pair of no expert stays 0 here; a kernel leaves it unwritten)
     h = torch.zeros(d["M"] * d["KT"], d["N"], dtype=torch.float64, device=x.device)
     for e, pairs in _pairs_of(t, d["E"]):
         y = x[pairs // d["KT"]] @ w[e].T
