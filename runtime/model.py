@@ -192,7 +192,9 @@ class Decoder:
     def moe(self, h: torch.Tensor, b: MoeBlock) -> torch.Tensor:
         """The MoE MLP of the normed hidden states `h` [T, hidden]: each token's top-k experts (softmax
         over all experts, renormalised over the k if the config says so), weighted and summed, plus the
-        gated shared expert if any (module docstring)."""
+        gated shared expert if any (module docstring). A token whose router logits hold a NaN or +inf
+        gets NaN weights (flashgen/oplib/moe.py), so its output is NaN and the engine fails its request
+        naming the step, never a finite output from experts the NaN left out."""
         c = self.c
         logits = torch_linear(h, b.router).float()
         if str(c.experts_per_tok) in MOE_ROUTE.attrs["topk"]:  # the generated router: softmax, top-k, renorm

@@ -240,3 +240,77 @@ def test_torch_experts_skip_ids_of_no_expert(checkpoint, bad):
     want = model._torch_experts(h, block.experts, chosen, without)
     chosen[2, 1] = c.num_experts if bad is None else bad
     torch.testing.assert_close(model._torch_experts(h, block.experts, chosen, weights), want, rtol=1e-6, atol=1e-6)
+
+
+def poison_router(monkeypatch, model: Decoder, seq: int, call: int, row: str) -> None:
+    """Make `model`'s forward number `call` (0: the next) break the first MoE layer's router logits of
+    sequence `seq`'s tokens: one NaN, every one NaN, or one +inf (an overflow; softmax's NaN)."""
+    import flashgen.runtime.model as model_module
+    router = next(L["moe"].router for L in model.layers if "moe" in L)
+    linear, forward, calls, now = model_module.torch_linear, model.forward, iter(range(1 << 30)), {}
+
+    def poisoned_forward(batch, cache, **kw):
+        now.update(call=next(calls), batch=batch)
+        return forward(batch, cache, **kw)
+
+    def poisoned_linear(x, w, *args, **kw):
+        out = linear(x, w, *args, **kw)
+        batch = now.get("batch")
+        if w is router and now["call"] == call and seq in batch.seqs:
+            i = batch.seqs.index(seq)
+            rows = slice(sum(batch.lens[:i]), sum(batch.lens[:i + 1]))
+            out = out.clone()
+            if row == "all_nan":
+                out[rows] = float("nan")
+            else:
+                out[rows, 1] = float("nan") if row == "one_nan" else float("inf")
+        return out
+    monkeypatch.setattr(model, "forward", poisoned_forward)
+    monkeypatch.setattr(model_module, "torch_linear", poisoned_linear)
+
+
+def run_with_broken_routing(model: Decoder, monkeypatch, row: str,
+                            **engine: bool) -> tuple[Engine, list[list[int]], list[int]]:
+    """PROMPTS batched in an engine whose every cache block they take (1 + 2 + 1 of 16 tokens), the
+    second's router logits broken at step 2 (`poison_router`): the engine after, each prompt's solo
+    output, and the requests' ids."""
+    sampling = SamplingParams(max_new_tokens=6)
+    want = [Engine(model, num_blocks=16, **engine).generate([p], sampling)[0].output for p in PROMPTS]
+    eng = Engine(model, num_blocks=4, **engine)
+    ids = [eng.add(p, sampling) for p in PROMPTS]
+    poison_router(monkeypatch, model, ids[1], call=2, row=row)  # (call 0 is the prefill: step 2 of each)
+    while eng.waiting or eng.running or eng.pending:
+        eng.step()
+    monkeypatch.undo()
+    return eng, want, ids
+
+
+@pytest.mark.parametrize("row", ["one_nan", "all_nan", "inf"])
+def test_nan_routing_fails_its_request_alone(checkpoint, monkeypatch, row):
+    """A request whose router logits break in a decode step (NaN, or +inf: softmax's NaN) fails alone,
+    naming the step, as a request whose logits break does: its routing weights are NaN, so its expert
+    output, and then its logits, are (before, a NaN expert was skipped for finite weights, +inf gave
+    weights [1, 0], an all-NaN row expert E, which the expert loop skipped: the request went on). The
+    requests batched with it give their solo outputs."""
+    _, _, folder = checkpoint
+    eng, want, ids = run_with_broken_routing(Decoder(ModelConfig.from_folder(folder), load_weights(folder)),
+                                             monkeypatch, row)
+    bad = eng.finished[ids[1]]
+    assert bad.error == "the logits at step 2 (new token 3) are NaN or inf" and bad.output == want[1][:2]
+    assert [eng.finished[i].output for i in (ids[0], ids[2])] == [want[0], want[2]]
+    assert not any(eng.finished[i].error for i in (ids[0], ids[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("row", ["one_nan", "all_nan", "inf"])
+def test_nan_routing_fails_its_request_alone_on_gpu(checkpoint, monkeypatch, row):
+    """The same with bf16 experts run by the generated grouped GEMMs (eager steps: the router is
+    broken from Python, which a replayed graph would not run)."""
+    _, _, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder), "cuda", torch.bfloat16)
+    eng, want, ids = run_with_broken_routing(model, monkeypatch, row, cuda_graphs=False)
+    assert "moe experts (torch)" not in model.fallbacks
+    bad = eng.finished[ids[1]]
+    assert bad.error == "the logits at step 2 (new token 3) are NaN or inf" and bad.output == want[1][:2]
+    assert [eng.finished[i].output for i in (ids[0], ids[2])] == [want[0], want[2]]
