@@ -4,6 +4,7 @@ router top-k beyond the experts, a router of the wrong width and a missing exper
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,21 @@ def test_qwen2_moe_config_refusals(tmp_path):
             ModelConfig.from_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**base, "decoder_sparse_step": 2}))
     assert ModelConfig.from_folder(tmp_path).moe_layers == (False, True)  # every second layer sparse
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_expert_count_keys_must_agree(tmp_path, kind):
+    """num_experts and num_local_experts (transformers saves either, and reads one through the other)
+    giving two counts are refused in one line naming both; giving one count, they load."""
+    base = {"model_type": kind, **QWEN, "num_experts_per_tok": 2}
+    for local, why in ((8, "num_experts (6) and num_local_experts (8) disagree"), (6, None)):
+        (tmp_path / "config.json").write_text(json.dumps({**base, "num_experts": 6, "num_local_experts": local}))
+        if why is None:
+            assert ModelConfig.from_folder(tmp_path).num_experts == 6
+            continue
+        with pytest.raises(FlashgenError, match=rf"config.json: {re.escape(why)}$") as e:
+            ModelConfig.from_folder(tmp_path)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.gpu
