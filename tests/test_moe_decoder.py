@@ -4,6 +4,7 @@ router top-k beyond the experts, a router of the wrong width and a missing exper
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,21 @@ def test_qwen2_moe_config_refusals(tmp_path):
     assert ModelConfig.from_folder(tmp_path).moe_layers == (False, True)  # every second layer sparse
 
 
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_expert_count_keys_must_agree(tmp_path, kind):
+    """num_experts and num_local_experts (transformers saves either, and reads one through the other)
+    giving two counts are refused in one line naming both; giving one count, they load."""
+    base = {"model_type": kind, **QWEN, "num_experts_per_tok": 2}
+    for local, why in ((8, "num_experts (6) and num_local_experts (8) disagree"), (6, None)):
+        (tmp_path / "config.json").write_text(json.dumps({**base, "num_experts": 6, "num_local_experts": local}))
+        if why is None:
+            assert ModelConfig.from_folder(tmp_path).num_experts == 6
+            continue
+        with pytest.raises(FlashgenError, match=rf"config.json: {re.escape(why)}$") as e:
+            ModelConfig.from_folder(tmp_path)
+        assert "\n" not in str(e.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_moe_decoder_on_gpu_tracks_the_cpu(checkpoint):
@@ -220,3 +236,111 @@ def test_stacked_experts_are_the_ops_layout(quant, weights):
         act = (F.silu(gu[:inter]) * gu[inter:]).half().double()
         want[tok] += tw[p].double() * (act @ dense(w2[ex]).T)
     assert float((y - want).norm() / want.norm()) < 2e-3
+
+
+NO_EXPERT = {"E": None, "minus_one": -1, "huge": 2**31 - 1, "most_negative": -2**31}
+
+
+@pytest.mark.parametrize("bad", NO_EXPERT.values(), ids=NO_EXPERT.keys())
+def test_torch_experts_skip_ids_of_no_expert(checkpoint, bad):
+    """The torch expert loop (the CPU's, and modes without stacked experts) given a pair whose id is
+    outside [0, E) leaves it out: the sum is the one with that pair's weight 0, nothing is read for it."""
+    _, _, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    block, c = model.layers[0]["moe"], model.c
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(5, c.hidden_size, generator=g)
+    chosen = torch.stack([torch.randperm(c.num_experts, generator=g)[:c.experts_per_tok] for _ in range(5)])
+    weights = torch.rand(5, c.experts_per_tok, generator=g) + 0.1
+    without = weights.clone()
+    without[2, 1] = 0.0
+    want = model._torch_experts(h, block.experts, chosen, without)
+    chosen[2, 1] = c.num_experts if bad is None else bad
+    torch.testing.assert_close(model._torch_experts(h, block.experts, chosen, weights), want, rtol=1e-6, atol=1e-6)
+
+
+def poison_router(monkeypatch, model: Decoder, seq: int, call: int, row: str) -> None:
+    """Make `model`'s forward number `call` (0: the next) break the first MoE layer's router logits of
+    sequence `seq`'s tokens: one NaN, every one NaN, or one +inf (an overflow; softmax's NaN)."""
+    import flashgen.runtime.decoder.model as model_module
+    router = next(L["moe"].router for L in model.layers if "moe" in L)
+    linear, forward, calls, now = model_module.torch_linear, model.forward, iter(range(1 << 30)), {}
+
+    def poisoned_forward(batch, cache, **kw):
+        now.update(call=next(calls), batch=batch)
+        return forward(batch, cache, **kw)
+
+    def poisoned_linear(x, w, *args, **kw):
+        out = linear(x, w, *args, **kw)
+        batch = now.get("batch")
+        if w is router and now["call"] == call and seq in batch.seqs:
+            i = batch.seqs.index(seq)
+            rows = slice(sum(batch.lens[:i]), sum(batch.lens[:i + 1]))
+            out = out.clone()
+            if row == "all_nan":
+                out[rows] = float("nan")
+            else:
+                out[rows, 1] = float("nan") if row == "one_nan" else float("inf")
+        return out
+    monkeypatch.setattr(model, "forward", poisoned_forward)
+    monkeypatch.setattr(model_module, "torch_linear", poisoned_linear)
+
+
+def run_with_broken_routing(model: Decoder, monkeypatch, row: str,
+                            **engine: bool) -> tuple[Engine, list[list[int]], list[int]]:
+    """PROMPTS batched in an engine whose every cache block they take (1 + 2 + 1 of 16 tokens), the
+    second's router logits broken at step 2 (`poison_router`): the engine after, each prompt's solo
+    output, and the requests' ids."""
+    sampling = SamplingParams(max_new_tokens=6)
+    want = [Engine(model, num_blocks=16, **engine).generate([p], sampling)[0].output for p in PROMPTS]
+    eng = Engine(model, num_blocks=4, **engine)
+    ids = [eng.add(p, sampling) for p in PROMPTS]
+    poison_router(monkeypatch, model, ids[1], call=2, row=row)  # (call 0 is the prefill: step 2 of each)
+    while eng.waiting or eng.running or eng.pending:
+        eng.step()
+    monkeypatch.undo()
+    return eng, want, ids
+
+
+@pytest.mark.parametrize("row", ["one_nan", "all_nan", "inf"])
+def test_nan_routing_fails_its_request_alone(checkpoint, monkeypatch, row):
+    """A request whose router logits break in a decode step (NaN, or +inf: softmax's NaN) fails alone,
+    naming the step, as a request whose logits break does: its routing weights are NaN, so its expert
+    output, and then its logits, are (before, a NaN expert was skipped for finite weights, +inf gave
+    weights [1, 0], an all-NaN row expert E, which the expert loop skipped: the request went on). The
+    requests batched with it give their solo outputs."""
+    _, _, folder = checkpoint
+    eng, want, ids = run_with_broken_routing(Decoder(ModelConfig.from_folder(folder), load_weights(folder)),
+                                             monkeypatch, row)
+    bad = eng.finished[ids[1]]
+    assert bad.error == "the logits at step 2 (new token 3) are NaN or inf" and bad.output == want[1][:2]
+    assert [eng.finished[i].output for i in (ids[0], ids[2])] == [want[0], want[2]]
+    assert not any(eng.finished[i].error for i in (ids[0], ids[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("row", ["one_nan", "all_nan", "inf"])
+def test_nan_routing_fails_its_request_alone_on_gpu(checkpoint, monkeypatch, row):
+    """The same with bf16 experts run by the generated grouped GEMMs (eager steps: the router is
+    broken from Python, which a replayed graph would not run)."""
+    _, _, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder), "cuda", torch.bfloat16)
+    eng, want, ids = run_with_broken_routing(model, monkeypatch, row, cuda_graphs=False)
+    assert "moe experts (torch)" not in model.fallbacks
+    bad = eng.finished[ids[1]]
+    assert bad.error == "the logits at step 2 (new token 3) are NaN or inf" and bad.output == want[1][:2]
+    assert [eng.finished[i].output for i in (ids[0], ids[2])] == [want[0], want[2]]
+
+
+def test_a_request_on_a_failed_requests_blocks_is_unharmed(checkpoint, monkeypatch):
+    """The failed request's token at step 2 wrote NaN keys and values into the cache (its hidden state
+    was NaN from its first MoE layer on); two requests taking every block after it, that one among
+    them, give their solo outputs (the torch decode attention selects the slots a query sees before it
+    multiplies: a NaN past its context is never 0 * NaN)."""
+    _, _, folder = checkpoint
+    model = Decoder(ModelConfig.from_folder(folder), load_weights(folder))
+    eng, want, _ = run_with_broken_routing(model, monkeypatch, "all_nan")
+    assert any(v.isnan().any() for v in eng.cache.v)
+    outs = eng.generate([PROMPTS[1]] * 2, SamplingParams(max_new_tokens=6))
+    assert [(r.output, r.error) for r in outs] == [(want[1], "")] * 2

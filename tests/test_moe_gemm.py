@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flashgen
 from flashgen.errors import FlashgenError
@@ -91,6 +92,121 @@ def test_align_orders_pairs_by_expert():
         assert (flat[run.long()] == e).all() and run.tolist() == sorted(run.tolist())  # by token within
     empty_pairs, empty = moe_align(torch.zeros((0, 2), dtype=torch.int32), 4)
     assert empty.tolist() == [0] * 5 and empty_pairs.numel() == 0
+
+
+def test_align_leaves_out_ids_of_no_expert():
+    """An id outside [0, E) is no expert's: its pairs sort after the last expert's run, past
+    expert_offsets[E], and every expert's run is what it would be without them."""
+    ids = torch.tensor([[2, 7], [8, 0], [-1, 2], [2**31 - 1, 5], [-(2**31), 8]], dtype=torch.int32)
+    pairs, offsets = moe_align(ids, 8)
+    assert offsets.tolist() == [0, 1, 1, 3, 3, 3, 4, 4, 5]
+    assert pairs.tolist() == [3, 0, 5, 7, 1, 2, 4, 6, 8, 9]  # (the five of no expert last, by token)
+
+
+NAN = float("nan")
+NO_EXPERT = {"E": 8, "minus_one": -1, "huge": 2**31 - 1, "most_negative": -2**31}
+
+
+def flanked(w: torch.Tensor) -> torch.Tensor:
+    """`w` [E, ...] as a view into a buffer with an expert of ones on each side: a read of expert E or
+    of expert -1 writes a row or adds to one (not NaN, which would pass for an unwritten row), where
+    reading past the tensor would give garbage or a fault."""
+    buf = torch.ones((w.shape[0] + 2, *w.shape[1:]), dtype=w.dtype, device=w.device)
+    buf[1:-1] = w
+    return buf[1:-1]
+
+
+def with_an_id_of_no_expert(wl, bad: int, seed: int) -> tuple[dict, torch.Tensor]:
+    """The op's inputs (half weights, flanked) routed by distinct random ids per token, one pair's id
+    replaced by `bad`; and the ids."""
+    g = torch.Generator().manual_seed(seed)
+    t = wl.op.make_inputs(wl.dim, wl.attr, g)
+    m, e, kt = wl.dim["M"], wl.dim["E"], wl.dim["KT"]
+    ids = torch.stack([torch.randperm(e, generator=g)[:kt] for _ in range(m)]).to(torch.int32)
+    ids[m // 2, kt - 1] = bad
+    t.pop("topk_ids", None), t.pop("sorted_pairs", None), t.pop("expert_offsets", None)
+    if wl.attr["routing"] == "ids":
+        t["topk_ids"] = ids
+    else:
+        t["sorted_pairs"], t["expert_offsets"] = moe_align(ids, e)
+    t["w"] = flanked(t["w"])
+    return t, ids
+
+
+def skipping_reference(wl, t: dict, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The op pair by pair in float64, a pair whose id is outside [0, E) left out (its row of h NaN:
+    the kernel must not write it)."""
+    kt, n, e = wl.dim["KT"], wl.dim["N"], wl.dim["E"]
+    w = t["w"].double()
+    if wl.op.name == "moe_gemm_gate_up":
+        h = torch.full((ids.numel(), n), NAN, dtype=torch.float64)
+        for p, ex in enumerate(ids.flatten().tolist()):
+            if 0 <= ex < e:
+                y = t["x"][p // kt].double() @ w[ex].T
+                h[p] = F.silu(y[:n]) * y[n:]
+        return {"h": h}
+    y = t["y"].double().clone()
+    for p, ex in enumerate(ids.flatten().tolist()):
+        if 0 <= ex < e:
+            y[p // kt] += t["topk_weights"][p].double() * (t["h"][p].double() @ w[ex].T)
+    return {"y": y}
+
+
+def assert_skipped(wl, outs: dict, want: dict) -> None:
+    """Rows of the served pairs as the reference's (check.compare), rows of skipped pairs unwritten."""
+    from flashgen.check import compare
+    for name, ref in want.items():
+        served = ~ref.isnan().all(-1)
+        assert torch.equal(outs[name].isnan().all(-1), ~served), name  # skipped rows: still the poison
+        for c in compare(wl, {name: outs[name][served]}, {name: ref[served]}):
+            assert c.ok, c
+
+
+@pytest.fixture(scope="module")
+def own_interpreter():
+    """An interpreter pool of these tests' own: a fault kills its worker, and the one the pool starts
+    in its place is not in interpreter mode (the tests after a fault fail on it too), so the session's
+    pool is kept out of their way."""
+    from flashgen.targets.triton.interpret import InterpreterPool
+    with InterpreterPool(processes=1) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("bad", NO_EXPERT.values(), ids=NO_EXPERT.keys())
+@pytest.mark.parametrize("routing,m", [("ids", 3), ("ids", 9), ("sorted", 9)], ids=["ids-by_pair", "ids", "sorted"])
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+def test_ids_of_no_expert_are_skipped(own_interpreter, op, routing, m, bad):
+    """A pair whose id is E, -1, huge or most negative (a broken router's) adds nothing and reads no
+    weight: with the ids routing when programs are numbered by pair (3 tokens x 2 < 8 experts: the
+    pair's id is taken as its program's expert) and by expert, and with the sorted routing (moe_align
+    leaves it out). The interpreter would read past the weights (the flanks here) or fault."""
+    from flashgen.targets.triton.interpret import _run_in_child
+    wl = flashgen.workload(op, M=m, N=24, K=64, E=8, topk="2", dtype="fp16", routing=routing)
+    t, ids = with_an_id_of_no_expert(wl, bad, seed=m)
+    want = skipping_reference(wl, t, ids)
+    s = {"block_m": 16, "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    # (a fault kills the worker and its task with it: wait a bounded time; y is updated in place, in
+    # memory the pool shares)
+    outs = own_interpreter.pool.apply_async(_run_in_child, (wl.to_json(), s, "h200", t, {})).get(timeout=300)
+    assert_skipped(wl, {**outs, **({"y": t["y"]} if "y" in want else {})}, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", NO_EXPERT.values(), ids=NO_EXPERT.keys())
+@pytest.mark.parametrize("routing,m", [("ids", 3), ("ids", 9), ("sorted", 9)], ids=["ids-by_pair", "ids", "sorted"])
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+def test_ids_of_no_expert_are_skipped_on_gpu(op, routing, m, bad):
+    """The same in bf16 on the GPU (the decoder's kernels), the flanks made on the device."""
+    from flashgen.check import poisoned
+    dev = torch.device("cuda")
+    wl = flashgen.workload(op, M=m, N=24, K=64, E=8, topk="2", dtype="bf16", routing=routing)
+    t, ids = with_an_id_of_no_expert(wl, bad, seed=m)
+    want = skipping_reference(wl, t, ids)
+    given = {k: flanked(v.to(dev)) if k == "w" else v.to(dev) for k, v in t.items()}
+    kernel = flashgen.compile(wl, flashgen.targets.device_target(dev), db=None)
+    outs = kernel.run(given, poisoned(wl, wl.dim, dev))
+    got = {**outs, **({"y": given["y"]} if "y" in want else {})}
+    assert_skipped(wl, {k: v.cpu() for k, v in got.items()}, want)
 
 
 def test_generated_source_reads_like_the_op():

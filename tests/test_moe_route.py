@@ -1,5 +1,7 @@
 """moe_route against a top-k written here (not the op's reference), on heavily tied logits, and its
-refusals. Runs the CPU kernel (TVM) for real; the Triton kernel is checked in the interpreter suite."""
+refusals. Runs the CPU kernel (TVM) for real; the Triton kernel is checked in the interpreter suite.
+On non-finite logits (NaN, +inf, -inf) both kernels, and the Triton one in the interpreter here, give
+the reference's ids and weights exactly (NaN where it has NaN): never an id outside [0, E)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +9,9 @@ import torch
 
 import flashgen
 
+from flashgen.check import poisoned
 from flashgen.errors import FlashgenError
+from flashgen.ir import dtypes
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 from flashgen.workload import workload
@@ -102,3 +106,102 @@ def test_sigmoid_bias_scoring(renorm):
     if renorm == "yes":
         w = w / w.sum(-1, keepdim=True)
     assert torch.allclose(out["topk_weights"].double(), w, rtol=1e-6, atol=0)
+
+
+# ---- non-finite logits: ids always name an expert, weights as the reference gives them ----------------
+NAN, INF = float("nan"), float("inf")
+
+
+def non_finite_logits(e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of random logits, each but the last broken one way: one NaN, all NaN, NaN and +inf, one
+    +inf, two +inf (a tie), one -inf, all -inf, all -inf but one; the last row finite."""
+    g = torch.Generator().manual_seed(e)
+    x = torch.randn(9, e, generator=g) * 2
+    x[0, 3] = NAN
+    x[1] = NAN
+    x[2, e - 1], x[2, 1] = NAN, INF
+    x[3, 5] = INF
+    x[4, 2] = x[4, e - 2] = INF
+    x[5, 4] = -INF
+    x[6] = -INF
+    x[7] = -INF
+    x[7, e - 3] = 0.5
+    return x.to(dtype)
+
+
+def assert_follows_reference(wl, inputs: dict, out: dict) -> None:
+    """ids exactly the reference's (so in [0, E)), NaN weights where its are, the others close."""
+    ref = wl.op.reference(inputs, {}, wl.dim, wl.attr)
+    ids, w = out["topk_ids"], out["topk_weights"].double()
+    assert ((ids >= 0) & (ids < wl.dim["E"])).all(), ids
+    assert ids.tolist() == ref["topk_ids"].tolist()
+    assert torch.equal(w.isnan(), ref["topk_weights"].isnan()), (w, ref["topk_weights"])
+    torch.testing.assert_close(w, ref["topk_weights"], rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def route_inputs(wl, bias_inf: bool) -> dict:
+    t = {"logits": non_finite_logits(wl.dim["E"], dtypes.TORCH[wl.attr["dtype"]])}
+    if wl.attr["scoring"] == "sigmoid_bias":
+        t["bias"] = torch.rand(wl.dim["E"], generator=torch.Generator().manual_seed(1)) * 0.5
+        if bias_inf:  # a +inf score: NaN still ranks above it
+            t["bias"][4] = INF
+    return t
+
+
+ROUTES = [dict(E=8, topk="2", scoring="softmax", renorm="yes", dtype="fp32"),
+          dict(E=8, topk="2", scoring="softmax", renorm="no", dtype="bf16"),
+          dict(E=60, topk="8", scoring="softmax", renorm="yes", dtype="bf16"),
+          dict(E=16, topk="4", scoring="sigmoid_bias", renorm="yes", dtype="fp32"),
+          dict(E=16, topk="4", scoring="sigmoid_bias", renorm="no", dtype="fp32")]
+
+
+# each case, and the sigmoid ones again with a +inf bias
+CASES = [(kw, False) for kw in ROUTES] + [(kw, True) for kw in ROUTES if kw["scoring"] == "sigmoid_bias"]
+CASE_IDS = ["-".join(map(str, kw.values())) + ("-bias_inf" if b else "") for kw, b in CASES]
+
+
+@pytest.mark.parametrize("kw,bias_inf", CASES, ids=CASE_IDS)
+def test_non_finite_logits_in_the_interpreter(interpreter, kw, bias_inf):
+    """The Triton kernel (one tile, and a row walked in tiles of 16): a NaN never makes an id of E,
+    nor is it skipped for finite weights; +inf and all -inf give softmax's NaN, with or without
+    renormalising."""
+    wl = workload("moe_route", M=9, **kw)
+    inputs = route_inputs(wl, bias_inf)
+    for schedule in (ScheduleSpace(wl, get_target("h200")).default(), {"block_r": 2, "block_c": 16, "num_warps": 1}):
+        assert_follows_reference(wl, inputs, interpreter.run(wl, schedule, "h200", inputs))
+
+
+@pytest.mark.parametrize("kw,bias_inf", CASES, ids=CASE_IDS)
+def test_non_finite_logits_on_the_cpu(kw, bias_inf):
+    """The CPU kernel (TVM, whose simplifier must not fold the NaN test away), as the decoder runs it."""
+    wl = workload("moe_route", M=9, **kw)
+    inputs = route_inputs(wl, bias_inf)
+    out = poisoned(wl, wl.dim, "cpu")
+    tvm_backend.build(wl, ScheduleSpace(wl, CPU).default(), CPU).launcher({**inputs, **out}, {}, wl.dim)
+    assert_follows_reference(wl, inputs, out)
+
+
+def test_the_reference_is_torchs_softmax_and_sort():
+    """What the kernels follow on non-finite rows is torch's own softmax and top-k order: NaN weights
+    for every broken row, NaN ranking above +inf."""
+    wl = workload("moe_route", M=9, E=8, topk="2", renorm="no", dtype="fp32")
+    ref = wl.op.reference({"logits": non_finite_logits(8, torch.float32)}, {}, wl.dim, wl.attr)
+    broken = [0, 1, 2, 3, 4, 6]  # (one -inf is a probability of 0; so are all -inf but one)
+    assert ref["topk_weights"].isnan().any(-1).tolist() == [m in broken for m in range(9)]
+    assert ref["topk_ids"][broken].tolist() == [[0, 1]] * 6  # all NaN: a stable sort keeps their order
+    assert torch.sort(torch.tensor([INF, NAN]), descending=True, stable=True).indices.tolist() == [1, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", ROUTES, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_non_finite_logits_on_gpu(kw):
+    """The compiled kernel: the device's own max and compare instructions, and a compiler that must
+    keep the NaN test."""
+    from flashgen.targets import device_target
+    dev = torch.device("cuda")
+    wl = workload("moe_route", M=9, **kw)
+    kernel = flashgen.compile(wl, device_target(dev), db=None)
+    for bias_inf in (False, True) if kw["scoring"] == "sigmoid_bias" else (False,):
+        inputs = route_inputs(wl, bias_inf)
+        out = kernel.run({k: v.to(dev) for k, v in inputs.items()})
+        assert_follows_reference(wl, inputs, {k: v.cpu() for k, v in out.items()})

@@ -8,6 +8,10 @@ probabilities would, without the rounding that could tie two probabilities of di
 of the softmax renormalised is also the softmax of the top-k logits (Mixtral's order), the
 denominator cancelling. With sigmoid_bias scoring (DeepSeek-V3) the score is sigmoid(logit) plus a
 per-expert bias that only steers the choice: a pick's weight is its sigmoid, without the bias.
+Non-finite logits give what the reference gives, and ids always name an expert: a NaN score ranks
+above every number (torch's sort order), and where softmax's largest logit is not finite (a NaN, +inf,
+or every logit -inf) every probability is NaN, so the ids are 0..k-1 and the weights NaN. A NaN
+router row thus reaches its token's expert output as NaN, never as a silently finite one.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from flashgen.lazy import lazy
 torch = lazy("torch")
 
 from flashgen.ir import dtypes
-from flashgen.ir.expr import Binary, Dim, Expr, Index, Load, Ref, exp, sigmoid, where
+from flashgen.ir.expr import Binary, Dim, Expr, Index, Load, Ref, absolute, exp, sigmoid, where
 from flashgen.ir.op import DTYPE, Attrs, Contract, Let, Op, Reduce, Stmt, Store, TensorSpec
 from flashgen.ir.prologue import RUN
 from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, r, randn
@@ -29,26 +33,48 @@ TOPK = ("2", "1", "4", "6", "8")  # Mixtral 2, Qwen1.5-MoE 4, DeepSeek-V2-Lite 6
 
 def _route(a: Attrs) -> tuple[Stmt, ...]:
     """Rank j's candidates are the columns after rank j-1's pick in the order: a lower score, or the
-    same score at a higher column; a pick is the lowest candidate column holding their largest score."""
-    x = Ref("x")
+    same score at a higher column; a pick is the lowest candidate column holding their largest score.
+    `x`, the score ranked, has NaN raised to +inf, so the order is total, each rank has a pick, and
+    every id is in [0, E). With sigmoid_bias a NaN also ranks above a +inf score (torch's sort order):
+    its column is ranked less E. (x >= -inf is false for NaN only. It tests the loads a score is made
+    of, not the score: TVM expands every use of a value, so each pass would compute the score again.)"""
+    logit, bias = Load("logits", (r, c)), Load("bias", (c,))
     sigmoid_scoring = a["scoring"] == "sigmoid_bias"
-    logit = Load("logits", (r, c))
-    out: list[Stmt] = [Let("x", sigmoid(logit) + Load("bias", (c,)) if sigmoid_scoring else logit)]
-    for j in range(int(a["topk"])):
-        hit: Expr = where(Binary("eq", x, Ref(f"m{j}")), c, E)
+    topk = int(a["topk"])
+    col: Expr
+    if sigmoid_scoring:  # (a sigmoid is NaN of a NaN only; plus a bias, of a NaN bias too)
+        number = Binary("and", logit >= float("-inf"), bias >= float("-inf"))
+        out: list[Stmt] = [Let("x", where(number, sigmoid(logit) + bias, float("inf"))),
+                           Let("col", where(number, c, c - E))]
+        col = Ref("col")
+    else:  # (a row holding a NaN gets ids 0..k-1 below: how its NaN ranks is not seen)
+        out, col = [Let("x", where(logit >= float("-inf"), logit, float("inf")))], c
+    x = Ref("x")
+    for j in range(topk):
+        hit: Expr = where(Binary("eq", x, Ref(f"m{j}")), col, E)
         if j == 0:
             out.append(Reduce("m0", "max", x))
         else:
             m, i = Ref(f"m{j - 1}"), Ref(f"id{j - 1}")
-            out += [Let(f"after{j}", where(Binary("gt", c, i), Binary("le", x, m), Binary("lt", x, m))),
+            out += [Let(f"after{j}", where(Binary("gt", col, i), Binary("le", x, m), Binary("lt", x, m))),
                     Reduce(f"m{j}", "max", where(Ref(f"after{j}"), x, float("-inf")))]
             hit = where(Ref(f"after{j}"), hit, E)
-        out += [Reduce(f"id{j}", "min", hit), Store("topk_ids", (r, j), Ref(f"id{j}"))]
+        out.append(Reduce(f"id{j}", "min", hit))
         if sigmoid_scoring:  # the pick's own sigmoid: the bias steered the choice only
-            out.append(Reduce(f"e{j}", "sum", where(Binary("eq", c, Ref(f"id{j}")), sigmoid(logit), 0.0)))
+            out.append(Reduce(f"e{j}", "sum", where(Binary("eq", col, Ref(f"id{j}")), sigmoid(logit), 0.0)))
         else:
             out.append(Let(f"e{j}", exp(Ref(f"m{j}") - Ref("m0"))))
-    picked = [Ref(f"e{j}") for j in range(int(a["topk"]))]
+    ids: list[Expr] = [Ref(f"id{j}") for j in range(topk)]
+    picked: list[Expr] = [Ref(f"e{j}") for j in range(topk)]
+    if sigmoid_scoring:
+        ids = [where(i < 0, i + E, i) for i in ids]
+    else:
+        # softmax's probabilities are all NaN where the largest logit is not finite (a NaN, raised to
+        # +inf here; +inf; all -inf): the reference's stable sort then gives ids 0..k-1, and NaN weights
+        finite = absolute(Ref("m0")) < float("inf")
+        ids = [where(finite, i, j) for j, i in enumerate(ids)]
+        picked = [where(finite, e, float("nan")) for e in picked]
+    out += [Store("topk_ids", (r, j), i) for j, i in enumerate(ids)]
     if a["renorm"] == "yes":  # the k weights sum to 1 (with softmax, its denominator cancels)
         out.append(Let("z", sum(picked[1:], picked[0])))
     elif sigmoid_scoring:
@@ -106,7 +132,9 @@ MOE_ROUTE = Op(
 # ---- moe_gemm_gate_up / moe_gemm_down: the experts' grouped GEMMs over the routed (token, expert) pairs ----
 # A pair p = token * KT + j is token p // KT's j-th expert. A program serves one expert's block of
 # pairs (Index("e") is its expert, Index("r") a pair) and reads only that expert's weights, so the
-# weights of experts no pair chose are never read. How programs find their pairs is the `routing`
+# weights of experts no pair chose are never read. A pair whose id is outside [0, E) is no expert's:
+# every path skips it (gate_up leaves its row of h as it was, down adds nothing for it), so no weight is
+# read past the last expert's. How programs find their pairs is the `routing`
 # attr: "sorted" takes them listed expert by expert (`moe_align`: `sorted_pairs`, expert e's at
 # [expert_offsets[e], expert_offsets[e + 1])), "ids" takes the router's [M, KT] `topk_ids` and each
 # program picks its expert's pairs itself (decode: a few hundred pairs, no alignment step to launch).
@@ -119,14 +147,17 @@ IDS_SCAN = 128  # top-k ids an ids-routed kernel reads at a time (its generator'
 
 def moe_align(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs, expert_offsets) of a [M, KT] top-k: the pairs ordered by expert (stable: by
-    token within an expert) and where each expert's run starts, E + 1 int32 offsets."""
+    token within an expert) and where each expert's run starts, E + 1 int32 offsets. A pair whose id
+    is outside [0, E) is no expert's: it sorts after expert E - 1's run (past expert_offsets[E]), so
+    no kernel serves it."""
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < experts), flat, experts)
     order = torch.sort(flat, stable=True).indices.to(torch.int32)
     # counts by a scatter, not bincount (which reads the largest id on the host): no sync, so a decode
     # step holding it can be captured in a CUDA graph
-    ends = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    ends = torch.zeros(experts + 2, dtype=torch.int64, device=flat.device)
     ends.index_add_(0, flat + 1, torch.ones_like(flat))
-    return order, torch.cumsum(ends, 0).to(torch.int32)
+    return order, torch.cumsum(ends[:-1], 0).to(torch.int32)
 
 
 def _weight(a: Attrs, rows: Expr) -> Expr:
@@ -193,14 +224,16 @@ def _routing(d, a, g) -> dict:
     return {"sorted_pairs": pairs, "expert_offsets": offsets}
 
 
-def _pairs_of(t: dict, experts: int) -> list[tuple[int, torch.Tensor]]:
-    """Each expert with pairs, and its pairs (as int64 indices)."""
-    if "topk_ids" in t:
-        pairs, offsets = moe_align(t["topk_ids"], experts)
-    else:
-        pairs, offsets = t["sorted_pairs"], t["expert_offsets"]
-    off, pairs = offsets.tolist(), pairs.long()
+def expert_runs(sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """Each expert with pairs, and its pairs (as int64 indices), from `moe_align`'s ordering: the pairs
+    of no expert (an id outside [0, E)) are in none. Reads the offsets on the host."""
+    off, pairs = expert_offsets.tolist(), sorted_pairs.long()
     return [(e, pairs[off[e]:off[e + 1]]) for e in range(len(off) - 1) if off[e + 1] > off[e]]
+
+
+def _pairs_of(t: dict, experts: int) -> list[tuple[int, torch.Tensor]]:
+    return expert_runs(*(moe_align(t["topk_ids"], experts) if "topk_ids" in t else
+                         (t["sorted_pairs"], t["expert_offsets"])))
 
 
 def _moe_check(d, a) -> str | None:
@@ -228,6 +261,7 @@ def _gate_up(a: Attrs) -> tuple[Stmt, ...]:
 
 def _gate_up_ref(t, p, d, a) -> dict:
     w, x = _expert_weights(t, a), f64(t["x"])
+    # (the row of a pair of no expert stays 0 here; a kernel leaves it unwritten)
     h = torch.zeros(d["M"] * d["KT"], d["N"], dtype=torch.float64, device=x.device)
     for e, pairs in _pairs_of(t, d["E"]):
         y = x[pairs // d["KT"]] @ w[e].T

@@ -205,6 +205,10 @@ def _moe(c: dict, kind: str, layers: int, path: Path) -> dict[str, Any]:
     decoder_sparse_step and mlp_only_layers leave sparse, the others dense MLPs of intermediate_size."""
     if kind not in MOE_TYPES:
         return {}
+    if "num_experts" in c and "num_local_experts" in c and c["num_experts"] != c["num_local_experts"]:
+        # (transformers saves either name, and reads one through the other: two counts name no model)
+        raise _fail(path, "num_experts", f"({c['num_experts']!r}) and num_local_experts ({c['num_local_experts']!r}) "
+                                         "disagree")
     key = "num_local_experts" if kind == "mixtral" or "num_experts" not in c else "num_experts"  # (either name)
     experts = _int(c, key, path, hi=1 << 16)
     top_k = _int(c, "num_experts_per_tok", path, hi=experts)

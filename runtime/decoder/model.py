@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
-from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, moe_align
+from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, expert_runs, moe_align
 from flashgen.runtime.decoder.kv_cache import PagedKVCache
 from flashgen.runtime.decoder.linear import apply, choose
 from flashgen.runtime.decoder.quant_modes import Bf16Linear, QuantLinear, cpu_weight, quant_mode, torch_linear
@@ -194,7 +194,9 @@ class Decoder:
     def moe(self, h: torch.Tensor, b: MoeBlock) -> torch.Tensor:
         """The MoE MLP of the normed hidden states `h` [T, hidden]: each token's top-k experts (softmax
         over all experts, renormalised over the k if the config says so), weighted and summed, plus the
-        gated shared expert if any (module docstring)."""
+        gated shared expert if any (module docstring). A token whose router logits hold a NaN or +inf
+        gets NaN weights (flashgen/oplib/moe.py), so its output is NaN and the engine fails its request
+        naming the step, never a finite output from experts the NaN left out."""
         c = self.c
         logits = torch_linear(h, b.router).float()
         if str(c.experts_per_tok) in MOE_ROUTE.attrs["topk"]:  # the generated router: softmax, top-k, renorm
@@ -236,17 +238,14 @@ class Decoder:
         linears (the expert loop reads each expert's token count on the host)."""
         self.fallbacks.add("moe experts (torch)")
         k = self.c.experts_per_tok
-        weights, chosen = weights.flatten().to(h.dtype), chosen.flatten().long()
-        order = chosen.argsort(stable=True)  # the (token, slot) pairs grouped by expert, in token order
+        weights = weights.flatten().to(h.dtype)
         out = torch.zeros_like(h)
-        start = 0
-        for (gate_up, down), n in zip(experts, torch.bincount(chosen, minlength=self.c.num_experts).tolist()):
-            if n:
-                pairs = order[start:start + n]
-                tokens = pairs // k
-                y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
-                out.index_add_(0, tokens, y * weights[pairs, None])
-            start += n
+        # the (token, slot) pairs grouped by expert, in token order; a pair of no expert is in no run
+        for e, pairs in expert_runs(*moe_align(chosen, self.c.num_experts)):
+            gate_up, down = experts[e]
+            tokens = pairs // k
+            y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
+            out.index_add_(0, tokens, y * weights[pairs, None])
         return out
 
     def _choose(self, n: int, k: int, m: int) -> str:

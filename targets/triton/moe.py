@@ -9,7 +9,9 @@ are at most P / block_m + E of them (each expert's last tile may be partial), so
 needed: each program finds its expert from the offsets' running tile counts, and one past the last
 tile returns at once. With the ids routing (decode) there is no alignment step: program (pid_m, pid_n,
 e) scans the router's top-k ids for expert e's pairs and serves the pid_m-th block of them (an expert
-has at most M pairs, one a token), returning at once where there is none. The k loop loads the A
+has at most M pairs, one a token), returning at once where there is none. A pair whose id is outside
+[0, E) is no expert's, on either routing: no program serves it (h's row is left as it was, y gets
+nothing from it), so no weight is read past the last expert's. The k loop loads the A
 tile through the op's prologue (gathered rows: a pair's token row of x), the weight tiles of each
 Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32; Contracts over the same A
 share its tile (gate and up in one loop). The epilogue is the op's statements: a `combine="add"`
@@ -45,7 +47,8 @@ def _pairs_from_ids(top: Scope) -> None:
     (pid_m, pid_n) takes the block of expert e's pairs its row block names, found by scanning the
     top-k ids SCAN at a time: each match's rank among e's pairs is a running count, and `r` gathers
     the pairs whose ranks the program's rows ask for. `cnt`: the expert's pairs in all; `lead`:
-    whether this program's slot serves e."""
+    whether this program's slot serves e: never where e, a pair's id, is outside [0, E) (no expert's
+    pair: its weights would be read past the last expert's)."""
     top.line("blocks = (M + BLOCK_M - 1) // BLOCK_M")
     top.line("slot = pid_m // blocks")
     top.line("pid_m = pid_m % blocks")
@@ -64,7 +67,7 @@ def _pairs_from_ids(top: Scope) -> None:
     top.line("    r += tl.sum(tl.where((mine[None, :] == 1) & (rank[None, :] == jj), p[None, :], 0), 1)[:, None]")
     top.line("    first = tl.minimum(first, tl.min(tl.where(mine == 1, p, M * KT), 0))")
     top.line("    cnt += tl.sum(mine, 0)")
-    top.line("lead = (first == slot) | (M * KT >= E)")
+    top.line("lead = ((first == slot) | (M * KT >= E)) & (e >= 0) & (e < E)")
     top.line("rmask = jj < cnt")
 
 
