@@ -95,6 +95,14 @@ CLASSES: dict[str, KernelClass] = {k.name: k for k in (
 )}
 
 
+def current_schedule(wl: Any, schedule: Mapping[str, Any]) -> dict[str, Any]:
+    """`schedule` in its class's form of today (a contraction record's flat knobs as its variant, the
+    space rules' `current`), for the readers of a schedule given outside a space: the interpreter, the
+    standalone harness."""
+    rules = kernel_class(wl.op.kclass).space_rules()
+    return rules.current(wl, dict(schedule)) if hasattr(rules, "current") else dict(schedule)
+
+
 def kernel_class(name: str) -> KernelClass:
     try:
         return CLASSES[name]

@@ -494,8 +494,9 @@ def implied(wl: Workload, name: str) -> dict[str, int]:
 
 
 def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
-    """The rules, on a variant-form schedule whose knobs ScheduleSpace checked."""
-    return _flat_invalid(wl, target, flat_of(wl, s))
+    """The rules, on a variant-form schedule whose knobs ScheduleSpace checked, or on a flat one that no
+    variant has (`current` left it flat), which they refuse."""
+    return _flat_invalid(wl, target, flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s})
 
 
 def default(wl: Workload, target: Target) -> dict[str, Any]:

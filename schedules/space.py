@@ -72,6 +72,17 @@ class ScheduleSpace:
         knobs = self._forms.get(s.get(VARIANT))
         return {VARIANT: tuple(self._forms), **knobs} if knobs is not None else {}
 
+    def values(self, name: str) -> tuple:
+        """The values knob `name` takes over the space: in a space of several forms, by its flat name too
+        (`values("tma") == (0, 1)` where some form copies by TMA)."""
+        if not self.has_variants or name == VARIANT:
+            return self.knobs()[name]
+        out = set()
+        for form, knobs in self._forms.items():
+            out.update(knobs.get(name, ()))
+            out.update(v for k, v in self.rules.implied(self.workload, form).items() if k == name)
+        return tuple(sorted(out))
+
     def raw_size(self) -> int:
         """Points before the rules: the product of the knobs' value counts, summed over the forms."""
         return sum(math.prod(len(v) for v in knobs.values()) for knobs in self._forms.values())
@@ -144,15 +155,28 @@ class ScheduleSpace:
 
     def why_invalid(self, s: Schedule) -> str | None:
         s = self.complete(s)
-        if self.has_variants and s.get(VARIANT) not in self._forms:
-            return (f"{VARIANT} {s[VARIANT]!r} is not one of {tuple(self._forms)}" if VARIANT in s else
-                    f"a schedule names its {VARIANT} (one of {tuple(self._forms)}), got {sorted(s)}")
+        if self.has_variants and VARIANT not in s:  # a flat schedule no form has: the rules say why
+            flat = set(self.rules.FLAT_KNOBS)
+            if not flat <= set(s) | set(self.added_knobs()) or not set(s) <= flat:
+                return f"schedule knobs must be {VARIANT} and its form's, got {sorted(s)}"
+            return self.rules.why_invalid(self.workload, self.target, s) or f"no {VARIANT} has the options of {s}"
+        if self.has_variants and s[VARIANT] not in self._forms:
+            return self._rule(s) or f"{VARIANT} {s[VARIANT]!r} is not one of {tuple(self._forms)}"
         knobs = self.form_knobs(s)
         if set(s) != set(knobs):
             return f"schedule knobs must be {sorted(knobs)}, got {sorted(s)}"
         for k, v in s.items():
             if v not in knobs[k]:
-                return f"{k}={v} is not one of {knobs[k]}"
+                return self._rule(s) or f"{k}={v} is not one of {knobs[k]}"
+        return self.rules.why_invalid(self.workload, self.target, s)
+
+    def _rule(self, s: Schedule) -> str | None:
+        """Where a space of several forms leaves out a form or a value as its rules refuse it: their
+        reason, for a schedule of a known form holding values the space knows, else None."""
+        union = self.knobs()
+        if not self.has_variants or s[VARIANT] not in self.rules.VARIANTS or not all(
+                n in union and x in union[n] for n, x in s.items() if n != VARIANT):
+            return None
         return self.rules.why_invalid(self.workload, self.target, s)
 
     def with_knob(self, s: Schedule, name: str, value: int | str) -> Schedule:
