@@ -226,8 +226,8 @@ class Evolutionary(SearchStrategy):
         if self.rng.random() >= 0.5:
             a, b = b, a
         knobs = self.space.form_knobs(a)
-        return {name: v if (v := (a if self.rng.random() < 0.5 else b).get(name, a[name])) in vals else a[name]
-                for name, vals in knobs.items()}
+        return {name: v if name != "variant" and (v := (a if self.rng.random() < 0.5 else b).get(name, a[name])) in vals
+                else a[name] for name, vals in knobs.items()}
 
     def _pick(self, parents: list[Schedule]) -> Schedule:
         """Tournament of two: biased towards the faster parents."""
