@@ -1,29 +1,34 @@
 """The contraction class's schedule space: tiled tensor-core GEMM, which at small M becomes a GEMV.
 
-Knobs: block_m x block_n output tile, block_k depth per k step, num_warps, num_stages (software
-pipelining buffers), group_m (row tiles launched together so they share weight tiles in the L2),
-split_k (programs sharing one tile's k range when the tiles alone leave SMs idle; the last of them
-to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilogue), persistent
-(0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
-tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
-tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 tiles: two
-codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs, summed per word (1) or
-per quad of consecutive words (2)), operand_scale (NVIDIA
-PTX-unpacked int4 matrix tiles, symmetric codes in groups of 128 k or more: each code pair is multiplied
-by its group scale in the 16-bit float, so that all groups accumulate in one tile), early_load (GEMV tiles
-on targets with programmatic dependent launch: the first k step's weights are loaded before waiting
-for the previous kernel), dequant_first (ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more:
-the weight is dequantized by a pointwise kernel of its own, and the dense GEMM's tiles, with the dense
-op's knobs and rules, run on it; targets/staged.py), dequant_chunks (with dequant_first: the weight's
-rows in 2, 4 or 8 chunks, each chunk's dequant overlapping the previous chunk's GEMM; Triton tiles
-only), backend (0: the
-Triton generator; 1: the Gluon one, targets/gluon: NVIDIA sm_90, operands TMA copies, a ring of
-num_stages mbarrier-guarded slots, asynchronous warpgroup MMA), producer_warps (Gluon: 1, a warp of
-its own issues the copies while the num_warps warps only issue MMAs and the epilogues, persistent or
-not; 0, the same warps do both, one tile per program), consumers (Gluon, persistent, producer warp:
-2, two warpgroups of num_warps = 4 warps take turns at the program's tiles, so that one's epilogue
-runs while the other's MMAs do), tma_store (Gluon, an output TMA can write: each tile's result goes
-to shared memory and a TMA copy writes it, while the next tile computes).
+A schedule names its `variant`, the generator's form (flashgen/ir/variants.py), and holds the knobs that
+form reads (`variants`): block_m x block_n output tile, block_k depth per k step, num_warps, num_stages
+(software pipelining buffers), group_m (row tiles launched together so they share weight tiles in the
+L2; a knob only where the form's tiles leave more than one row of tiles), split_k (programs sharing one
+tile's k range when the tiles alone leave SMs idle; the last of them to finish adds the fp32/int32
+partial tiles in a fixed order and runs the epilogue), persistent (0: one program per tile; n: n
+programs per SM, each walking tiles in order, so the last wave's tiles start while earlier tiles'
+epilogues finish), dequant_chunks (a weight dequantized first: its rows in 2, 4 or 8 chunks, each
+chunk's dequant overlapping the previous chunk's GEMM; Triton tiles only).
+The variants stand for the options records once held as knobs of their own (`flat_of` spells them out;
+the rules and the cost model's features read that form, and `current` reads such a record as its
+variant): GEMV tiles of 1-8 rows (gemv*) or matrix tiles (tile*, gluon*); tma (tile_tma: sm_90,
+operands without a prologue, A and W tiles copied by TMA descriptors instead of per-thread loads);
+ptx_unpack (NVIDIA int4 tiles: two codes per 32-bit AND-OR in inline PTX, gemv_ptx and tile_ptx; in GEMV
+tiles products in fp16 pairs, summed per word or per quad of consecutive words, gemv_ptx_quad);
+operand_scale (tile_ptx_scaled: symmetric codes in groups of 128 k or more, each code pair multiplied
+by its group scale in the 16-bit float, so that all groups accumulate in one tile); early_load (*_early:
+GEMV tiles on targets with programmatic dependent launch, the first k step's weights loaded before
+waiting for the previous kernel); backend (gluon*: the Gluon generator, targets/gluon: NVIDIA sm_90,
+operands TMA copies, a ring of num_stages mbarrier-guarded slots, asynchronous warpgroup MMA);
+producer_warps (gluon_warp: a warp of its own issues the copies while the num_warps warps only issue
+MMAs and the epilogues, persistent or not; plain gluon: the same warps do both, one tile per program);
+consumers (gluon_pingpong: persistent, a producer warp, two warpgroups of num_warps = 4 warps take
+turns at the program's tiles, so that one's epilogue runs while the other's MMAs do); tma_store
+(gluon*_store: an output a TMA can write, each tile's result goes to shared memory and a TMA copy
+writes it while the next tile computes); gluon_int4 (symmetric int4 codes copied as words);
+dequant_first (dq_*: ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more, the weight
+dequantized by a pointwise kernel of its own and a dense form's tiles, with the dense op's knobs and
+rules, run on it; targets/staged.py).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split of a pipelined tile gets at least
