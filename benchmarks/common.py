@@ -80,11 +80,14 @@ def variant(wl: Any, target: Any, space: Any, schedule: dict, knob: str, value: 
     import flashgen
 
     base = space.complete(schedule)
-    s = {**base, knob: value}
+    if knob not in space.names():
+        print(f"  variant {knob}={value} of {schedule}: not a knob of {wl.op.name} (its knobs: {', '.join(base)}); "
+              "not timed", flush=True)
+        return None
+    s = space.with_knob(base, knob, value)  # (a flat name, `early_load`, moves a contraction to its variant)
     if s == base:
         return None
-    why = (f"not a knob of {wl.op.name} (its knobs: {', '.join(base)})" if knob not in base
-           else space.why_invalid(s))
+    why = space.why_invalid(s)
     if why is None:
         vk = flashgen.compile(wl, target, schedule=s)
         if same_outputs(vk.run(ins), out):

@@ -91,7 +91,7 @@ def _best_with(db: Database, wl: flashgen.Workload, target, space: ScheduleSpace
     if there is none."""
     timing = db.best(wl.key, target.id).timing
     recs = [r for r in db.records(wl.key, target.id, status="ok")
-            if r.timing == timing and space.complete(r.schedule).get(knob) == value]
+            if r.timing == timing and space.flat(r.schedule).get(knob) == value]
     return min(recs, key=lambda r: r.latency_us, default=None)
 
 

@@ -130,12 +130,12 @@ def _json_object(value: Any, where: str, shape: str) -> dict:
     return value
 
 
-def _fixed_knobs(pairs: list[tuple[str, str]]) -> dict[str, int]:
-    """--fix NAME=VALUE pairs as knob values (every knob is an integer)."""
-    out = {}
+def _fixed_knobs(pairs: list[tuple[str, str]]) -> dict[str, int | str]:
+    """--fix NAME=VALUE pairs as knob values (integers; a contraction `variant` is a name)."""
+    out: dict[str, int | str] = {}
     for name, value in pairs:
         try:
-            out[name] = int(value)
+            out[name] = value if name == "variant" else int(value)
         except ValueError:
             raise FlashgenError(f"--fix {name}={value}: knob values are integers") from None
     return out

@@ -49,10 +49,10 @@ def choose_schedule(wl: Workload, target: Target, db: Database | str | os.PathLi
     if schedule is not None:
         if not isinstance(schedule, dict):
             raise FlashgenError(f"a schedule is a JSON object of knob values, got {schedule!r}")
-        bad = {k: v for k, v in schedule.items() if isinstance(v, bool) or not isinstance(v, int)}
+        bad = {k: v for k, v in schedule.items() if isinstance(v, bool) or not isinstance(v, str if k == "variant" else int)}
         if bad:
-            raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: knob values are integers, "
-                                f"got {json.dumps(bad)}")
+            raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: knob values are integers "
+                                f"(a variant a name), got {json.dumps(bad)}")
         why = space.why_invalid(schedule)
         if why:
             raise FlashgenError(f"invalid schedule for {wl.op_name} on {target.id}: {why}")

@@ -18,11 +18,14 @@ Interfaces a record's modules provide (see docs/adding-a-kernel-class.md):
 - space: `knobs(wl, target) -> {name: values}`, `added_knobs(wl) -> {name: value its absence stands
   for}`, `why_invalid(wl, target, schedule) -> str | None` (the class's rules, after ScheduleSpace has
   checked every knob is one of its values) and `default(wl, target) -> Schedule` (the analytic default);
+  a class whose generator takes several forms gives `variants(wl, target) -> {form: {name: values}}`
+  instead of `knobs`, with `current`, `flat_of`, `implied` and `FLAT_KNOBS` (schedules/space.py);
 - features: `FEATURE_NAMES` and `columns(wl, schedules, target) -> {name: array}`, including
   "_latency_us", the analytic latency estimate the search ranks by before any data exists;
 - generators: backend name ("triton", "tvm") -> "module:function", `function(wl, schedule)` returning
   that backend's kernel source. A build may have more than one generator: the Triton build also
-  compiles Gluon sources, and a schedule's `backend` knob (SCHEDULE_BACKENDS) picks which writes it.
+  compiles Gluon sources, and a schedule's `backend` knob (SCHEDULE_BACKENDS), or its `variant`, picks
+  which writes it.
 """
 from __future__ import annotations
 
@@ -39,7 +42,12 @@ SCHEDULE_BACKENDS = ("triton", "gluon")
 
 
 def schedule_backend(schedule: Mapping[str, Any]) -> str:
-    """The generator a schedule asks for ("triton" where it has no `backend` knob)."""
+    """The generator a schedule asks for: by its `backend` knob, or its `variant`'s (flashgen/ir/variants.py);
+    "triton" where it has neither."""
+    if "variant" in schedule:
+        from flashgen.ir.variants import variant  # (read lazily, as the table's modules are)
+
+        return SCHEDULE_BACKENDS[variant(schedule).option("backend")]
     return SCHEDULE_BACKENDS[int(schedule.get("backend", 0))]
 
 
@@ -85,6 +93,14 @@ CLASSES: dict[str, KernelClass] = {k.name: k for k in (
     KernelClass("moe", "flashgen.schedules.moe_space", "flashgen.schedules.moe_features",
                 {"triton": "flashgen.targets.triton.moe:generate_moe"}),
 )}
+
+
+def current_schedule(wl: Any, schedule: Mapping[str, Any]) -> dict[str, Any]:
+    """`schedule` in its class's form of today (a contraction record's flat knobs as its variant, the
+    space rules' `current`), for the readers of a schedule given outside a space: the interpreter, the
+    standalone harness."""
+    rules = kernel_class(wl.op.kclass).space_rules()
+    return rules.current(wl, dict(schedule)) if hasattr(rules, "current") else dict(schedule)
 
 
 def kernel_class(name: str) -> KernelClass:

@@ -16,13 +16,11 @@ import numpy as np
 from flashgen.ir import dtypes
 from flashgen.roofline import bytes_moved
 from flashgen.ir.contraction import extents, operand_dtype
-from flashgen.schedules.contraction_space import ADDED_KNOBS, load_bytes, min_block_k
+from flashgen.schedules.contraction_space import ADDED_KNOBS, FLAT_KNOBS, current, flat_of, load_bytes, min_block_k
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
 
-KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k", "persistent", "tma",
-         "ptx_unpack", "early_load", "operand_scale", "dequant_first", "dequant_chunks", "backend", "producer_warps", "tma_store",
-         "consumers")
+KNOBS = FLAT_KNOBS  # every option and count, as the schedule spelled out flat (`flat_of`) holds them
 SIZES = KNOBS[:7]  # the knobs that are sizes or counts, never 0: also given as log2
 FEATURE_NAMES: tuple[str, ...] = (
     *KNOBS, *(f"log2_{k}" for k in SIZES),
@@ -40,9 +38,17 @@ def _peak_tflops(wl: Workload, target: Target) -> float:
     return float(target.peak_tflops[operand_dtype(wl)])
 
 
+def _flat(wl: Workload, s: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`s` spelled out flat: a variant-form schedule, or a record's (read as its variant where it has one,
+    else as written, with the knobs it predates at their neutral values)."""
+    s = current(wl, dict(s))
+    return flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s}
+
+
 def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) -> dict[str, np.ndarray]:
     m, n, k, _ = extents(wl)
-    kv = {name: np.asarray([float(s.get(name, ADDED_KNOBS.get(name))) for s in schedules]) for name in KNOBS}
+    schedules = [_flat(wl, s) for s in schedules]
+    kv = {name: np.asarray([float(s[name]) for s in schedules]) for name in KNOBS}
     bm, bn, bk, split = kv["block_m"], kv["block_n"], kv["block_k"], kv["split_k"]
     ob = dtypes.BYTES[operand_dtype(wl)]
     flops = 2.0 * m * n * k

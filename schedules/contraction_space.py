@@ -1,29 +1,34 @@
 """The contraction class's schedule space: tiled tensor-core GEMM, which at small M becomes a GEMV.
 
-Knobs: block_m x block_n output tile, block_k depth per k step, num_warps, num_stages (software
-pipelining buffers), group_m (row tiles launched together so they share weight tiles in the L2),
-split_k (programs sharing one tile's k range when the tiles alone leave SMs idle; the last of them
-to finish adds the fp32/int32 partial tiles in a fixed order and runs the epilogue), persistent
-(0: one program per tile; n: n programs per SM, each walking tiles in order, so the last wave's
-tiles start while earlier tiles' epilogues finish), tma (sm_90, operands without a prologue: A and W
-tiles copied by TMA descriptors instead of per-thread loads), ptx_unpack (NVIDIA int4 tiles: two
-codes per 32-bit AND-OR in inline PTX; in GEMV tiles, products in fp16 pairs, summed per word (1) or
-per quad of consecutive words (2)), operand_scale (NVIDIA
-PTX-unpacked int4 matrix tiles, symmetric codes in groups of 128 k or more: each code pair is multiplied
-by its group scale in the 16-bit float, so that all groups accumulate in one tile), early_load (GEMV tiles
-on targets with programmatic dependent launch: the first k step's weights are loaded before waiting
-for the previous kernel), dequant_first (ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more:
-the weight is dequantized by a pointwise kernel of its own, and the dense GEMM's tiles, with the dense
-op's knobs and rules, run on it; targets/staged.py), dequant_chunks (with dequant_first: the weight's
-rows in 2, 4 or 8 chunks, each chunk's dequant overlapping the previous chunk's GEMM; Triton tiles
-only), backend (0: the
-Triton generator; 1: the Gluon one, targets/gluon: NVIDIA sm_90, operands TMA copies, a ring of
-num_stages mbarrier-guarded slots, asynchronous warpgroup MMA), producer_warps (Gluon: 1, a warp of
-its own issues the copies while the num_warps warps only issue MMAs and the epilogues, persistent or
-not; 0, the same warps do both, one tile per program), consumers (Gluon, persistent, producer warp:
-2, two warpgroups of num_warps = 4 warps take turns at the program's tiles, so that one's epilogue
-runs while the other's MMAs do), tma_store (Gluon, an output TMA can write: each tile's result goes
-to shared memory and a TMA copy writes it, while the next tile computes).
+A schedule names its `variant`, the generator's form (flashgen/ir/variants.py), and holds the knobs that
+form reads (`variants`): block_m x block_n output tile, block_k depth per k step, num_warps, num_stages
+(software pipelining buffers), group_m (row tiles launched together so they share weight tiles in the
+L2; a knob only where the form's tiles leave more than one row of tiles), split_k (programs sharing one
+tile's k range when the tiles alone leave SMs idle; the last of them to finish adds the fp32/int32
+partial tiles in a fixed order and runs the epilogue), persistent (0: one program per tile; n: n
+programs per SM, each walking tiles in order, so the last wave's tiles start while earlier tiles'
+epilogues finish), dequant_chunks (a weight dequantized first: its rows in 2, 4 or 8 chunks, each
+chunk's dequant overlapping the previous chunk's GEMM; Triton tiles only).
+The variants stand for the options records once held as knobs of their own (`flat_of` spells them out;
+the rules and the cost model's features read that form, and `current` reads such a record as its
+variant): GEMV tiles of 1-8 rows (gemv*) or matrix tiles (tile*, gluon*); tma (tile_tma: sm_90,
+operands without a prologue, A and W tiles copied by TMA descriptors instead of per-thread loads);
+ptx_unpack (NVIDIA int4 tiles: two codes per 32-bit AND-OR in inline PTX, gemv_ptx and tile_ptx; in GEMV
+tiles products in fp16 pairs, summed per word or per quad of consecutive words, gemv_ptx_quad);
+operand_scale (tile_ptx_scaled: symmetric codes in groups of 128 k or more, each code pair multiplied
+by its group scale in the 16-bit float, so that all groups accumulate in one tile); early_load (*_early:
+GEMV tiles on targets with programmatic dependent launch, the first k step's weights loaded before
+waiting for the previous kernel); backend (gluon*: the Gluon generator, targets/gluon: NVIDIA sm_90,
+operands TMA copies, a ring of num_stages mbarrier-guarded slots, asynchronous warpgroup MMA);
+producer_warps (gluon_warp: a warp of its own issues the copies while the num_warps warps only issue
+MMAs and the epilogues, persistent or not; plain gluon: the same warps do both, one tile per program);
+consumers (gluon_pingpong: persistent, a producer warp, two warpgroups of num_warps = 4 warps take
+turns at the program's tiles, so that one's epilogue runs while the other's MMAs do); tma_store
+(gluon*_store: an output a TMA can write, each tile's result goes to shared memory and a TMA copy
+writes it while the next tile computes); gluon_int4 (symmetric int4 codes copied as words);
+dequant_first (dq_*: ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more, the weight
+dequantized by a pointwise kernel of its own and a dense form's tiles, with the dense op's knobs and
+rules, run on it; targets/staged.py).
 Rules: the pipelined tiles must fit the target's shared memory (LDS on AMD), the accumulator must fit
 the registers of the program's threads, tiles stop at the next power of two of each extent (16 is
 the smallest tile a matrix instruction takes), each split of a pipelined tile gets at least
@@ -48,6 +53,7 @@ from flashgen.ir.contraction import (MMA_MIN_ROWS, WARPGROUP, WARPGROUP_ROWS, ex
                                      int4_affine, operand_dtype, symmetric_block_groups, tma_operands, tma_output,
                                      whole_block_groups)
 from flashgen.ir.op import Let
+from flashgen.ir.variants import COUNT_DEFAULTS, DEQUANT, OPTIONS, VARIANTS, flat, from_flat, reads  # noqa: F401 (COUNT_DEFAULTS: ScheduleSpace)
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload, dequant_forms
@@ -62,6 +68,10 @@ SPLIT_K_MIN_STEPS = 2  # k steps per split of a pipelined tile, at least: fewer 
 ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0,
                "dequant_first": 0, "dequant_chunks": 1, "backend": 0, "producer_warps": 0, "tma_store": 0,
                "consumers": 1}
+# Every knob of a schedule spelled out flat (`flat_of`), as records were written before variants.
+FLAT_KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k", "persistent", "tma",
+              "ptx_unpack", "early_load", "operand_scale", "dequant_first", "dequant_chunks", "backend",
+              "producer_warps", "tma_store", "consumers")
 MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 # From this M, a weight may be dequantized first (`dequant_first`): its round trip through memory (a
@@ -83,7 +93,9 @@ def _p2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
+def _flat_knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
+    """Each size's values, and each option's (0: off) where the workload and target offer it, as one
+    flat list (a weight dequantized first takes its dense form's, `variants`)."""
     m, n, k, _ = extents(wl)
     amd = target.vendor == "amd"
     gemv_rows = tuple(b for b in (1, 2, 4, 8) if m <= GEMV_MAX_M and b <= _p2(m))
@@ -104,14 +116,9 @@ def knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
           "backend": (0, 1) if gluon_target(target) and gluon_operands(wl) else (0,),
           "producer_warps": (0, 1) if gluon_target(target) and gluon_operands(wl) else (0,),
           "tma_store": (0, 1) if gluon_target(target) and tma_operands(wl) and tma_output(wl) else (0,),
-          "consumers": (1, 2) if gluon_target(target) and tma_operands(wl) else (1,)}
-    dense = dequant_first_form(wl)
-    if dense is None:
-        return {**kn, "dequant_first": (0,), "dequant_chunks": (1,)}
-    # dequantized first, the tiles take the dense op's knobs (16-bit k steps of 32 and 64, TMA)
-    kd = knobs(dense, target)
-    return {**{name: tuple(sorted(set(v) | set(kd[name]))) for name, v in kn.items()}, "dequant_first": (0, 1),
-            "dequant_chunks": (1, 2, 4, 8)}
+          "consumers": (1, 2) if gluon_target(target) and tma_operands(wl) else (1,),
+          "dequant_first": (0,), "dequant_chunks": (1,)}
+    return kn
 
 
 def gluon_target(target: Target) -> bool:
@@ -238,7 +245,8 @@ def min_stages(target: Target, s: dict[str, Any]) -> int:
     return 1 if target.vendor == "amd" or s["block_m"] < MMA_MIN_ROWS else 2
 
 
-def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    """The rules, on a schedule spelled out flat (`flat_of`)."""
     if s["dequant_chunks"] > 1 and not s["dequant_first"]:
         return "chunks of a dequantized weight need dequant_first"
     if s["dequant_first"]:
@@ -252,7 +260,7 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
             return "Gluon tiles of a weight dequantized first run in one chunk (beside the dequant, their time varies 2x)"
         if chunks > 1 and n % (chunks * 16):  # (16 rows: every chunk's slices start on 16-byte boundaries)
             return f"N={n} does not split into {chunks} chunks of a multiple of 16 rows"
-        return why_invalid(dequant_forms(wl, chunks)[1], target, {**s, "dequant_first": 0, "dequant_chunks": 1})
+        return _flat_invalid(dequant_forms(wl, chunks)[1], target, {**s, "dequant_first": 0, "dequant_chunks": 1})
     if (s["producer_warps"] or s["tma_store"] or s["consumers"] > 1) and not s["backend"]:
         return "producer warps, consumer warpgroups and TMA stores serve Gluon tiles (backend 1)"
     if s["backend"]:
@@ -308,8 +316,8 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     return None
 
 
-def default(wl: Workload, target: Target) -> dict[str, int]:
-    """Analytic choice per regime, shrunk until it satisfies the rules."""
+def _flat_default(wl: Workload, target: Target) -> dict[str, int]:
+    """Analytic choice per regime, spelled out flat, shrunk until it satisfies the rules."""
     m, n, k, con = extents(wl)
     dense = dequant_first_form(wl)
     if dense is not None and m >= DEQUANT_FIRST_DEFAULT_M:
@@ -317,13 +325,13 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
         # in as many chunks as keep about two waves of tiles in each chunk's GEMM (side by side on the
         # H200's five Llama weights at M = 4096: 4 chunks of 8192² and gate_up, 2 of qkv and o, 2-5%
         # faster than one; 4 chunks of qkv and o, under 1.5 waves each, 20-40% slower).
-        s = {**default(dense, target), "dequant_first": 1}
+        s = {**_flat_default(dense, target), "dequant_first": 1}
         sms = max(int(target.sm_count), 1)
         for chunks in (4, 2, 1):
             tiles = -(-m // s["block_m"]) * -(-(n // chunks) // s["block_n"])
-            if chunks == 1 or tiles >= CHUNK_MIN_WAVES * sms and why_invalid(wl, target, {**s, "dequant_chunks": chunks}) is None:
+            if chunks == 1 or tiles >= CHUNK_MIN_WAVES * sms and _flat_invalid(wl, target, {**s, "dequant_chunks": chunks}) is None:
                 return {**s, "dequant_chunks": chunks}
-    kn = knobs(wl, target)
+    kn = _flat_knobs(wl, target)
     stages = kn["num_stages"][-1] if target.vendor == "amd" else 4
     sms = max(int(target.sm_count), 1)
     if m <= GEMV_INT4_DEFAULT_M and 2 in kn["ptx_unpack"]:
@@ -391,7 +399,7 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     s["block_k"] = max(s["block_k"], min_block_k(wl))
     for key in ("block_m", "block_n", "block_k"):
         s[key] = max(v for v in kn[key] if v <= s[key]) if any(v <= s[key] for v in kn[key]) else kn[key][0]
-    while why_invalid(wl, target, s):
+    while _flat_invalid(wl, target, s):
         threads = s["num_warps"] * target.warp_size
         idle = s["block_m"] < MMA_MIN_ROWS and s["block_m"] * s["block_n"] * s["block_k"] < threads * MIN_PRODUCTS_PER_THREAD
         if idle and s["num_warps"] > 2:
@@ -416,6 +424,95 @@ def default(wl: Workload, target: Target) -> dict[str, int]:
     return s
 
 
+def variants(wl: Workload, target: Target) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Each generator form the workload and target offer (flashgen/ir/variants.py), with the values of
+    the knobs it reads. Values the rules refuse for a whole form are left out of it: matrix tiles have
+    16 rows or more, NVIDIA's pipelined stages (`min_stages`) and k steps of at most MAX_MMA_BLOCK_K
+    (MAX_TMA_BOX with TMA copies); Gluon tiles whole warpgroups and k steps of SWIZZLE_BYTES rows (a ping-pong's consumers one each, taking turns only when persistent);
+    a Gluon int4 k step one block of words."""
+    kn = _flat_knobs(wl, target)
+    rows = extents(wl)[0]
+    scales = group_scales(wl)
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for v in VARIANTS.values():
+        options = flat({"variant": v.name}, scales)
+        if v.name.startswith(DEQUANT) or any(options[k] not in kn[k] for k in OPTIONS):
+            continue
+        if v.gluon and (v.name == "gluon_int4") == bool(tma_operands(wl)):
+            continue  # dense Gluon tiles copy plain operands; the int4 one copies code words
+        if v.gemv and options["ptx_unpack"] and not whole_block_groups(wl):
+            continue  # PTX-unpacked GEMV tiles pair codes 64 k apart
+        values = {k: kn[k] for k in reads(v, rows)}
+        values["block_m"] = tuple(b for b in kn["block_m"] if (b < MMA_MIN_ROWS) == v.gemv)
+        if not values["block_m"]:
+            continue
+        if not v.gemv:
+            values["block_k"] = tuple(b for b in kn["block_k"] if b <= MAX_MMA_BLOCK_K)
+            if target.vendor != "amd":
+                values["num_stages"] = tuple(st for st in kn["num_stages"] if st >= 2)
+        if v.option("tma"):
+            values["block_k"] = tuple(b for b in values["block_k"] if b <= MAX_TMA_BOX)
+        if v.gluon:
+            values["num_warps"] = tuple(w for w in kn["num_warps"] if w % WARPGROUP == 0)
+            if v.name != "gluon_int4":
+                values["block_k"] = tuple(b for b in values["block_k"] if b * operand_bytes(wl) <= SWIZZLE_BYTES)
+        if v.option("consumers") > 1:
+            values.update(num_warps=(WARPGROUP,), persistent=tuple(p for p in kn["persistent"] if p))
+        if v.name == "gluon_int4":
+            values["block_k"] = (INT4_PERIOD,)
+        out[v.name] = values
+    dense = dequant_first_form(wl)
+    if dense is not None:  # dequantized first, the dense op's tiles (16-bit k steps of 32 and 64, TMA)
+        for name, values in variants(dense, target).items():
+            staged = VARIANTS.get(DEQUANT + name)
+            if staged is not None:
+                out[staged.name] = {**values, **({"dequant_chunks": (1, 2, 4, 8)} if "dequant_chunks" in staged.counts else {})}
+    return out
+
+
+def group_scales(wl: Workload) -> bool:
+    """Whether the workload's int4 codes have per-group scales (a Gluon int4 tile multiplies them into the codes)."""
+    affine = int4_affine(wl)
+    return bool(affine) and affine[2] is not None
+
+
+def flat_of(wl: Workload, s: dict[str, Any]) -> dict[str, int]:
+    """Variant-form schedule `s` spelled out flat: what the rules and the cost model's features read."""
+    return flat(s, group_scales(wl))
+
+
+def current(wl: Workload, s: dict[str, Any]) -> dict[str, Any]:
+    """`s` in today's form: a schedule of the flat form records were written in before variants
+    (missing the knobs added since, ADDED_KNOBS) as its variant form; where no form has its options,
+    `s` as it is, which the space refuses as the rules always did."""
+    if "variant" in s or not set(FLAT_KNOBS) <= set(s) | set(ADDED_KNOBS):
+        return dict(s)
+    mapped = from_flat({**ADDED_KNOBS, **s}, extents(wl)[0], group_scales(wl))
+    return mapped if mapped is not None else dict(s)
+
+
+def implied(wl: Workload, name: str) -> dict[str, int]:
+    """The options and counts variant `name` does not read, with the value it stands for: a knob pinned
+    by its flat name (`--fix tma=1`) keeps the variants it holds for."""
+    v = VARIANTS[name]
+    return {k: val for k, val in flat({"variant": name}, group_scales(wl)).items() if k not in v.counts}
+
+
+def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    """The rules, on a variant-form schedule whose knobs ScheduleSpace checked, or on a flat one that no
+    variant has (`current` left it flat), which they refuse."""
+    return _flat_invalid(wl, target, flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s})
+
+
+def default(wl: Workload, target: Target) -> dict[str, Any]:
+    """The analytic choice (`_flat_default`) in its variant form."""
+    s = _flat_default(wl, target)
+    mapped = from_flat(s, extents(wl)[0], group_scales(wl))
+    assert mapped is not None, f"the default {s} has no variant"
+    return mapped
+
+
 def added_knobs(wl: Workload) -> dict[str, int]:
-    """Knobs added after records were written, with the value their absence stands for."""
+    """Knobs added after records were written, with the value their absence stands for (`current` reads
+    such records)."""
     return ADDED_KNOBS

@@ -37,9 +37,9 @@ def record_problem(rec: Record) -> str | None:
         return f"workload: {e}"
     if rec.workload_key not in (_stored_key(w), wl.key):
         return f"workload_key {rec.workload_key} is not the key of its workload ({_stored_key(w)})"
-    bad = {k: v for k, v in rec.schedule.items() if isinstance(v, bool) or not isinstance(v, int)}
+    bad = {k: v for k, v in rec.schedule.items() if isinstance(v, bool) or not isinstance(v, str if k == "variant" else int)}
     if bad:
-        return f"schedule knobs must be integers, got {bad}"
+        return f"schedule knobs must be integers (a variant a name), got {bad}"
     targets = load_targets()
     target = targets.get(rec.target_key)
     if target is None:
@@ -50,7 +50,7 @@ def record_problem(rec: Record) -> str | None:
             return None
         return (f"target_key {rec.target_key!r} is a name, not a target id: records are keyed by the id "
                 f"(this name reaches {named.id}; `flashgen targets` lists the ids)")
-    unknown = sorted(set(rec.schedule) - set(ScheduleSpace(wl, target).knobs()))
+    unknown = sorted(set(rec.schedule) - ScheduleSpace(wl, target).names())
     if unknown:
         return f"schedule names knobs the {wl.op.kclass} space on {target.id} does not have: {', '.join(unknown)}"
     return None

@@ -105,7 +105,7 @@ class SearchStrategy:
         return sorted(((s, lat) for s, lat in self.measured.values() if lat is not None), key=lambda x: x[1])
 
     def _space_size(self) -> int:
-        return math.prod(len(v) for v in self.space.knobs().values())
+        return self.space.raw_size()
 
     def valid_schedules(self) -> list[Schedule]:
         """Every valid schedule, in the space's order (only for spaces small enough to enumerate)."""
@@ -121,10 +121,9 @@ class SearchStrategy:
             pool = [s for s in self.valid_schedules()
                     if (key := schedule_key(s)) not in self._seen and key not in exclude]
             return self.rng.sample(pool, min(k, len(pool)))
-        knobs = self.space.knobs()
         out: dict[str, Schedule] = {}
         for _ in range(64 * k):   # rejection sampling: large spaces are mostly valid or mostly explored
-            s = {name: self.rng.choice(vals) for name, vals in knobs.items()}
+            s = self.space.sample(self.rng)
             key = schedule_key(s)
             if key in self._seen or key in exclude or key in out or not self.space.is_valid(s):
                 continue
@@ -187,7 +186,6 @@ class Evolutionary(SearchStrategy):
         self.crossover_rate = crossover_rate
         self.pool_factor = max(1, pool_factor)
         self._started = False
-        self._knobs = space.knobs()
 
     # ---- candidates -------------------------------------------------------------------------
     def _ranked_sample(self, k: int, exclude: set[str]) -> list[Schedule]:
@@ -200,11 +198,13 @@ class Evolutionary(SearchStrategy):
         return _rank(self.model, self.space, cands)[:k]
 
     def mutate(self, parent: Schedule) -> Schedule | None:
-        """Move one knob to its nearest value (up or down) that gives a valid schedule."""
-        names = list(self._knobs)
+        """Move one knob to its nearest value (up or down) that gives a valid schedule (`variant` to a
+        neighbouring form, `ScheduleSpace.with_knob`)."""
+        knobs = self.space.form_knobs(parent)
+        names = list(knobs)
         self.rng.shuffle(names)
         for name in names:
-            vals = self._knobs[name]
+            vals = knobs[name]
             if parent.get(name) not in vals:
                 continue
             i = vals.index(parent[name])
@@ -212,14 +212,22 @@ class Evolutionary(SearchStrategy):
             for step in (d, -d):
                 j = i + step
                 while 0 <= j < len(vals):
-                    child = {**parent, name: vals[j]}
+                    child = self.space.with_knob(parent, name, vals[j])
                     if self.space.is_valid(child):
                         return child
                     j += step
         return None
 
     def crossover(self, a: Schedule, b: Schedule) -> Schedule:
-        return {name: (a if self.rng.random() < 0.5 else b).get(name, a.get(name)) for name in self._knobs}
+        """Each knob from one of the parents; in a space of several forms, the form of one of them, and a
+        knob the other parent lacks or holds at a value that form does not take, from the first."""
+        if not self.space.has_variants:
+            return {name: (a if self.rng.random() < 0.5 else b).get(name, a.get(name)) for name in self.space.knobs()}
+        if self.rng.random() >= 0.5:
+            a, b = b, a
+        knobs = self.space.form_knobs(a)
+        return {name: v if name != "variant" and (v := (a if self.rng.random() < 0.5 else b).get(name, a[name])) in vals
+                else a[name] for name, vals in knobs.items()}
 
     def _pick(self, parents: list[Schedule]) -> Schedule:
         """Tournament of two: biased towards the faster parents."""

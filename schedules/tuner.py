@@ -28,6 +28,7 @@ from flashgen import __version__
 from flashgen.db import Database, Record
 from flashgen.db.record import ALONE, BEHIND, schedule_key
 from flashgen.errors import FlashgenError
+from flashgen.ir.variants import DEQUANT
 from flashgen.roofline import roofline_us
 from flashgen.schedules.builder import Builder
 from flashgen.schedules.cost_model import CostModel
@@ -153,16 +154,19 @@ def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
     """The fastest few records of the workload's dense form (in either 16-bit dtype) as schedules of
     this space that dequantize first; none where the space cannot."""
     forms = dequant_forms(space.workload)
-    if forms is None or 1 not in space.knobs()["dequant_first"]:
+    staged = [f for f in space.forms() if f and f.startswith(DEQUANT)]
+    if forms is None or not staged:
         return []
     dense = forms[1]
+    dense_space = ScheduleSpace(dense, space.target)
     other = other_half(dense.attr)
     keys = [dense.key] + ([workload(dense.op_name, **dense.dim, **other).key] if other else [])
     recs = sorted((r for key in keys for r in db.records(key, space.target.id) if r.status == "ok"),
                   key=lambda r: r.latency_us)
     seeds: list[Schedule] = []
     for r in recs:
-        s = space.complete({**r.schedule, "dequant_first": 1})
+        d = dense_space.complete(r.schedule)
+        s = space.with_knob(d, "variant", DEQUANT + d.get("variant", ""))  # (its chunks: one, or the nearest)
         if space.is_valid(s) and s not in seeds:
             seeds.append(s)
     return seeds[:DENSE_SEEDS]

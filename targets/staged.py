@@ -1,4 +1,4 @@
-"""Contractions that dequantize their weight first (`dequant_first`): two launches, one kernel.
+"""Contractions that dequantize their weight first (the `dq_` variants): two launches, one kernel.
 
 A quantized GEMM's weight prologue (int4 codes less their zero point, times their scale) runs as its
 own pointwise kernel (the op's `dequant` form, flashgen/oplib/gemm.py), which writes the weight in the
@@ -22,6 +22,7 @@ import torch
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, eval_int
+from flashgen.ir.variants import DEQUANT, count, dense_schedule
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel, Launcher
 from flashgen.kernel_classes import kernel_class
@@ -33,15 +34,14 @@ STAGE_OUTPUT = "weight"  # the dequant op's one output
 def plan(wl: Workload, schedule: Schedule, target: Target) -> tuple[tuple[Workload, Schedule], tuple[Workload, Schedule]] | None:
     """((the dequant workload, its schedule), (the dense workload, its schedule)) for a schedule that
     dequantizes first, else None. The dequant kernel takes its space's analytic default."""
-    if not schedule.get("dequant_first"):
+    if not schedule.get("variant", "").startswith(DEQUANT):
         return None
-    forms = dequant_forms(wl, schedule.get("dequant_chunks", 1))
+    forms = dequant_forms(wl, count(schedule, "dequant_chunks"))
     assert forms is not None, f"{wl.op_name} has no dequant form"
     stage, dense = forms
     # the stage's analytic default, from its class's rules through the registry (a backend imports no space)
     stage_schedule = kernel_class(stage.op.kclass).space_rules().default(stage, target)
-    dense_schedule = {k: v for k, v in schedule.items() if k not in ("dequant_first", "dequant_chunks")}
-    return (stage, stage_schedule), (dense, dense_schedule)
+    return (stage, stage_schedule), (dense, dense_schedule(schedule))
 
 
 def column_axes(wl: Workload) -> dict[str, int]:

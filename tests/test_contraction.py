@@ -12,6 +12,7 @@ import flashgen
 from flashgen.errors import FlashgenError
 from flashgen.quant import pack_int4, quantize_rtn, unpack_int4
 from flashgen.schedules.space import ScheduleSpace
+from flashgen.kernel_classes import current_schedule
 from flashgen.targets import get_target
 
 W4 = [dict(G=32), dict(G=64, zp="asym"), dict(G=128), dict(G=320, group="channel", zp="asym")]
@@ -26,6 +27,13 @@ BUDGETS = {"int4_mma": (580, ("HGMMA",)), "int4_mma_operand_scale": (260, ("HGMM
            "int4_gemv_pairs_fp16": (750, ("HFMA2",)), "int4_gemv_pairs_bf16": (780, ("HFMA2",)),
            "int4_gemv_quads_fp16": (1125, ("HFMA2",)), "int4_gemv_quads_bf16": (1285, ("HFMA2", "F2FP"))}
 
+
+
+def generate(wl, s):
+    """The Triton source of `wl` for schedule `s`, flat or in variant form, as `flashgen.compile` reads it."""
+    from flashgen.targets.triton.codegen import generate as _generate
+
+    return _generate(wl, current_schedule(wl, s))
 
 def assert_budget(kind: str, binary: bytes) -> None:
     """The k loop of `binary` (an sm_90 cubin) within kind's budget."""
@@ -150,12 +158,11 @@ def test_gemv_early_load_rules_and_order():
     """The knob exists where PDL does (sm_90 GEMV tiles, unsplit, not persistent). In the sm_90 binary
     the first weight load is issued before the wait and every x load after it; in the source nothing
     but weight tensors is read before the wait."""
-    from flashgen.targets.triton.codegen import generate
     wl = flashgen.workload("gemm_w4a16", M=1, N=4096, K=4096, G=128, dtype="bf16")
-    assert ScheduleSpace(wl, get_target("h200")).knobs()["early_load"] == (0, 1)
+    assert ScheduleSpace(wl, get_target("h200")).values("early_load") == (0, 1)
     for t in ("a100", "mi300x"):
-        assert ScheduleSpace(wl, get_target(t)).knobs()["early_load"] == (0,)
-    assert ScheduleSpace(flashgen.workload("gemm", M=64, N=512, K=512), get_target("h200")).knobs()["early_load"] == (0,)
+        assert ScheduleSpace(wl, get_target(t)).values("early_load") == (0,)
+    assert ScheduleSpace(flashgen.workload("gemm", M=64, N=512, K=512), get_target("h200")).values("early_load") == (0,)
     space = ScheduleSpace(wl, get_target("h200"))
     s = {"block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 3, "group_m": 1, "early_load": 1}
     assert space.is_valid(s)
@@ -199,7 +206,7 @@ def test_persistent_tiles_numerics(interpreter):
          "persistent": 1}
     space = ScheduleSpace(wl, get_target("h200"))
     assert space.is_valid(s) and "split_k must be 1" in space.why_invalid({**s, "split_k": 2})
-    from flashgen.targets.triton.codegen import generate, grid
+    from flashgen.targets.triton.codegen import grid
     ks = generate(wl, s)
     assert grid(ks, wl, sm_count=132) == (132, 1, 1) and grid(ks, wl) == (200, 1, 1)
     for c in interpreter.check(wl, s, "h200", seed=9):
@@ -232,11 +239,11 @@ def test_tma_rules_and_build():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import opcodes, summary
     wl = flashgen.workload("gemm", M=256, N=512, K=512, dtype="bf16")
-    assert ScheduleSpace(wl, get_target("h200")).knobs()["tma"] == (0, 1)
-    assert ScheduleSpace(wl, get_target("a100")).knobs()["tma"] == (0,)
-    assert ScheduleSpace(wl, get_target("mi300x")).knobs()["tma"] == (0,)
+    assert ScheduleSpace(wl, get_target("h200")).values("tma") == (0, 1)
+    assert ScheduleSpace(wl, get_target("a100")).values("tma") == (0,)
+    assert ScheduleSpace(wl, get_target("mi300x")).values("tma") == (0,)
     w4 = flashgen.workload("gemm_w4a16", M=256, N=512, K=512, G=128, dtype="bf16")
-    assert ScheduleSpace(w4, get_target("h200")).knobs()["tma"] == (0,)
+    assert ScheduleSpace(w4, get_target("h200")).values("tma") == (0,)
     s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": 1}
     gemv = flashgen.workload("gemm", M=1, N=512, K=512, dtype="bf16")
     assert "TMA" in ScheduleSpace(gemv, get_target("h200")).why_invalid({**s, "block_m": 1, "block_n": 64})
@@ -251,7 +258,7 @@ def test_split_k_rules_and_older_records():
     space = ScheduleSpace(flashgen.workload("gemm", M=256, N=4096, K=1024), get_target("h200"))
     old = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8}
     assert space.is_valid(old) and space.complete(old)["split_k"] == 1 and space.complete(old)["persistent"] == 0
-    assert space.complete(old)["tma"] == 0
+    assert space.flat(old)["tma"] == 0
     assert "k steps" in space.why_invalid({**old, "block_k": 128, "split_k": 8})
     assert space.is_valid({**old, "split_k": 8})
     k = flashgen.compile(space.workload, "sm_90", schedule={**old, "split_k": 4})
@@ -272,7 +279,7 @@ def test_gemv_int4_default_builds_without_matrix_instructions(target):
     words in fp16 pairs loaded straight into registers, elsewhere fp32 codes, pipelined."""
     wl = flashgen.workload("gemm_w4a16", M=1, N=4096, K=4096, G=128, dtype="bf16")
     t = get_target(target)
-    s = ScheduleSpace(wl, t).default()
+    s = ScheduleSpace(wl, t).flat(ScheduleSpace(wl, t).default())
     assert s["block_m"] == 1
     k = flashgen.compile(wl, t, schedule=s)
     asm = k.asm["ptx"] if t.vendor == "nvidia" else k.asm["amdgcn"]
@@ -287,7 +294,6 @@ def test_gemv_int4_default_builds_without_matrix_instructions(target):
 def test_gemv_int4_source_has_no_reshape():
     """The reshape-free GEMV keeps codes in the loaded words' layout: no tl.reshape, no tl.dot, and the
     scale applied to partial sums, not to each code."""
-    from flashgen.targets.triton.codegen import generate
     wl = flashgen.workload("gemm_w4a16", M=1, N=256, K=512, G=128, dtype="bf16")
     src = generate(wl, {"block_m": 1, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2,
                         "group_m": 1}).source
@@ -333,13 +339,15 @@ def test_contraction_defaults_valid():
                     assert space.why_invalid(space.default()) is None, (wl, t)
     tiny = ScheduleSpace(flashgen.workload("gemm", M=1, N=256, K=128, dtype="bf16"), get_target("h200")).default()
     assert (tiny["block_k"], tiny["num_warps"], tiny["num_stages"]) == (128, 2, 3), tiny
-    big = ScheduleSpace(flashgen.workload("rmsnorm_gemm_w4a16", M=1024, N=6144, K=4096, G=128), get_target("h200")).default()
+    big_space = ScheduleSpace(flashgen.workload("rmsnorm_gemm_w4a16", M=1024, N=6144, K=4096, G=128), get_target("h200"))
+    big = big_space.flat(big_space.default())
     assert (big["block_m"], big["block_n"], big["num_warps"], big["dequant_first"]) == (128, 128, 8, 0), big
     for op in ("gemm_w4a16", "rmsnorm_gemm_w4a16", "gemm_w8a16", "gemm_w4a8"):
         wl = flashgen.workload(op, M=4096, N=6144, K=4096, **({"G": 128} if "w4" in op else {}))
         dense_op = "gemm_w8a8" if op == "gemm_w4a8" else op.replace("_w4a16", "").replace("_w8a16", "")
         dense = ScheduleSpace(flashgen.workload(dense_op, M=4096, N=6144, K=4096), get_target("h200")).default()
-        assert ScheduleSpace(wl, get_target("h200")).default() == {**dense, "dequant_first": 1, "dequant_chunks": 2}, op
+        assert ScheduleSpace(wl, get_target("h200")).default() == {**dense, "variant": "dq_" + dense["variant"],
+                                                                    "dequant_chunks": 2}, op
 
 
 def test_shared_memory_rule_counts_what_prologues_load():
@@ -379,10 +387,10 @@ def test_int4_ptx_unpack():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes, opcodes, summary
     wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=4096, G=128, dtype="bf16")
-    assert ScheduleSpace(wl, get_target("h200")).knobs()["ptx_unpack"] == (0, 1, 2)  # 2: GEMV tiles only
-    assert ScheduleSpace(wl.with_dims(M=17), get_target("h200")).knobs()["ptx_unpack"] == (0, 1)
-    assert ScheduleSpace(wl, get_target("mi300x")).knobs()["ptx_unpack"] == (0,)
-    assert ScheduleSpace(flashgen.workload("gemm", M=16, N=256, K=512), get_target("h200")).knobs()["ptx_unpack"] == (0,)
+    assert ScheduleSpace(wl, get_target("h200")).values("ptx_unpack") == (0, 1, 2)  # 2: GEMV tiles only
+    assert ScheduleSpace(wl.with_dims(M=17), get_target("h200")).values("ptx_unpack") == (0, 1)
+    assert ScheduleSpace(wl, get_target("mi300x")).values("ptx_unpack") == (0,)
+    assert ScheduleSpace(flashgen.workload("gemm", M=16, N=256, K=512), get_target("h200")).values("ptx_unpack") == (0,)
     s = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 1}
     gemv = ScheduleSpace(wl.with_dims(M=1), get_target("h200"))
     assert gemv.is_valid({**s, "block_m": 1, "block_n": 16, "block_k": 1024, "ptx_unpack": 1})
@@ -441,7 +449,6 @@ def test_bf16_x_pairs_packed_by_one_conversion():
     shorter than fp32 halves paired with integer ops would make it (634 against 667 when measured)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
     from disasm import loop_opcodes
-    from flashgen.targets.triton.codegen import generate
     s = {"block_m": 1, "block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 1, "group_m": 1, "ptx_unpack": 2}
     loops = {}
     for dt in ("bf16", "fp16"):
@@ -466,7 +473,6 @@ def test_int4_groups_not_dividing_the_k_tile(interpreter, block_m):
 def test_int4_generic_prologue_unpacks_tiles():
     """A group size that is no multiple of 16 leaves the fused path: the tile's words are loaded once,
     unpacked by a reshape in k order, and each group's scale row is loaded per k (K=200 also pads)."""
-    from flashgen.targets.triton.codegen import generate
     wl = flashgen.workload("gemm_w4a16", M=16, N=256, K=200, G=40, dtype="fp16")
     src = generate(wl, {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2,
                         "group_m": 1}).source
@@ -532,7 +538,6 @@ def test_fused_norm_sums_squares_where_the_tile_loads_x():
     sum after it, and x enters the int4 tiles' fp16 pairs scaled by 2^-8, as it is not normalized),
     else in a row pass over K before the loop."""
     from flashgen.ir import expr as E
-    from flashgen.targets.triton.codegen import generate
     from flashgen.targets.triton.contraction import row_factors
     x, inv, nw = E.Load("x", (E.Index("r"), E.Index("k"))), E.Ref("inv"), E.Load("norm_w", (E.Index("k"),))
     assert row_factors(x * inv * nw, {"inv"}) == (x * nw, (inv,))
@@ -585,11 +590,11 @@ def test_int4_operand_scale(dtype):
     from disasm import loop_opcodes, opcodes, summary
     wl = flashgen.workload("gemm_w4a16", M=256, N=512, K=4096, G=128, dtype=dtype)
     h200 = ScheduleSpace(wl, get_target("h200"))
-    assert h200.knobs()["operand_scale"] == (0, 1)
-    assert ScheduleSpace(wl, get_target("mi300x")).knobs()["operand_scale"] == (0,)
+    assert h200.values("operand_scale") == (0, 1)
+    assert ScheduleSpace(wl, get_target("mi300x")).values("operand_scale") == (0,)
     for kw in ({"G": 128, "zp": "asym"}, {"G": 64}):
         other = flashgen.workload("gemm_w4a16", M=256, N=512, K=4096, dtype=dtype, **kw)
-        assert ScheduleSpace(other, get_target("h200")).knobs()["operand_scale"] == (0,)
+        assert ScheduleSpace(other, get_target("h200")).values("operand_scale") == (0,)
     s = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3, "group_m": 8,
          "ptx_unpack": 1, "operand_scale": 1}
     assert h200.is_valid(s) and "accumulator" in h200.why_invalid({**s, "operand_scale": 0})
@@ -683,19 +688,20 @@ def test_dequant_first_rules_and_build(tmp_path):
     h200 = get_target("h200")
     wl = flashgen.workload("gemm_w4a16", M=4096, N=512, K=1024, G=128, dtype="bf16")
     space = ScheduleSpace(wl, h200)
-    assert space.knobs()["dequant_first"] == (0, 1) and 64 in space.knobs()["block_k"] and space.knobs()["tma"] == (0, 1)
-    assert ScheduleSpace(wl.with_dims(M=DEQUANT_FIRST_MIN_M - 1), h200).knobs()["dequant_first"] == (0,)
+    assert space.values("dequant_first") == (0, 1) and 64 in space.knobs()["block_k"] and space.values("tma") == (0, 1)
+    assert ScheduleSpace(wl.with_dims(M=DEQUANT_FIRST_MIN_M - 1), h200).values("dequant_first") == (0,)
     for op in ("gemm", "gemm_w8a8", "gemm_fp8"):
-        assert ScheduleSpace(flashgen.workload(op, M=4096, N=512, K=1024), h200).knobs()["dequant_first"] == (0,)
+        assert ScheduleSpace(flashgen.workload(op, M=4096, N=512, K=1024), h200).values("dequant_first") == (0,)
     s = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": 1,
          "dequant_first": 1}
     assert space.is_valid(s)
     assert "no codes to unpack" in space.why_invalid({**s, "ptx_unpack": 1})
     assert "TMA" in space.why_invalid({**s, "dequant_first": 0, "block_k": 128})
     assert "int4 words" in space.why_invalid({**s, "dequant_first": 0, "tma": 0})
-    assert space.default()["dequant_first"] == 1
-    assert ScheduleSpace(wl.with_dims(M=1024), h200).default()["dequant_first"] == 0
-    assert space.knobs()["dequant_chunks"] == (1, 2, 4, 8)
+    assert space.flat(space.default())["dequant_first"] == 1
+    smaller = ScheduleSpace(wl.with_dims(M=1024), h200)
+    assert smaller.flat(smaller.default())["dequant_first"] == 0
+    assert space.values("dequant_chunks") == (1, 2, 4, 8)
     assert "need dequant_first" in space.why_invalid({**s, "dequant_first": 0, "dequant_chunks": 2})
     assert space.is_valid({**s, "dequant_chunks": 4})
     assert "chunks of a multiple of 16" in ScheduleSpace(wl.with_dims(N=480), h200).why_invalid({**s, "dequant_chunks": 4})

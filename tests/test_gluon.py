@@ -9,6 +9,7 @@ import pytest
 
 import flashgen
 from flashgen.errors import FlashgenError
+from flashgen.kernel_classes import current_schedule
 from flashgen.schedules.contraction_space import gluon_invalid
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
@@ -16,9 +17,16 @@ from flashgen.targets import get_target
 SM90 = get_target("sm_90")
 
 
+def generate(wl, s):
+    """The source of `wl` for schedule `s`, flat or in variant form, as `flashgen.compile` reads it."""
+    from flashgen.targets.triton.codegen import generate as _generate
+
+    return _generate(wl, current_schedule(wl, s))
+
+
 def _schedule(wl, **over):
     space = ScheduleSpace(wl, SM90)
-    s = {**space.default(), "split_k": 1, "persistent": 0, "tma": 0, "early_load": 0, "group_m": 8, "backend": 1,
+    s = {**space.flat(space.default()), "split_k": 1, "persistent": 0, "tma": 0, "early_load": 0, "group_m": 8, "backend": 1,
          **over}
     assert space.is_valid(s), space.why_invalid(s)
     return s
@@ -27,9 +35,9 @@ def _schedule(wl, **over):
 @pytest.mark.parametrize("target", ["sm_80", "gfx942", "cpu"])
 def test_offered_on_sm90_only(target):
     wl = flashgen.workload("gemm", M=256, N=4096, K=4096, dtype="bf16")
-    assert ScheduleSpace(wl, SM90).knobs()["backend"] == (0, 1)
+    assert ScheduleSpace(wl, SM90).values("backend") == (0, 1)
     if target != "cpu":
-        assert ScheduleSpace(wl, get_target(target)).knobs()["backend"] == (0,)
+        assert ScheduleSpace(wl, get_target(target)).values("backend") == (0,)
 
 
 def test_offered_for_plain_operands_and_symmetric_int4():
@@ -37,10 +45,10 @@ def test_offered_for_plain_operands_and_symmetric_int4():
     other prologues (zero points, groups of 80 k) only as the weight dequantized first."""
     w4 = flashgen.workload("gemm_w4a16", M=4096, N=4096, K=4096, G=128, dtype="bf16")
     space = ScheduleSpace(w4, SM90)
-    assert space.knobs()["backend"] == (0, 1)
+    assert space.values("backend") == (0, 1)
     for other_target in ("sm_80", "gfx942"):  # TMA, mbarriers and warpgroup MMA are Hopper's
-        assert ScheduleSpace(w4, get_target(other_target)).knobs()["backend"] == (0,)
-    base = {**space.default(), "backend": 1, "ptx_unpack": 0, "operand_scale": 0, "persistent": 0, "tma": 0}
+        assert ScheduleSpace(w4, get_target(other_target)).values("backend") == (0,)
+    base = {**space.flat(space.default()), "backend": 1, "ptx_unpack": 0, "operand_scale": 0, "persistent": 0, "tma": 0}
     assert "PTX" in space.why_invalid({**base, "producer_warps": 1, "dequant_first": 0, "dequant_chunks": 1})
     staged = {**base, "dequant_first": 1, "block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8,
               "num_stages": 3, "dequant_chunks": 1}
@@ -50,7 +58,7 @@ def test_offered_for_plain_operands_and_symmetric_int4():
     assert space.why_invalid({**staged, "backend": 0, "producer_warps": 0, "dequant_chunks": 2}) is None
     for kw in ({"G": 128, "zp": "asym"}, {"G": 80}):
         other = flashgen.workload("gemm_w4a16", M=256, N=4096, K=4000 if kw["G"] == 80 else 4096, dtype="bf16", **kw)
-        assert ScheduleSpace(other, SM90).knobs()["backend"] == (0,)
+        assert ScheduleSpace(other, SM90).values("backend") == (0,)
         assert "symmetric int4" in gluon_invalid(other, SM90, base)
 
 
@@ -70,7 +78,7 @@ def test_offered_for_plain_operands_and_symmetric_int4():
 def test_rules_name_what_is_wrong(over, why):
     wl = flashgen.workload("gemm", M=256, N=4096, K=4096, dtype="bf16")
     space = ScheduleSpace(wl, SM90)
-    s = {**space.default(), "block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3,
+    s = {**space.flat(space.default()), "block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3,
          "split_k": 1, "persistent": 0, "tma": 0, "backend": 1, **over}
     assert why in (space.why_invalid(s) or ""), space.why_invalid(s)
 
@@ -78,7 +86,7 @@ def test_rules_name_what_is_wrong(over, why):
 def test_int8_tiles_at_most_128_columns():
     wl = flashgen.workload("gemm_w8a8", M=256, N=4096, K=4096, dtype="bf16")
     space = ScheduleSpace(wl, SM90)
-    s = {**space.default(), "block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3,
+    s = {**space.flat(space.default()), "block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3,
          "split_k": 1, "persistent": 0, "tma": 0, "backend": 1}
     assert "at most 128 columns" in space.why_invalid(s)
     assert space.why_invalid({**s, "block_n": 128}) is None
@@ -86,7 +94,7 @@ def test_int8_tiles_at_most_128_columns():
 
 def test_persistent_programs_walk_the_tiles():
     """A persistent Gluon kernel launches at most `persistent` programs per SM, each looping over tiles."""
-    from flashgen.targets.triton.codegen import generate, grid
+    from flashgen.targets.triton.codegen import grid
 
     wl = flashgen.workload("gemm", M=4096, N=4096, K=4096, dtype="bf16")
     s = _schedule(wl, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, producer_warps=1, persistent=1)
@@ -100,9 +108,9 @@ def test_sampled_space_holds_both_generators():
     """Drawn at random as the search draws, valid schedules of both generators come out."""
     wl = flashgen.workload("gemm", M=4096, N=6144, K=4096, dtype="bf16")
     space = ScheduleSpace(wl, SM90)
-    rng, knobs = random.Random(0), space.knobs()
-    draws = ({name: rng.choice(values) for name, values in knobs.items()} for _ in range(20000))
-    points = [p for p in draws if space.is_valid(p)]
+    rng = random.Random(0)
+    draws = (space.sample(rng) for _ in range(20000))
+    points = [space.flat(p) for p in draws if space.is_valid(p)]
     assert {p["backend"] for p in points} == {0, 1}
     assert {p["producer_warps"] for p in points if p["backend"]} == {0, 1}
     assert {p["consumers"] for p in points if p["backend"]} == {1, 2}
@@ -129,7 +137,7 @@ def test_aot_build_for_sm90(op, kw, tile):
     assert f".{mma}" in ptx.split("wgmma.mma_async", 1)[1].splitlines()[0]
     assert ("setmaxnreg" in ptx) == bool(producer)  # a copy warp of few registers, MMA warps of many
     assert "griddepcontrol.wait" in ptx  # programmatic dependent launch, as the Triton kernels
-    assert k.metadata["backend"] == "triton" and k.schedule["backend"] == 1
+    assert k.metadata["backend"] == "triton" and ScheduleSpace(wl, SM90).flat(k.schedule)["backend"] == 1
     src = k.source
     assert "@gluon.jit" in src and "tl." not in src
     assert ("gl.warp_specialize" in src) == bool(producer)
@@ -146,7 +154,7 @@ def test_tma_store_stages_the_output_tile():
     assert "shared memory" in space.why_invalid({**s, "num_stages": 4})  # 4 x 48 KiB ring + 64 KiB tile
     assert space.why_invalid({**s, "num_stages": 4, "tma_store": 0}) is None
     odd = flashgen.workload("gemm", M=300, N=1001, K=1024, dtype="bf16")  # rows 2002 bytes apart
-    assert ScheduleSpace(odd, SM90).knobs()["tma_store"] == (0,)
+    assert ScheduleSpace(odd, SM90).values("tma_store") == (0,)
 
 
 def test_two_consumers_take_turns():
@@ -179,8 +187,8 @@ def test_gluon_and_triton_sources_are_different_artifacts():
 
 def test_gluon_schedule_refused_where_it_cannot_build():
     wl = flashgen.workload("gemm", M=256, N=1024, K=1024, dtype="bf16")
-    s = {**ScheduleSpace(wl, get_target("sm_80")).default(), "backend": 1}
-    with pytest.raises(FlashgenError, match="backend"):
+    s = {**ScheduleSpace(wl, get_target("sm_80")).flat(ScheduleSpace(wl, get_target("sm_80")).default()), "backend": 1}
+    with pytest.raises(FlashgenError, match="Gluon tiles build for NVIDIA sm_90"):
         flashgen.compile(wl, "sm_80", schedule=s)
 
 
@@ -202,7 +210,7 @@ def test_prefill_offered_on_sm90_packed_only(target):
     assert other["backend"] == other["persistent"] == (0,)
     chunked = flashgen.workload("chunked_prefill_attention", T=2000, B=5, Hq=32, Hkv=8, D=128, BS=16, NB=1024,
                                 MAXB=128, dtype="bf16")
-    assert ScheduleSpace(chunked, SM90).knobs()["backend"] == (0,)
+    assert ScheduleSpace(chunked, SM90).values("backend") == (0,)
 
 
 @pytest.mark.parametrize("wl, over, why", [
@@ -265,7 +273,7 @@ def test_prefill_aot_build_for_sm90(d, dtype, mod, over):
 def test_prefill_programs_as_tritons():
     """The Gluon prefill numbers its query tiles as the Triton kernel does, one program each (heads
     fastest), or a persistent program per SM walking one tile of each round, every other round backwards."""
-    from flashgen.targets.triton.codegen import generate, grid
+    from flashgen.targets.triton.codegen import grid
 
     wl = _prefill()
     g = generate(wl, PREFILL)
@@ -336,7 +344,7 @@ def test_int4_aot_build_for_sm90(kw, over):
     assert "setmaxnreg" in ptx and "prmt.b32" in ptx and "lop3.b32" in ptx
     assert ("_scaled(words, sc_w)" in src) == bool(s["operand_scale"])
     assert ("atomic_add(done_ptr" in src) == (s["split_k"] > 1)
-    assert k.metadata["backend"] == "triton" and k.schedule["backend"] == 1
+    assert k.metadata["backend"] == "triton" and ScheduleSpace(wl, SM90).flat(k.schedule)["backend"] == 1
     # a k step's MMAs are issued together and awaited once
     assert ptx.count("wgmma.wait_group.sync.aligned") == 1 and ptx.count("wgmma.commit_group") == 8
     assert "C7515" not in _ptxas_info(ptx)  # ptxas keeps them asynchronous (no serialized warpgroup MMAs)

@@ -289,7 +289,7 @@ def test_persistent_tiles_on_gpu(op, kw):
 def test_tma_tiles_on_gpu(op, kw):
     """A and W tiles copied by TMA (descriptors built on the device in launch scratch), tails on every
     side, twice; then replayed from a CUDA graph captured with a different input."""
-    if ScheduleSpace(flashgen.workload("gemm", M=16, N=64, K=64), TARGET).knobs()["tma"] == (0,):
+    if ScheduleSpace(flashgen.workload("gemm", M=16, N=64, K=64), TARGET).values("tma") == (0,):
         pytest.skip("no TMA on this GPU's target")
     if op == "gemm_fp8" and "fp8e4m3" not in TARGET.dtypes:
         pytest.skip("no fp8 on this target")
@@ -314,12 +314,12 @@ def test_gluon_tiles_on_gpu(op, kw, dt, tile, m):
     graph captured with a different input."""
     wl = flashgen.workload(op, M=m, N=1000, K=1024 if op == "gemm_fp8" else 1040, dtype=dt, **kw)
     space = ScheduleSpace(wl, TARGET)
-    if space.knobs()["backend"] == (0,):
+    if space.values("backend") == (0,):
         pytest.skip("the Gluon tiles build for sm_90")
     bm, bn, bk, warps, stages, walk, tma_store = tile
     bk = 128 if op != "gemm" else bk  # 1-byte operands: 128 bytes per row of a k step too
     bn = min(bn, 128) if op == "gemm_w8a8" else bn  # (int8 tiles: at most 128 columns)
-    s = {**space.default(), "block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
+    s = {**space.flat(space.default()), "block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
          "group_m": 8, "split_k": 1, "persistent": int(walk == 2), "tma": 0, "early_load": 0, "backend": 1,
          "producer_warps": int(walk > 0), "tma_store": tma_store}
     assert space.is_valid(s), space.why_invalid(s)
@@ -337,12 +337,12 @@ def test_gluon_consumers_take_turns_on_gpu(op, kw, dt, tile):
     so the turns decide which phase of a slot each consumer awaits)."""
     wl = flashgen.workload(op, M=2500, N=1000, K=1024 if op == "gemm_fp8" else 1040, dtype=dt, **kw)
     space = ScheduleSpace(wl, TARGET)
-    if space.knobs()["backend"] == (0,):
+    if space.values("backend") == (0,):
         pytest.skip("the Gluon tiles build for sm_90")
     bm, bn, bk, stages, tma_store = tile
     bk = 128 if op != "gemm" else bk
     bn = min(bn, 128) if op == "gemm_w8a8" else bn
-    s = {**space.default(), "block_m": bm, "block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": stages,
+    s = {**space.flat(space.default()), "block_m": bm, "block_n": bn, "block_k": bk, "num_warps": 4, "num_stages": stages,
          "group_m": 8, "split_k": 1, "persistent": 1, "tma": 0, "early_load": 0, "backend": 1, "producer_warps": 1,
          "tma_store": tma_store, "consumers": 2}
     assert space.is_valid(s), space.why_invalid(s)
@@ -363,7 +363,7 @@ def test_dequant_first_on_gpu(op, kw, k, tma, dt, chunks):
     960 = 4 x 240 under 128-column tiles, K=1040 under 64-deep k steps), twice; then replayed from a
     CUDA graph captured with a different input."""
     wl = flashgen.workload(op, M=600, N=1000 if chunks == 1 else 960, K=k, dtype=dt, **kw)
-    tma = tma if ScheduleSpace(wl, TARGET).knobs()["tma"] != (0,) else 0
+    tma = tma if ScheduleSpace(wl, TARGET).values("tma") != (0,) else 0
     s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "tma": tma,
          "dequant_first": 1, "dequant_chunks": chunks}
     assert ScheduleSpace(wl, TARGET).is_valid(s), ScheduleSpace(wl, TARGET).why_invalid(s)
@@ -377,7 +377,7 @@ def test_dequant_first_gluon_on_gpu(op, kw, k, tma, consumers):
     producer warp, or two taking turns), in one chunk (the space's rule); the same tails and replay."""
     wl = flashgen.workload(op, M=600, N=960, K=k, dtype="fp16", **kw)
     space = ScheduleSpace(wl, TARGET)
-    if space.knobs()["backend"] == (0,):
+    if space.values("backend") == (0,):
         pytest.skip("the Gluon tiles build for sm_90")
     s = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4, "group_m": 8, "backend": 1,
          "producer_warps": 1, "persistent": 1, "consumers": consumers, "dequant_first": 1, "dequant_chunks": 1}
@@ -405,7 +405,7 @@ def test_gluon_int4_tiles_on_gpu(case):
     m, k, kw, bm, bn, warps, stages, split = case
     wl = flashgen.workload("gemm_w4a16", M=m, N=1000, K=k, **kw)
     space = ScheduleSpace(wl, TARGET)
-    if space.knobs()["backend"] == (0,):
+    if space.values("backend") == (0,):
         pytest.skip("the Gluon tiles build for sm_90")
     s = {"block_m": bm, "block_n": bn, "block_k": 128, "num_warps": warps, "num_stages": stages, "group_m": 8,
          "split_k": split, "backend": 1, "producer_warps": 1, "ptx_unpack": 1,

@@ -82,7 +82,8 @@ def toy(monkeypatch) -> Op:
 def test_every_class_provides_each_part(name):
     k = kernel_class(name)
     rules, feats = k.space_rules(), k.feature_module()
-    assert all(callable(getattr(rules, f)) for f in ("knobs", "added_knobs", "why_invalid", "default"))
+    parts = ("variants", "current", "flat_of", "implied") if hasattr(rules, "variants") else ("knobs",)
+    assert all(callable(getattr(rules, f)) for f in (*parts, "added_knobs", "why_invalid", "default"))
     assert len(set(feats.FEATURE_NAMES)) == len(feats.FEATURE_NAMES) > 0 and callable(feats.columns)
     assert k.generators and all(callable(k.generator(b)) for b in k.generators)
 

@@ -48,8 +48,9 @@ def test_w4a16_per_channel_scales_with_size1_strides(interpreter, m):
     """Per-channel scales [N, 1] with strides (1, N), and at M = 1 an x [1, K] with strides (1, 1) (its
     row stride promised divisible by 16 in the binary): fp16 numerics against float64, N and K tails."""
     wl = flashgen.workload("gemm_w4a16", M=m, N=40, K=320, G=320, group="channel", dtype="fp16")
-    s = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 2, "group_m": 8}
-    assert ScheduleSpace(wl, get_target("h200")).is_valid(s)
+    space = ScheduleSpace(wl, get_target("h200"))
+    s = space.complete({"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 2, "group_m": 8})
+    assert space.is_valid(s)
     for c in (OutputCheck(**r) for r in interpreter.pool.apply(_check_in_child, (wl.to_json(), s, m))):
         assert c.ok, c
 

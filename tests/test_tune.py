@@ -105,7 +105,7 @@ def test_tune_fix_pins_a_knob_and_counts_only_its_subspace(tmp_path, capsys):
 
 def test_tune_seeds_a_weight_dequantized_first_with_dense_records(tmp_path):
     """A tune of a quantized GEMM that may dequantize first tries the fastest records of its dense
-    form (here recorded in the other 16-bit dtype) as its first candidates, with dequant_first=1."""
+    form (here recorded in the other 16-bit dtype) as its first candidates, in their dequantized-first variant."""
     from flashgen.db import Record
     from flashgen.schedules.tuner import dense_seeds
     h200 = get_target("h200")
@@ -117,7 +117,7 @@ def test_tune_seeds_a_weight_dequantized_first_with_dense_records(tmp_path):
                             status="ok", latency_us=us, spread_us=0.1, device="NVIDIA H200") for s, us in ((slow, 90.0), (fast, 80.0))])
         wl = flashgen.workload("gemm_w4a16", M=4096, N=512, K=1024, G=128, dtype="fp16")
         seeds = dense_seeds(ScheduleSpace(wl, h200), db)
-        assert [(s["num_stages"], s["dequant_first"]) for s in seeds] == [(4, 1), (3, 1)]
+        assert [(s["num_stages"], s["variant"]) for s in seeds] == [(4, "dq_tile_tma"), (3, "dq_tile_tma")]
         assert dense_seeds(ScheduleSpace(wl.with_dims(M=256), h200), db) == []
         assert dense_seeds(ScheduleSpace(wl, h200, (("dequant_first", 0),)), db) == []
 

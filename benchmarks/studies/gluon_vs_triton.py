@@ -69,7 +69,7 @@ def records(files: list[Path]) -> Iterator[Any]:
 
 
 def form_of(wl: flashgen.Workload, s: dict) -> str | None:
-    """A completed schedule's generator form (None: weights dequantized first); a persistent Gluon
+    """A schedule's generator form, spelled out flat (`ScheduleSpace.flat`), (None: weights dequantized first); a persistent Gluon
     prefill is a form of its own."""
     for form, (backend, consumers) in FORMS.items():
         if (s["backend"], s["consumers"], s.get("dequant_first", 0)) == (backend, consumers, 0):
@@ -82,7 +82,7 @@ def best_per_form(db: Any, wl: flashgen.Workload) -> dict[str, Any]:
     space = ScheduleSpace(wl, get_target(TARGET))
     best: dict[str, Any] = {}
     for rec in db.records(wl.key, TARGET, status="ok"):
-        form = form_of(wl, space.complete(rec.schedule))
+        form = form_of(wl, space.flat(rec.schedule))
         if form is not None and (form not in best or rec.latency_us < best[form].latency_us):
             best[form] = rec
     order = [f + suffix for f in FORMS for suffix in ("", "_persistent")]  # the launch order

@@ -59,9 +59,10 @@ def candidates(records: list[Any], space: ScheduleSpace, top: int) -> list[tuple
             best[key] = (s, r.latency_us)
     ranked = sorted(best.values(), key=lambda v: v[1])
     chosen = ranked[:top]
-    for value in sorted({s.get("early_load", 0) for s, _ in ranked}):
-        if not any(s.get("early_load", 0) == value for s, _ in chosen):
-            chosen.append(next(v for v in ranked if v[0].get("early_load", 0) == value))
+    early = lambda s: space.flat(s)["early_load"]  # noqa: E731 (an option of GEMV variants)
+    for value in sorted({early(s) for s, _ in ranked}):
+        if not any(early(s) == value for s, _ in chosen):
+            chosen.append(next(v for v in ranked if early(v[0]) == value))
     return sorted(chosen, key=lambda v: v[1])
 
 

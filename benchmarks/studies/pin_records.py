@@ -28,8 +28,9 @@ def matches(record: dict, op: str, dims: dict[str, int]) -> bool:
 def keeps(record: dict, schedule: dict | None, knob: tuple[str, int] | None) -> bool:
     """Whether a record of the pinned workload has the chosen schedule (or knob value)."""
     space = ScheduleSpace(Workload.from_json(record["workload"]), get_target(record["target_key"]))
-    s = space.complete(record["schedule"])
-    return s == space.complete(schedule) if schedule is not None else s.get(knob[0]) == knob[1]
+    if schedule is not None:
+        return space.complete(record["schedule"]) == space.complete(schedule)
+    return space.flat(record["schedule"]).get(knob[0]) == knob[1]
 
 
 def main() -> None:

@@ -39,8 +39,9 @@ def staged_bests(db: Database, wl: Any, target: Any) -> dict[tuple[int, int], An
     where it has none, another device's of its architecture."""
     for t in (target, *siblings(target)):
         best: dict[tuple[int, int], Any] = {}
+        space = ScheduleSpace(wl, t)
         for rec in db.records(wl.key, t.id):
-            s = rec.schedule
+            s = space.flat(rec.schedule)
             if rec.status != "ok" or rec.timing != ALONE or not s.get("dequant_first"):
                 continue
             pair = (s.get("backend", 0), s.get("dequant_chunks", 1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 from flashgen.ir import dtypes
 from flashgen.ir.contraction import (WARPGROUP, WARPGROUP_ROWS, gluon_int4_operands, operand_dtype, tma_operands,
                                      tma_output)
+from flashgen.ir.variants import count, variant
 from flashgen.targets.gluon.emit import CONSUMER_REGS, NS, PRODUCER_REGS, def_params, grid_dependency
 from flashgen.targets.gluon.int4 import generate_int4
 from flashgen.targets.gluon.tile import Tile, epilogue, start
@@ -112,17 +113,17 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         assert gluon_int4_operands(wl), "Gluon contraction tiles take plain or int4-code W loads"
         return generate_int4(wl, s)
     t = start(wl, s, {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"],
-                      "GROUP_M": s["group_m"], "STAGES": s["num_stages"]})
+                      "GROUP_M": count(s, "group_m"), "STAGES": s["num_stages"]})
     assert t.body.index(t.con) == 0, "a row pass before the contraction gives A a prologue"
-    staged = tma_output(wl) if s["tma_store"] else None
+    staged = tma_output(wl) if variant(s).option("tma_store") else None
     _counts(t)
     _operand_rings(t, pair)
     if staged:
         _output_tile(t, staged)
     _barriers(t)
-    helpers = _specialized(t, staged) if s["producer_warps"] else _one_partition(t, staged)
+    helpers = _specialized(t, staged) if variant(s).option("producer_warps") else _one_partition(t, staged)
     return KernelSource(t.name, t.module(helpers), t.args, (s["block_m"], s["block_n"]), tile_cols=True,
-                        flat=True, dialect="gluon", persistent=s["persistent"])
+                        flat=True, dialect="gluon", persistent=count(s, "persistent"))
 
 
 def _counts(t: Tile) -> None:
@@ -150,7 +151,7 @@ def _operand_rings(t: Tile, pair: tuple[str, str]) -> None:
 def _output_tile(t: Tile, staged: str) -> None:
     """The TMA store's descriptor of the `staged` output and its shared-memory tile, one per consumer
     (each stores its own tiles, and its copy runs on while it computes the next)."""
-    op, consumers = t.wl.op, t.s["consumers"]
+    op, consumers = t.wl.op, variant(t.s).option("consumers")
     out_dt = dtypes.TL[op.dtype_of(staged, t.wl.attr)].replace("tl.", f"{NS}.")
     shape = ", ".join(t.em.emit(d, t.top) for d in op.tensors[staged].shape)
     t.top.line(f"{staged}_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], {out_dt})")
@@ -164,8 +165,8 @@ def _barriers(t: Tile) -> None:
     """The ring's barriers: `ready` (a slot's copies have landed), `free` where a copy warp refills
     slots (the MMA that read one is done), `turn` where two consumers take turns; all initialized and
     fenced before any copy signals one."""
-    top, consumers = t.top, t.s["consumers"]
-    barriers = ("ready", "free") if t.s["producer_warps"] else ("ready",)
+    top, consumers = t.top, variant(t.s).option("consumers")
+    barriers = ("ready", "free") if variant(t.s).option("producer_warps") else ("ready",)
     for bar in barriers:
         top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [STAGES, 1], mbarrier.MBarrierLayout())")
     top.line(f"for i in {NS}.static_range(STAGES):")
@@ -201,7 +202,7 @@ def _specialized(t: Tile, staged: str | None) -> list[str]:
 def _mma_tiles(t: Tile, ring: list[str], staged: str | None) -> list[str]:
     """The MMA warps' partition: they walk the same tiles as the copy warp, each tile's epilogue in
     their partition while the copy warp already fills the ring with the next tile's steps."""
-    consumers, sync = t.s["consumers"], t.s["num_warps"] > WARPGROUP
+    consumers, sync = variant(t.s).option("consumers"), t.s["num_warps"] > WARPGROUP
     pingpong = ["turn", "first"] if consumers > 1 else []
     lines = ["@gluon.jit", f"def _mma_tiles({', '.join(def_params(t.args) + ring + pingpong)}):",
              "    # the MMA warps: each step's MMA runs while the next step's copy is awaited", f"    {_acc_layout(t)}"]
@@ -229,7 +230,7 @@ def _mma_tiles(t: Tile, ring: list[str], staged: str | None) -> list[str]:
 def _partitions(t: Tile, ring: list[str], staged: str | None) -> None:
     """The kernel's `warp_specialize` call: the MMA partition first (the default; a second consumer is
     a worker, with its own output tile), then the copy warp, with their warps and registers."""
-    top, consumers = t.top, t.s["consumers"]
+    top, consumers = t.top, variant(t.s).option("consumers")
     top.line(f"{NS}.warp_specialize([")
     mma_args = [x.name for x in t.args] + ring
     for first in range(consumers):
@@ -237,7 +238,7 @@ def _partitions(t: Tile, ring: list[str], staged: str | None) -> None:
         top.line(f"    (_mma_tiles, ({', '.join(call + (['turn', str(first)] if consumers > 1 else []))})),")
     top.line("    (_load_tiles, (a_desc, w_desc, a_ring, w_ring, ready, free, tiles_m, tiles_n, k_steps, BLOCK_M, BLOCK_N,")
     top.line("                   BLOCK_K, GROUP_M, STAGES)),")
-    warps = [t.s["num_warps"]] * (consumers - 1) + [t.s["producer_warps"]]
+    warps = [t.s["num_warps"]] * (consumers - 1) + [variant(t.s).option("producer_warps")]
     regs = [CONSUMER_REGS] * (consumers - 1) + [PRODUCER_REGS]
     top.line(f"], {warps}, {regs})")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from flashgen.ir import dtypes
 from flashgen.ir.contraction import WARPGROUP_ROWS, extents, gluon_int4_operands, int4_affine, operand_dtype
+from flashgen.ir.variants import count
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.gluon.emit import NS, PRODUCER_REGS, def_params, grid_dependency
 from flashgen.targets.gluon.tile import Tile, epilogue, start
@@ -84,9 +85,9 @@ def _k_range(top: Scope, k_extent: str, split_k: int) -> None:
 def generate_int4(wl: Workload, s: Schedule) -> KernelSource:
     """A W4A16-form workload's Gluon kernel for schedule `s` (sm_90; schedules/contraction_space.py
     `gluon_invalid` says which schedules it takes)."""
-    split_k = s["split_k"]
+    split_k = count(s, "split_k")
     scratch = split_scratch(s["block_m"], s["block_n"], split_k, extents(wl)[3].acc) if split_k > 1 else ()
-    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"],
+    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": count(s, "group_m"),
               "STAGES": s["num_stages"], **({"SPLIT_K": split_k} if split_k > 1 else {})}
     t = start(wl, s, consts, scratch)
     _tile_place(t)
@@ -132,7 +133,7 @@ def _tile_place(t: Tile) -> None:
     tile_order(top, NS)
     top.line("off_m = pid_m * BLOCK_M")
     top.line("off_n = pid_n * BLOCK_N")
-    _k_range(top, t.em.emit(t.con.extent, top), t.s["split_k"])
+    _k_range(top, t.em.emit(t.con.extent, top), count(t.s, "split_k"))
     top.line(f"k_steps = {NS}.cdiv(k_hi - k_lo, BLOCK_K)")
 
 
@@ -190,7 +191,7 @@ def _mma_steps(t: Tile, ring: list[str], codes: list[str]) -> list[str]:
     # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
     mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{t.s['num_warps']}, 1], [1, 0])")
     mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
-    epilogue(t, merge_splits(mma, "acc", t.con.acc, "acc_layout") if t.s["split_k"] > 1 else mma, None)
+    epilogue(t, merge_splits(mma, "acc", t.con.acc, "acc_layout") if count(t.s, "split_k") > 1 else mma, None)
     return lines + ["", ""]
 
 

@@ -77,6 +77,7 @@ def main(path: str, workload_json: Mapping[str, Any], schedule: Schedule, target
     import torch
 
     from flashgen.check import check
+    from flashgen.kernel_classes import current_schedule
     from flashgen.targets.descriptor import get_target
     from flashgen.targets.kernel import bind_dims
     from flashgen.targets.triton.build import interpreting, load_function
@@ -87,7 +88,7 @@ def main(path: str, workload_json: Mapping[str, Any], schedule: Schedule, target
         wl = _row_dims(Workload.from_json(dict(workload_json)), argv)
         target = get_target(target_key)
         # the kernel as this file has it; the generator gives its arguments' recipe and tiling
-        ks = replace(generate(wl, schedule), source=Path(path).read_text(encoding="utf-8"))
+        ks = replace(generate(wl, current_schedule(wl, schedule)), source=Path(path).read_text(encoding="utf-8"))
         hint = _hint(ks, wl, Path(path).name)
         if ks.dialect == "gluon" and (interpreting() or not torch.cuda.is_available()
                                       or torch.cuda.get_device_capability()[0] != 9):

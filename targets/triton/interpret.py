@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from flashgen.check import OutputCheck, check
+from flashgen.kernel_classes import current_schedule
 from flashgen.processes import ignore_sigint, sigint_deferred
 from flashgen.workload import Schedule, Workload
 
@@ -71,13 +72,13 @@ class InterpreterPool:
               params: dict[str, float] | None = None) -> list[OutputCheck]:
         """Every output's check, for each seed in turn (one kernel launcher serves all the seeds)."""
         seeds = [seed] if isinstance(seed, int) else list(seed)
-        rows = self.pool.apply(_check_in_child, (wl.to_json(), schedule, target, seeds, params))
+        rows = self.pool.apply(_check_in_child, (wl.to_json(), current_schedule(wl, schedule), target, seeds, params))
         return [OutputCheck(**r) for r in rows]
 
     def run(self, wl: Workload, schedule: Schedule, target: str, inputs: dict,
             params: dict[str, float] | None = None) -> dict:
         """The kernel's outputs on the given CPU input tensors (the outputs poisoned first, as `check` does)."""
-        return self.pool.apply(_run_in_child, (wl.to_json(), schedule, target, inputs, params or {}))
+        return self.pool.apply(_run_in_child, (wl.to_json(), current_schedule(wl, schedule), target, inputs, params or {}))
 
     def close(self) -> None:
         self.pool.terminate()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from flashgen.ir.op import Reduce
+from flashgen.ir.variants import variant
 from flashgen.targets.triton.contraction.context import ACC, Tile
 from flashgen.targets.triton.contraction.int4_gemv import int4_terms, pair_terms, quad_terms
 from flashgen.targets.triton.contraction.operands import b_tile_values, load_words
@@ -46,9 +47,9 @@ def gemv(t: Tile) -> None:
     block_m = s["block_m"]
     for i in range(block_m):
         top.line(f"r{i} = pid_m * BLOCK_M + {i}")
-        per = (" // 32" if s.get("ptx_unpack") == 2 else " // 8") if affine else ""
+        per = (" // 32" if variant(s).option("ptx_unpack") == 2 else " // 8") if affine else ""
         top.line(f"part{i} = tl.zeros([BLOCK_K{per}, BLOCK_N], dtype={acc_t})")
-    if affine and not s.get("ptx_unpack"):
+    if affine and not variant(s).option("ptx_unpack"):
         # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a
         # register, it lets one LOP3 do both the AND and the OR of each code.
         top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
@@ -63,17 +64,17 @@ def gemv(t: Tile) -> None:
         for i in range(block_m) if not in_loop else ():
             row_pass(t, scope, f"r{i}", None, f"_r{i}")
 
-    if not s.get("early_load"):
+    if not variant(s).option("early_load"):
         row_passes(top)
 
     def k_step(scope: Scope, before_x: bool = False) -> None:
         """One k step at k0: the weight terms, then (after the wait when `before_x`) x and the products."""
-        if affine and s.get("ptx_unpack"):
+        if affine and variant(s).option("ptx_unpack"):
             words = load_words(t, scope, affine[0])
             if before_x:
                 grid_dependency(scope)
                 row_passes(scope)
-            (quad_terms if s["ptx_unpack"] == 2 else pair_terms)(t, words, scope)
+            (quad_terms if variant(s).option("ptx_unpack") == 2 else pair_terms)(t, words, scope)
             return
         if affine:
             segments = int4_terms(t, scope)
@@ -87,7 +88,7 @@ def gemv(t: Tile) -> None:
         _products(t, scope, segments, in_loop)
 
     first = "k_lo"
-    if s.get("early_load"):  # the first k step, peeled: its weights before the wait (k_lo < k_hi: no splits)
+    if variant(s).option("early_load"):  # the first k step, peeled: its weights before the wait (k_lo < k_hi: no splits)
         top.line("k0 = k_lo")
         k_step(t.body.child(top.indent, fresh=True), before_x=True)
         first = "k_lo + BLOCK_K"

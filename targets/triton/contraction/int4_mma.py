@@ -5,6 +5,7 @@ from __future__ import annotations
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
+from flashgen.ir.variants import variant
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.triton.contraction import ptx
 from flashgen.targets.triton.contraction.context import Tile
@@ -31,9 +32,9 @@ def _code_tile(t: Tile, words: str, scale: str, j: int) -> str:
     """Code j of the words as 16-bit floats less 8: in PTX pairs (times the scale with
     `operand_scale`), or per element under the 16-bit float's exponent."""
     s = t.schedule
-    if s.get("operand_scale"):
+    if variant(s).option("operand_scale"):
         return f"{ptx.codes(t, j, scaled=True)}({words}, {scale})"
-    if s.get("ptx_unpack"):
+    if variant(s).option("ptx_unpack"):
         return f"{ptx.codes(t, j)}({words})"
     magic, base = ptx.INT4_MAGIC[t.operand]
     shifted = words if j == 0 else f"({words} >> {4 * j})"
@@ -63,7 +64,7 @@ def mma_int4(t: Tile) -> None:
     top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
     k_extent = em.emit(con.extent, body)
     offset = None if zero == E.Const(8) else zero
-    oscale = bool(s.get("operand_scale"))  # the scale multiplies the operand: no second accumulator
+    oscale = bool(variant(s).option("operand_scale"))  # the scale multiplies the operand: no second accumulator
     direct = oscale or not prologue.segment_sums(t.affine)
     per_segment = t.per_segment
     per_dot = min(per_segment, 8) & -min(per_segment, 8)  # runs per dot: a power of two within one block

@@ -7,6 +7,7 @@ from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.ir.contraction import MMA_MIN_ROWS, int4_affine, operand_dtype, tma_operands
 from flashgen.ir.op import Contract, Let, Store, eval_int
+from flashgen.ir.variants import count, variant
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.triton.contraction.context import ACC, Tile
 from flashgen.targets.triton.contraction.gemv import gemv
@@ -57,7 +58,7 @@ def _k_range(top: Scope, k_extent: str, split_k: int) -> None:
 def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     """A contraction workload's Triton kernel for schedule `s` (one launch: a weight dequantized
     first is two kernels, targets/staged.py)."""
-    assert not s.get("dequant_first"), "a weight dequantized first is two kernels (targets/staged.py)"
+    assert not variant(s).option("dequant_first"), "a weight dequantized first is two kernels (targets/staged.py)"
     op, attrs = wl.op, wl.attr
     body = op.body(attrs)
     lets = {st.name: st.value for st in body if isinstance(st, Let)}
@@ -67,8 +68,8 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     em = Emitter(op, attrs, lets)
     em.row_pass = body[:body.index(con)]
     name = f"{op.name}_kernel"
-    split_k = s.get("split_k", 1)
-    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": s["group_m"],
+    split_k = count(s, "split_k")
+    consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": count(s, "group_m"),
               "SPLIT_K": split_k}
     scratch = split_scratch(s["block_m"], s["block_n"], split_k, con.acc) if split_k > 1 else ()
     args = kernel_args(wl, consts, scratch)
@@ -76,7 +77,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     n_val, k_val = eval_int(n_extent, wl.dim), eval_int(con.extent, wl.dim)
     cmask = "cmask" if n_val % s["block_n"] else None
     kmask = k_val % s["block_k"] != 0
-    persistent = s.get("persistent", 0)
+    persistent = count(s, "persistent")
     outer = Scope(lines, "    ", {"r": ("r", "rmask"), "c": ("c", cmask)})
     rows, cols = em.emit(m_extent, outer), em.emit(n_extent, outer)
     if not persistent:
@@ -92,7 +93,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     acc = f"acc_{con.name}"
     top.line(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype={ACC[con.acc]})")
     _k_range(top, em.emit(con.extent, top), split_k)
-    if not persistent and not s.get("early_load"):
+    if not persistent and not variant(s).option("early_load"):
         grid_dependency(top)
     b_scope = top.child(top.indent + "    ", {"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None),
                                             "k0": ("k0", None)}, fresh=True)
@@ -122,7 +123,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         gemv(t)
     elif int4_mma:
         mma_int4(t)
-    elif s.get("tma"):
+    elif variant(s).option("tma"):
         tma_k_loop(t, tma_operands(wl))
     else:
         k_loop(t)

@@ -1,0 +1,159 @@
+"""Contraction schedules in variant form: bounded raw spaces, records of the flat form read as their
+variant (the rules' verdict and the schedule key unchanged), flat knob pins, dispatch of the shipped records."""
+from __future__ import annotations
+
+import glob
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import flashgen
+from flashgen.db.record import schedule_key
+from flashgen.ir.variants import VARIANTS
+from flashgen.schedules.search import Evolutionary
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.targets import get_target, load_targets
+from flashgen.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Raw points (the product of the knobs' value counts, summed over the variants) at most, per workload:
+# a new knob or value that grows a space past its cap is a decision, made here. (Flat, before variants:
+# bf16 M=4096 on the H200 1,612,800; W4A16 51,609,600.)
+CAPS = {
+    ("h200", "bf16", 1): 14105, ("h200", "w4a16", 1): 21265, ("h200", "bf16", 16): 61880,
+    ("h200", "w4a16", 16): 123640, ("h200", "bf16", 256): 72800, ("h200", "w4a16", 256): 66400,
+    ("h200", "bf16", 4096): 72800, ("h200", "w4a16", 4096): 333600,
+    ("a100", "bf16", 1): 9900, ("a100", "w4a16", 1): 19980, ("a100", "bf16", 16): 54000,
+    ("a100", "w4a16", 16): 114480, ("a100", "bf16", 256): 36000, ("a100", "w4a16", 256): 64800,
+    ("a100", "bf16", 4096): 36000, ("a100", "w4a16", 4096): 208800,
+    ("mi300x", "bf16", 1): 4320, ("mi300x", "w4a16", 1): 2880, ("mi300x", "bf16", 16): 21960,
+    ("mi300x", "w4a16", 16): 15480, ("mi300x", "bf16", 256): 18000, ("mi300x", "w4a16", 256): 10800,
+    ("mi300x", "bf16", 4096): 18000, ("mi300x", "w4a16", 4096): 82800,
+}
+# Contraction records each file holds whose schedules the rules accept (True) and refuse (False): the
+# counts of the flat rules before variants.
+VERDICTS = {
+    ("h200.jsonl", True): 117, ("h200_fused_records.jsonl", True): 69, ("h200_gemm_records.jsonl", False): 139,
+    ("h200_gemm_records.jsonl", True): 2301, ("h200_gluon_int4_records.jsonl", False): 72,
+    ("h200_gluon_int4_records.jsonl", True): 112, ("h200_gluon_records.jsonl", True): 136,
+    ("h200_w4a8_records.jsonl", True): 168,
+}
+
+
+def _workload(kind: str, m: int) -> Workload:
+    if kind == "bf16":
+        return flashgen.workload("gemm", M=m, N=4096, K=4096, dtype="bf16")
+    return flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype="fp16", group="group", pack="k128")
+
+
+@pytest.mark.parametrize("target, kind, m", sorted(CAPS))
+def test_raw_space_is_capped(target, kind, m):
+    space = ScheduleSpace(_workload(kind, m), get_target(target))
+    assert 0 < space.raw_size() <= CAPS[(target, kind, m)]
+    # a schedule holds its variant's knobs alone: no GEMV form reads a Gluon, TMA or dequant knob
+    for form, knobs in space.forms().items():
+        if VARIANTS[form].gemv:
+            assert set(knobs) <= {"block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k",
+                                  "persistent"}, form
+            assert ("group_m" in knobs) == (m > 1), form  # one row of tiles: nothing to group
+
+
+def _contraction_records():
+    files = sorted(glob.glob(str(ROOT / "benchmarks/results/*records*.jsonl")) + glob.glob(str(ROOT / "flashgen/db/shipped/*.jsonl")))
+    targets = load_targets()
+    for f in files:
+        for line in Path(f).read_text().splitlines():
+            r = json.loads(line)
+            wl = Workload.from_json(r["workload"])
+            if wl.op.kclass == "contraction":
+                yield Path(f).name, ScheduleSpace(wl, targets[r["target_key"]]), r["schedule"]
+
+
+def test_records_read_as_their_variant():
+    """Every recorded (flat) schedule reads as a valid variant-form schedule, or is refused as the flat
+    rules refused it; the read is stable (its key does not change when read again or spelled out flat
+    and read back), and a record missing a knob added since reads as the one holding its neutral value."""
+    verdicts = Counter()
+    for name, space, s in _contraction_records():
+        mapped = space.complete(s)
+        valid = space.is_valid(s)
+        verdicts[(name, valid)] += 1
+        if valid:
+            assert set(mapped) == {"variant", *space.forms()[mapped["variant"]]}, (s, mapped)
+            assert schedule_key(space.complete(mapped)) == schedule_key(mapped)
+            assert space.complete(space.flat(mapped)) == mapped
+            spelled = {**space.rules.ADDED_KNOBS, **s}
+            assert schedule_key(space.complete(spelled)) == schedule_key(mapped)
+    assert dict(verdicts) == VERDICTS
+
+
+def test_dispatch_serves_the_shipped_records_schedules(tmp_path):
+    """For every workload of the shipped records, dispatch serves its fastest record's schedule (its
+    meaning: the same generator form, tiles and counts), now in variant form."""
+    from flashgen.runtime.serving.dispatch import Dispatcher
+
+    from flashgen.db import Database
+
+    with Database(tmp_path / "shipped.db") as db:  # the shipped file as a user's database: the same lookup
+        db.import_jsonl(ROOT / "flashgen/db/shipped/h200.jsonl")
+        best = db.best_all("cuda:sm_90/h200")
+    dispatcher = Dispatcher("h200", db=tmp_path / "shipped.db")
+    served = 0
+    for rec in best:
+        wl = Workload.from_json(rec.workload)
+        if wl.op.kclass != "contraction":
+            continue
+        target = get_target(rec.target_key)
+        space = ScheduleSpace(wl, target)
+        decision = dispatcher.choose(wl, target)
+        assert decision.source.startswith("exact"), (wl, decision.source)
+        assert "variant" in space.complete(decision.schedule)
+        assert space.flat(decision.schedule) == space.flat(rec.schedule), wl
+        served += 1
+    assert served > 20
+
+
+def test_flat_pins_keep_the_variants_they_stand_for():
+    """`--fix backend=1`, `--fix tma=1` (flat knob names) keep the variants holding them; `--fix
+    variant=...` one variant; a count a variant never reads keeps it only at its default."""
+    wl = flashgen.workload("gemm", M=4096, N=4096, K=4096, dtype="bf16")
+    h200 = get_target("h200")
+    assert set(ScheduleSpace(wl, h200, (("tma", 1),)).forms()) == {"tile_tma"}
+    tma = ScheduleSpace(wl, h200, (("tma", 1),))
+    assert tma.pinned_default() == tma.default() and tma.flat(tma.default())["tma"] == 1
+    gluon = ScheduleSpace(wl, h200, (("backend", 1),))
+    assert set(gluon.forms()) == {f for f in VARIANTS if f.startswith("gluon") and f != "gluon_int4"}
+    assert gluon.pinned_default() is None  # the default's TMA copies are Triton's, as before variants
+    split = ScheduleSpace(wl, h200, (("split_k", 2),))
+    assert "gluon" not in split.forms() and split.forms()["tile"]["split_k"] == (2,)
+    one = ScheduleSpace(wl, h200, (("variant", "gluon_warp"), ("persistent", 1)))
+    assert list(one.forms()) == ["gluon_warp"] and one.forms()["gluon_warp"]["persistent"] == (1,)
+    pinned = one.pinned_default()
+    assert pinned["variant"] == "gluon_warp" and pinned["persistent"] == 1 and one.flat(pinned)["producer_warps"] == 1
+    with pytest.raises(flashgen.FlashgenError, match="not one of"):
+        ScheduleSpace(wl, get_target("a100"), (("backend", 1),)).knobs()
+    with pytest.raises(flashgen.FlashgenError, match="no such knob"):
+        ScheduleSpace(wl, h200, (("block_r", 1),)).knobs()
+
+
+def test_search_mutates_and_crosses_variants():
+    """The evolutionary search's moves stay in the space: a mutation may change the variant (the knobs
+    follow its form), a crossover takes one parent's form."""
+    wl = flashgen.workload("gemm", M=4096, N=4096, K=4096, dtype="bf16")
+    space = ScheduleSpace(wl, get_target("h200"))
+    evo = Evolutionary(space, seed=0)
+    rng = random.Random(1)
+    parents = [s for s in (space.sample(rng) for _ in range(4000)) if space.is_valid(s)][:40]
+    forms = set()
+    for a, b in zip(parents, parents[1:]):
+        child = evo.mutate(a)
+        assert child is not None and space.is_valid(child)
+        forms.add((a["variant"], child["variant"]))
+        cross = evo.crossover(a, b)
+        assert cross["variant"] in (a["variant"], b["variant"])
+        assert set(cross) == set(space.form_knobs(cross))
+    assert any(x != y for x, y in forms)
