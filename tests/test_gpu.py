@@ -890,10 +890,11 @@ def test_fused_prologue_gemm_on_gpu(wl, s):
 @pytest.mark.parametrize("mode", ["bf16", "w4a16", "w8a16"])
 def test_decoder_fused_prologues_match_separate_kernels(mode, monkeypatch):
     """A decode step of 3 sequences with each norm and SiLU·mul fused into the linear it feeds (the
-    row limit and modes of runtime/decoder/linear.py widened to it) against the same model with their own
+    row limit of runtime/decoder/linear.py widened to it, the mode's class made to fuse) against the same model with their own
     kernels: logits within bf16 rounding."""
     import flashgen.runtime.decoder.linear as linear
     from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.quant_modes import quant_mode
     from flashgen.runtime.decoder.engine import Engine
     from flashgen.runtime.decoder.model import Batch, Decoder
     c = CONFIGS["tiny"]
@@ -903,7 +904,7 @@ def test_decoder_fused_prologues_match_separate_kernels(mode, monkeypatch):
     slots = [m.reserve(i, p + 1)[p // m.block_size] * m.block_size + p % m.block_size for i, p in zip(seqs, positions)]
     batch = Batch(torch.tensor([5, 7, 9], device=DEVICE), torch.tensor(positions, device=DEVICE),
                   torch.tensor(slots, device=DEVICE), seqs, [1, 1, 1], [p + 1 for p in positions])
-    monkeypatch.setattr(linear, "FUSED_MODES", (mode,))
+    monkeypatch.setattr(quant_mode(mode), "fused", True)
     monkeypatch.setattr(linear, "FUSED_MAX_ROWS", 16)
     fused = model.forward(batch, eng.cache).float()
     ops = {d.workload.op_name for d in dispatcher().decisions.values()}
