@@ -38,7 +38,9 @@ def _start(db: Path, factory: str, trials: int, **env: str) -> subprocess.Popen:
 
 
 def _records(db: Path) -> list[Record]:
-    if not db.exists():
+    """The tune's records so far: none while its process has not yet created the database (the file
+    exists, empty, between its creation and its schema's first write)."""
+    if not db.exists() or db.stat().st_size == 0:
         return []
     with Database(db, readonly=True) as d:
         return d.records(WL.key, get_target("cpu").id)
