@@ -20,6 +20,7 @@ from typing import Any, Callable
 from flashgen.errors import FlashgenError, reason
 from flashgen.processes import ignore_sigint, sigint_deferred
 from flashgen.schedules.builder import Builder
+from flashgen.schedules.measure import MEASURE_TIMEOUT_S, START_TIMEOUT_S
 from flashgen.schedules.space import Schedule
 from flashgen.schedules.tuner import TuneResult, TuneTask, tune, with_schedule
 from flashgen.targets.descriptor import Target
@@ -36,10 +37,12 @@ class TuneOptions:
     seed: int = 0
     fixed: dict[str, int] = field(default_factory=dict)
     retry_failed: bool = False
+    timeout_s: float = MEASURE_TIMEOUT_S
+    start_timeout_s: float = START_TIMEOUT_S
 
     def task(self, wl: Workload, target: Target, behind: tuple[Workload, Schedule] | None = None) -> TuneTask:
         return TuneTask(wl, target, self.trials, self.strategy, self.seed, TuneTask.pinned(self.fixed), behind,
-                        self.retry_failed)
+                        self.retry_failed, self.timeout_s, self.start_timeout_s)
 
 
 def gpu_slots(spec: str, gpus: int) -> list[str]:

@@ -237,12 +237,17 @@ class _Worker:
         return _result(schedule, reply)
 
 
+MEASURE_TIMEOUT_S = 30.0  # a candidate's build-to-answer bound
+START_TIMEOUT_S = 120.0  # and the more a fresh worker gets for its first (torch and the toolchain load)
+
+
 class Runner:
     """`measure(workload, schedules)` in order; one worker per device (e.g. ["cuda:0", "cuda:1"]). With
     `behind` (a producer workload and its schedule), every candidate is timed behind that kernel."""
 
-    def __init__(self, target: Target, devices: list[str] | None = None, timeout_s: float = 30.0,
-                 runs: int = 30, seed: int = 0, factory: str = DEFAULT_FACTORY, start_timeout_s: float = 120.0,
+    def __init__(self, target: Target, devices: list[str] | None = None, timeout_s: float = MEASURE_TIMEOUT_S,
+                 runs: int = 30, seed: int = 0, factory: str = DEFAULT_FACTORY,
+                 start_timeout_s: float = START_TIMEOUT_S,
                  behind: tuple[Workload, Schedule] | None = None):
         if devices is None:
             devices = ["cpu"] if target.backend == "tvm" else _cuda_devices()

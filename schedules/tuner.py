@@ -32,7 +32,7 @@ from flashgen.ir.variants import DEQUANT
 from flashgen.roofline import roofline_us
 from flashgen.schedules.builder import Builder
 from flashgen.schedules.cost_model import CostModel
-from flashgen.schedules.measure import MeasureResult, Runner
+from flashgen.schedules.measure import MEASURE_TIMEOUT_S, START_TIMEOUT_S, MeasureResult, Runner
 from flashgen.schedules.search import make_strategy
 from flashgen.schedules.space import Schedule, ScheduleSpace
 from flashgen.targets.descriptor import Target
@@ -48,7 +48,9 @@ class TuneTask:
     """One workload's tuning job, as every path that tunes builds it (the CLI, the GPU fan-out, Ray,
     benchmarks): what is searched (the workload on the target, with knobs pinned by `fixed`: the
     `space`), how (`trials` new measurements, `strategy`, `seed`), timed alone or `behind` a producer
-    (its workload and schedule), and whether schedules recorded as timeout or crash are measured again."""
+    (its workload and schedule), whether schedules recorded as timeout or crash are measured again, and
+    the Runner's bounds: `timeout_s` per measurement, `start_timeout_s` more for a fresh worker's first
+    (a loaded machine needs more of both)."""
     workload: Workload
     target: Target
     trials: int
@@ -57,6 +59,8 @@ class TuneTask:
     fixed: tuple[tuple[str, int], ...] = ()  # (knob, value), sorted: `pinned` builds it from a mapping
     behind: tuple[Workload, Schedule] | None = None
     retry_failed: bool = False
+    timeout_s: float = MEASURE_TIMEOUT_S
+    start_timeout_s: float = START_TIMEOUT_S
 
     @staticmethod
     def pinned(fixed: Mapping[str, int] | None) -> tuple[tuple[str, int], ...]:
@@ -197,7 +201,8 @@ def tune(task: TuneTask, db: Database, *, batch: int = 16, builder: Builder | No
         if own_builder:
             builder.close()
         raise FlashgenError(f"the producer {behind[0]} does not build: {why}")
-    runner = runner or Runner(target, seed=seed, behind=behind)
+    runner = runner or Runner(target, timeout_s=task.timeout_s, seed=seed, start_timeout_s=task.start_timeout_s,
+                             behind=behind)
     device = device_name or _device_name(target)
     known = _recorded(db, wl, target, space, behind)
     retry = [r.schedule for r in known.values() if task.retry_failed and r.status in RETRIED and space.is_valid(r.schedule)]

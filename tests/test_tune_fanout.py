@@ -29,6 +29,27 @@ def test_a_consumer_joins_its_producers_group_after_it():
     assert sorted(i for g in groups(plan) for i in g) == list(range(len(plan)))
 
 
+def test_the_runner_of_every_line_gets_the_options_timeouts(tmp_path, monkeypatch):
+    """A fan-out's workers (processes or Ray actors) build their Runner from each line's task: bounds
+    given in TuneOptions reach it, so a loaded machine's tunes can wait longer for a fresh worker."""
+    import flashgen.schedules.tuner as tuner
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def runner(target, **kw):
+        seen.append((kw["timeout_s"], kw["start_timeout_s"]))
+        raise Stop
+
+    monkeypatch.setattr(tuner, "Runner", runner)
+    task = TuneOptions(2, timeout_s=7.0, start_timeout_s=900.0).task(_wl("softmax", 8), get_target("cpu"))
+    with Database(tmp_path / "t.db") as db, pytest.raises(Stop):
+        tuner.tune(task, db)
+    assert seen == [(7.0, 900.0)]
+
+
 def test_each_worker_sees_one_gpu(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert gpu_slots("all", 4) == ["0", "1", "2", "3"]
@@ -104,8 +125,9 @@ def test_a_local_ray_cluster_tunes_every_workload_once(tmp_path, monkeypatch):
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         outcomes: dict = {}
-        fan_out_ray(PLAN, target, str(db_path), TuneOptions(3, strategy="random"), None, collect(outcomes),
-                    cpu_workers=2)
+        # (bounds fit for a loaded CI machine: each actor starts a measuring worker and a builder pool)
+        fan_out_ray(PLAN, target, str(db_path), TuneOptions(3, strategy="random", timeout_s=600, start_timeout_s=1200),
+                    None, collect(outcomes), cpu_workers=2)
     finally:
         ray.shutdown()
     check_tuned_once(db_path, outcomes, 3, earlier={1: 2})
