@@ -70,7 +70,6 @@ class Timeline:
     arrival: float
     submitted: float
     prompt_len: int
-    output_len: int  # asked for
     first_token: float | None = None
     finish: float | None = None
     output_tokens: int = 0
@@ -122,7 +121,7 @@ def serve(engine: Engine, load: list[Arrival], label: str = "", clock: Callable[
         now = clock() - t0
         while nxt < len(load) and load[nxt].at <= now:
             rid = engine.add(load[nxt].prompt, params[nxt])
-            live[rid] = Timeline(load[nxt].at, now, len(load[nxt].prompt), load[nxt].output_len)
+            live[rid] = Timeline(load[nxt].at, now, len(load[nxt].prompt))
             out.append(live[rid])
             nxt += 1
         if engine.waiting or engine.running or engine.pending:
