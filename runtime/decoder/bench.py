@@ -109,10 +109,12 @@ def check_memory(config: str, c: ModelConfig, dtype: torch.dtype, dev: torch.dev
             f"{free / GB:.1f} GB is free: take a smaller --config, --batch or --prompt-len")
 
 
-def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
-        device: str | None = None, cuda_graphs: bool = True, tp: int = 1) -> list[dict]:
-    """One row per batch; with `tp` > 1, this rank's run of the model split over the group's ranks
-    (runtime/decoder/tensor_parallel.py), every rank calling it alike, `copy_gbs` then the ranks' together."""
+def build(config: str, quant: str, batch: int, prompt_len: int, new_tokens: int, device: str | None = None,
+          tp: int = 1) -> Decoder:
+    """The decoder of bench config `config` on random weights (bf16 on a GPU, float32 on the CPU), its
+    context long enough for `prompt_len` + `new_tokens`, once `check_memory` has found that it and the
+    cache of `batch` such sequences fit; with `tp` > 1, this rank's part of the model split over the
+    group's ranks (runtime/decoder/tensor_parallel.py)."""
     if config not in CONFIGS:
         raise FlashgenError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
     if prompt_len < 1 or new_tokens < 1:
@@ -122,8 +124,16 @@ def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant
     c = replace(CONFIGS[config], max_position_embeddings=max(CONFIGS[config].max_position_embeddings,
                                                             prompt_len + new_tokens + 16))
     release(dev)  # (what an earlier run in this process left in torch's cache is free memory again)
-    check_memory(config, c, dtype, dev, max(batches), prompt_len, new_tokens)
-    model = (Decoder if tp == 1 else ShardedDecoder)(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
+    check_memory(config, c, dtype, dev, batch, prompt_len, new_tokens)
+    return (Decoder if tp == 1 else ShardedDecoder)(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
+
+
+def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
+        device: str | None = None, cuda_graphs: bool = True, tp: int = 1) -> list[dict]:
+    """One row per batch; with `tp` > 1, this rank's run of the model split over the group's ranks
+    (runtime/decoder/tensor_parallel.py), every rank calling it alike, `copy_gbs` then the ranks' together."""
+    model = build(config, quant, max(batches), prompt_len, new_tokens, device, tp)
+    c, dev, dtype = model.c, model.device, model.dtype
     rows = []
     try:
         for b in batches:
