@@ -15,7 +15,8 @@ import torch
 import flashgen
 from flashgen.errors import FlashgenError
 from flashgen.oplib._common import quantize_ref
-from flashgen.quant import W4A8_GROUP_MAX, pack_int4, quantize_rtn, quantize_w4a8
+from flashgen.quant import (LANE_MASK, W4A8_GROUP_MAX, pack_int4, pack_int4_lanes, packed_words, quantize_rtn,
+                           quantize_w4a8, unpack_int4_lanes)
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets import get_target
 
@@ -78,3 +79,63 @@ def test_kernel_error_within_the_quantization_bound(interpreter, m, n, k, group)
     # activations and the integer group scales add 0-12% here
     rtn = x @ quantize_rtn(w, 4, group).dequantize().T
     assert (y.double() - exact).norm() <= 1.25 * (rtn - exact).norm()
+
+
+# The `lanes` layout (flashgen/quant.py pack_int4_lanes) and its matrix tiles (targets/triton/contraction/int8_lanes.py).
+
+@pytest.mark.parametrize("n, k", [(1, 32), (3, 200), (7, 4096), (2, 131)])
+def test_lanes_pack_round_trips_exactly(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    codes = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+    packed = pack_int4_lanes(codes)
+    assert packed.dtype == torch.int32 and packed.shape == (n, packed_words(k))
+    assert torch.equal(unpack_int4_lanes(packed, k), codes)
+    # one AND (and a shift by 4 first) of word 4b + t gives the int8 lanes (u - 8) * 16 of k = 32b + 4t + i
+    # and 32b + 16 + 4t + i, i = 0..3: the bytes of the masked word, read as int8
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    lanes = [words & LANE_MASK, (words << 4) & LANE_MASK]
+    byte = [torch.stack([((v >> (8 * i)) & 255) for i in range(4)], -1) for v in lanes]  # [n, word, i]
+    byte = [torch.where(b >= 128, b - 256, b).reshape(n, -1, 4, 4) for b in byte]  # [n, block, t, i]
+    want = torch.zeros(n, packed_words(k) * 8, dtype=torch.int64)
+    want[:, :k] = (codes.to(torch.int64) - 8) * 16  # padding: zero nibbles, zero lanes
+    want = want.reshape(n, -1, 2, 4, 4)  # [n, block, h, t, i]
+    assert torch.equal(byte[0], want[:, :, 0]) and torch.equal(byte[1], want[:, :, 1])
+
+
+def test_lanes_pack_rejects_bad_input():
+    with pytest.raises(FlashgenError, match="0..15"):
+        pack_int4_lanes(torch.full((2, 32), 16, dtype=torch.uint8))
+    with pytest.raises(FlashgenError, match="do not pack K=256"):
+        unpack_int4_lanes(torch.zeros(2, 16, dtype=torch.int32), 256)
+
+
+@pytest.mark.parametrize("group", ["group", "channel"])
+def test_lanes_dequant_evaluates_the_layout(interpreter, group):
+    """The IR's per-element meaning of the layout (prologue.int4_lane, what generic tiles and the
+    dequant-first form evaluate) against the packer's inverse: dequant_w4a8's int8 operand, odd N and K."""
+    wl = flashgen.workload("dequant_w4a8", N=37, K=160, G=32 if group == "group" else 160, group=group, pack="lanes")
+    checks = interpreter.check(wl, ScheduleSpace(wl, get_target("h200")).default(), "h200", [1, 2])
+    assert checks and all(ch.ok and ch.error == 0 for ch in checks), checks
+
+
+LANES = {"variant": "tile_lanes", "block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 2,
+         "split_k": 1, "persistent": 0}
+
+
+@pytest.mark.parametrize("m, n, k, g, s", [
+    (1, 40, 256, 128, {}),                                   # one row, a column tail
+    (19, 48, 384, 64, {"group_m": 1}),                       # two groups per k step, a row tail
+    (5, 33, 512, 256, {"block_k": 64, "split_k": 2}),        # a quarter group per k step, split K
+    (3, 24, 200, None, {"block_k": 64}),                     # per channel, a k tail (200 = 3 * 64 + 8)
+    (17, 40, 160, 32, {"block_m": 32, "block_k": 64, "group_m": 1}),  # groups of 32, a k tail
+])
+def test_lanes_tile_numerics(interpreter, m, n, k, g, s):
+    """The lanes tile (Triton's interpreter) against the float64 reference on fresh inputs: the sums
+    are exact in int32, so the error is the fp32 scaling and fp16 rounding of the output alone."""
+    wl = flashgen.workload("gemm_w4a8", M=m, N=n, K=k, G=g or k, dtype="fp16", group="group" if g else "channel",
+                           pack="lanes")
+    space = ScheduleSpace(wl, get_target("h200"))
+    sched = {kk: v for kk, v in {**LANES, **s}.items() if kk in space.forms()["tile_lanes"] or kk == "variant"}
+    assert space.is_valid(sched), space.why_invalid(sched)
+    checks = interpreter.check(wl, sched, "h200", [m + 1, m + 2])
+    assert checks and all(ch.ok and ch.error <= 2 ** -10 for ch in checks), checks
