@@ -139,3 +139,29 @@ def test_lanes_tile_numerics(interpreter, m, n, k, g, s):
     assert space.is_valid(sched), space.why_invalid(sched)
     checks = interpreter.check(wl, sched, "h200", [m + 1, m + 2])
     assert checks and all(ch.ok and ch.error <= 2 ** -10 for ch in checks), checks
+
+
+@pytest.mark.parametrize("k", [256, 200])  # groups of 128, and per channel
+def test_w4a8_linears_pack_lanes_at_load_and_call_the_op_with_them(k):
+    """W4A8Linear (and mixed's w4a8) pack the codes once in the lanes layout and call gemm_w4a8 with
+    pack=lanes: the op's reference on the linear's tensors is the CPU's exact integer product."""
+    from flashgen.runtime.decoder.quant_modes import MixedLinear, W4A8Linear
+    w = torch.randn(48, k, generator=torch.Generator().manual_seed(k))
+    qa = quantize_w4a8(w, 128 if k % 128 == 0 else None)
+    xq, xs = quantize_ref(torch.randn(3, k, generator=torch.Generator().manual_seed(1), dtype=torch.float64), "int8")
+    for lin in (W4A8Linear.prepare(w), MixedLinear.prepare(w).choices["w4a8"]):
+        assert torch.equal(unpack_int4_lanes(lin.w4, k), qa.codes)
+        calls = []
+
+        class Ops:
+            def gemm_w4a8(self, *args, **kw):
+                calls.append((args, kw))
+
+        lin.quantized_gemm(Ops(), xq.to(torch.int8), xs.float(), "bf16", {})
+        [(args, kw)] = calls
+        assert kw["pack"] == "lanes"
+        wl = flashgen.workload("gemm_w4a8", M=3, N=48, K=k, G=kw["dims"][3], group=kw["group"], pack=kw["pack"], dtype="bf16")
+        t = dict(zip(("x", "x_scale", "w_packed", "w_scale"), args), **({"w_group": kw["w_group"]} if "w_group" in kw else {}))
+        [y] = wl.op.reference(t, wl.op.params, wl.dim, wl.attr).values()
+        exact = (xq @ lin.w4a8_int8.double().T) * xs[:, None] * lin.w4a8_scale.double()
+        torch.testing.assert_close(y, exact, rtol=1e-6, atol=0)  # (float32 scales, float64 products)
