@@ -193,3 +193,11 @@ def test_lanes_tiles_build_ahead_of_time_with_fewer_unpack_instructions():
     assert unpack["tile_lanes"] * 4 < unpack["tile"], unpack
     amd = flashgen.compile(new, "gfx942", schedule={**s, "variant": "tile_lanes", "num_stages": 2})
     assert "v_mfma" in amd.asm["amdgcn"] and amd.binary
+
+
+def test_k_beyond_exact_int32_sums_is_refused():
+    """K products of |x| <= 128 and |w8| <= 128 stay exact in int32 up to K = 131071 (either layout)."""
+    for pack in ("k128", "lanes"):
+        flashgen.workload("gemm_w4a8", M=1, N=16, K=131071, G=131071, group="channel", pack=pack)
+        with pytest.raises(FlashgenError, match="int32 sums"):
+            flashgen.workload("gemm_w4a8", M=1, N=16, K=131072, G=128, pack=pack)
