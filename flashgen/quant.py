@@ -10,6 +10,13 @@
   consecutive columns of x: the words are unpacked in the operand layout of the matrix instruction,
   never reshaped (targets/triton/contraction.py). K is padded with zero codes to a multiple of 128.
   This is the layout the generated W4A16 kernels read.
+- `pack_int4_lanes` / `unpack_int4_lanes`: gemm_w4a8's `lanes` layout. Each code is stored as the signed
+  nibble u - 8 (4-bit two's complement), eight per int32, over blocks of LANE_BLOCK = 32 k: word 4*b + t
+  holds k = 32*b + 4*t + i in the high nibble of byte i and k = 32*b + 16 + 4*t + i in its low nibble.
+  One AND with 0xF0F0F0F0 then yields four int8 lanes (u - 8) * 16 of four consecutive k, and a shift
+  by 4 and the same AND the four k sixteen further on: the k order in which a thread holds an int8
+  matrix instruction's operand (k = 4t..4t+3 and 16+4t..16+4t+3 of each 32). Padding codes (K padded to
+  a multiple of INT4_PERIOD, as `pack_int4`'s) are zero nibbles, whose products vanish.
 - `quantize_w4a8`: 4-bit codes whose products with int8 activations stay exact on int8 tensor cores:
   w ~ (u - 8) * s_group * s_channel with s_group an integer in 1..16, so that (u - 8) * s_group lies in
   [-128, 112], an int8, and an int8 x int8 matrix instruction sums it exactly in int32; the fp32
@@ -152,23 +159,65 @@ def packed_words(k):
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes in 0..15 -> [N, packed_words(K)] int32 in the interleaved layout."""
     n, k = codes.shape
-    if codes.numel() and (codes.min() < 0 or codes.max() > 15):
-        raise FlashgenError("4-bit codes must lie in 0..15")
+    _check_codes(codes)
     padded = torch.zeros(n, packed_words(k) * 8, dtype=torch.int64, device=codes.device)
     padded[:, :k] = codes.to(torch.int64)
     c = padded.reshape(n, -1, 8, INT4_PERIOD // 8)  # [n, block, j, i]
     word = torch.zeros(n, c.shape[1], INT4_PERIOD // 8, dtype=torch.int64, device=codes.device)
     for j in range(8):
         word |= c[:, :, j, :] << (4 * j)
-    word = word.reshape(n, -1)
+    return _as_int32(word.reshape(n, -1))
+
+
+def _check_codes(codes: torch.Tensor) -> None:
+    if codes.numel() and (codes.min() < 0 or codes.max() > 15):
+        raise FlashgenError("4-bit codes must lie in 0..15")
+
+
+def _words(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """A packed [N, words] int32 tensor's words as int64 in 0..2^32-1, after checking its width."""
+    words = packed.shape[1]
+    if words != packed_words(k):
+        raise FlashgenError(f"{words} words per row do not pack K={k} (expected {packed_words(k)})")
+    return packed.to(torch.int64) & 0xFFFFFFFF
+
+
+def _as_int32(word: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
 def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
     """The [N, k] codes of `pack_int4`'s output (its padding dropped)."""
-    n, words = packed.shape
-    if words != packed_words(k):
-        raise FlashgenError(f"{words} words per row do not pack K={k} (expected {packed_words(k)})")
-    word = packed.to(torch.int64).reshape(n, -1, INT4_PERIOD // 8) & 0xFFFFFFFF
+    n = packed.shape[0]
+    word = _words(packed, k).reshape(n, -1, INT4_PERIOD // 8)
     codes = torch.stack([(word >> (4 * j)) & 15 for j in range(8)], dim=2)  # [n, block, j, i]
     return codes.reshape(n, -1)[:, :k].to(torch.uint8)
+
+
+LANE_BLOCK = 32  # k per block of four `lanes` words: one k step of an int8 matrix instruction
+LANE_MASK = 0xF0F0F0F0  # the high nibble of each byte: four int8 lanes (u - 8) * 16
+
+
+def pack_int4_lanes(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes in 0..15 -> [N, packed_words(K)] int32 in the `lanes` layout (signed nibbles u - 8)."""
+    n, k = codes.shape
+    _check_codes(codes)
+    padded = torch.zeros(n, packed_words(k) * 8, dtype=torch.int64, device=codes.device)
+    padded[:, :k] = (codes.to(torch.int64) - 8) & 15
+    c = padded.reshape(n, -1, 2, 4, 4)  # [n, block, h, t, i]: k = 32 * block + 16 * h + 4 * t + i
+    word = torch.zeros(n, c.shape[1], 4, dtype=torch.int64, device=codes.device)
+    for i in range(4):
+        word |= (c[:, :, 0, :, i] << (8 * i + 4)) | (c[:, :, 1, :, i] << (8 * i))
+    return _as_int32(word.reshape(n, -1))
+
+
+def unpack_int4_lanes(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The [N, k] codes (0..15) of `pack_int4_lanes`' output (its padding dropped)."""
+    n = packed.shape[0]
+    word = _words(packed, k).reshape(n, -1, 1, 4, 1)  # [n, block, h, t, i]
+    shift = 8 * torch.arange(4, device=packed.device).reshape(1, 1, 1, 1, 4) + 4 * (1 - torch.arange(2, device=packed.device)).reshape(1, 1, 2, 1, 1)
+    nibble = (word >> shift) & 15
+    return ((nibble ^ 8).reshape(n, -1)[:, :k]).to(torch.uint8)  # u = (u - 8) + 8: the sign bit flipped
+
+
+PACKS = {"k128": (pack_int4, unpack_int4), "lanes": (pack_int4_lanes, unpack_int4_lanes)}  # by the ops' `pack` attr

@@ -25,7 +25,9 @@ MMAs and the epilogues, persistent or not; plain gluon: the same warps do both, 
 consumers (gluon_pingpong: persistent, a producer warp, two warpgroups of num_warps = 4 warps take
 turns at the program's tiles, so that one's epilogue runs while the other's MMAs do); tma_store
 (gluon*_store: an output a TMA can write, each tile's result goes to shared memory and a TMA copy
-writes it while the next tile computes); gluon_int4 (symmetric int4 codes copied as words);
+writes it while the next tile computes); gluon_int4 (symmetric int4 codes copied as words); lanes
+(tile_lanes: gemm_w4a8's `lanes` layout, four int8 lanes per AND in the matrix instruction's k order,
+int8 matrix tiles computed transposed, a group's int32 sum times its integer scale; every target);
 dequant_first (dq_*: ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more, the weight
 dequantized by a pointwise kernel of its own and a dense form's tiles, with the dense op's knobs and
 rules, run on it; targets/staged.py).
@@ -34,7 +36,8 @@ the registers of the program's threads, tiles stop at the next power of two of e
 the smallest tile a matrix instruction takes), each split of a pipelined tile gets at least
 SPLIT_K_MIN_STEPS k steps (a one-stage GEMV tile, whose best form is one deep step, at least one),
 persistent programs do not split K, one stage (no copy pipeline) serves NVIDIA GEMV tiles only,
-early loads serve unsplit GEMV tiles, PTX-unpacked GEMV tiles need
+early loads serve unsplit GEMV tiles, lanes tiles are matrix tiles whose k steps hold whole groups or
+a part of one, PTX-unpacked GEMV tiles need
 groups of 128 k or more, k tiles deeper than 512 are for ALU tiles only, and k tiles of packed int4
 words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
@@ -50,11 +53,11 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.ir.contraction import (MMA_MIN_ROWS, WARPGROUP, WARPGROUP_ROWS, extents, gluon_int4_operands,
-                                     int4_affine, operand_dtype, symmetric_block_groups, tma_operands, tma_output,
+                                     int4_affine, int8_lanes, lane_segment, operand_dtype, symmetric_block_groups, tma_operands, tma_output,
                                      whole_block_groups)
 from flashgen.ir.op import Let
 from flashgen.ir.variants import COUNT_DEFAULTS, DEQUANT, OPTIONS, VARIANTS, flat, from_flat, reads  # noqa: F401 (COUNT_DEFAULTS: ScheduleSpace)
-from flashgen.quant import INT4_PERIOD
+from flashgen.quant import INT4_PERIOD, LANE_BLOCK
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload, dequant_forms
 
@@ -67,11 +70,11 @@ SPLIT_K_MIN_STEPS = 2  # k steps per split of a pipelined tile, at least: fewer 
 # Knobs added after records existed, and the value a record without them was measured with.
 ADDED_KNOBS = {"split_k": 1, "persistent": 0, "tma": 0, "ptx_unpack": 0, "early_load": 0, "operand_scale": 0,
                "dequant_first": 0, "dequant_chunks": 1, "backend": 0, "producer_warps": 0, "tma_store": 0,
-               "consumers": 1}
+               "consumers": 1, "lanes": 0}
 # Every knob of a schedule spelled out flat (`flat_of`), as records were written before variants.
 FLAT_KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m", "split_k", "persistent", "tma",
               "ptx_unpack", "early_load", "operand_scale", "dequant_first", "dequant_chunks", "backend",
-              "producer_warps", "tma_store", "consumers")
+              "producer_warps", "tma_store", "consumers", "lanes")
 MAX_TMA_BOX = 256  # elements per dimension of a TMA copy
 GEMV_MAX_M = 16  # up to this M, tiles of 1-8 rows (summed on the ALUs, no matrix instruction) are in the space
 # From this M, a weight may be dequantized first (`dequant_first`): its round trip through memory (a
@@ -117,6 +120,7 @@ def _flat_knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
           "producer_warps": (0, 1) if gluon_target(target) and gluon_operands(wl) else (0,),
           "tma_store": (0, 1) if gluon_target(target) and tma_operands(wl) and tma_output(wl) else (0,),
           "consumers": (1, 2) if gluon_target(target) and tma_operands(wl) else (1,),
+          "lanes": (0, 1) if int8_lanes(wl) else (0,),
           "dequant_first": (0,), "dequant_chunks": (1,)}
     return kn
 
@@ -239,6 +243,12 @@ def accumulator_tiles(wl: Workload) -> int:
     return 2 if affine and prologue.segment_sums(affine) else 1
 
 
+def lane_bytes(wl: Workload) -> float:
+    """Bytes a `lanes` tile loads per weight element: half a byte of code, and its group's scale."""
+    scale = int8_lanes(wl)[1]
+    return 0.5 + (0 if scale is None else dtypes.BYTES[wl.tensor_dtype(scale.tensor)] / prologue.group_size(scale, wl.dim))
+
+
 def min_stages(target: Target, s: dict[str, Any]) -> int:
     """1 on AMD and for NVIDIA GEMV tiles, whose plain loads go straight to registers (no copy
     pipeline through shared memory); NVIDIA matrix tiles keep at least 2."""
@@ -250,7 +260,7 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
     if s["dequant_chunks"] > 1 and not s["dequant_first"]:
         return "chunks of a dequantized weight need dequant_first"
     if s["dequant_first"]:
-        if s["ptx_unpack"] or s["operand_scale"]:
+        if s["ptx_unpack"] or s["operand_scale"] or s["lanes"]:
             return "a weight dequantized first has no codes to unpack or scale"
         n, chunks = wl.dim["N"], s["dequant_chunks"]
         if chunks > 1 and s["backend"]:
@@ -274,6 +284,8 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
     if operand_bytes(wl) == 1 and dtypes.is_float(operand_dtype(wl)) and extents(wl)[2] % s["block_k"]:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
     a_bytes, b_bytes = load_bytes(wl, s["block_k"])
+    if s["lanes"]:
+        b_bytes = lane_bytes(wl)
     smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
     if s["tma_store"]:  # the output tile, staged for its copy (one per consumer)
         smem += s["consumers"] * s["block_m"] * s["block_n"] * dtypes.BYTES[wl.tensor_dtype(tma_output(wl))]
@@ -286,6 +298,14 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
     min_steps = 1 if s["num_stages"] == 1 else SPLIT_K_MIN_STEPS  # one stage: no copy pipeline to keep full
     if s["split_k"] > 1 and -(-extents(wl)[2] // s["block_k"]) < s["split_k"] * min_steps:
         return f"{s['split_k']} splits of K={extents(wl)[2]} leave fewer than {min_steps} k step{'s' * (min_steps > 1)} of {s['block_k']} each"
+    if s["lanes"]:
+        if not int8_lanes(wl):
+            return "lanes tiles read int4 codes of gemm_w4a8's `lanes` layout"
+        if s["block_m"] < MMA_MIN_ROWS:
+            return f"lanes tiles are matrix tiles of at least {MMA_MIN_ROWS} rows"
+        if lane_segment(wl, s["block_k"]) is None:
+            return (f"a lanes k step is whole blocks of {LANE_BLOCK} k, and whole groups or a part of one "
+                    f"(block_k={s['block_k']})")
     if s["ptx_unpack"] == 2 and s["block_m"] >= MMA_MIN_ROWS:
         return f"PTX quads of words serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
     if s["operand_scale"] and (s["block_m"] < MMA_MIN_ROWS or s["ptx_unpack"] != 1):
@@ -309,6 +329,8 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
             return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile leaves some of {threads} threads idle"
         return None
     tiles = 1 if s["operand_scale"] else accumulator_tiles(wl)
+    if s["lanes"] and int8_lanes(wl)[1] is not None:
+        tiles = 2  # a group's int32 sum beside the accumulator
     if tiles * s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
         return f"{tiles} {s['block_m']}x{s['block_n']} accumulator tile(s) do not fit {threads} threads' registers"
     if s["block_m"] * s["block_n"] < threads * 4 and s["num_warps"] > 2:
@@ -347,16 +369,20 @@ def _flat_default(wl: Workload, target: Target) -> dict[str, int]:
         # 256-deep ones).
         s = {"block_m": _p2(m), "block_n": 16, "block_k": 1024, "num_warps": 4,
              "num_stages": min(3, kn["num_stages"][-1]), "group_m": 1, "split_k": 1, "persistent": 0}
-    elif m <= 64 and int4_affine(wl):
+    elif m <= 64 and (int4_affine(wl) or int8_lanes(wl)):
         # int4 codes unpacked into the weight operand of 64-row matrix tiles (one warpgroup), 128 k per
         # step, with K split until about two programs run per SM: the unpacking is the work, two codes
         # per inline-PTX AND-OR where the target has it (the H200's M = 16 and 64 records: 1.06-1.28x
-        # faster than Triton's unpacking).
+        # faster than Triton's unpacking), four int8 lanes per AND for `lanes` codes.
         tiles = -(-n // 64) * -(-m // max(16, _p2(m)))
         split = max([sp for sp in (1, 2, 4) if tiles * sp <= 2 * sms and -(-k // 128) >= sp * SPLIT_K_MIN_STEPS] or [1])
         s = {"block_m": max(16, _p2(m)), "block_n": 64, "block_k": 128, "num_warps": 4,
              "num_stages": min(4, kn["num_stages"][-1]), "group_m": 8, "split_k": split, "persistent": 0,
-             "ptx_unpack": int(1 in kn["ptx_unpack"])}
+             "ptx_unpack": int(1 in kn["ptx_unpack"]), "lanes": int(1 in kn["lanes"])}
+    elif int8_lanes(wl):
+        # Large M, `lanes` codes: int8 matrix tiles of 128 x 128, a group's sum and the tile's in registers.
+        s = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4, "group_m": 8,
+             "split_k": 1, "persistent": 0, "lanes": 1}
     elif int4_affine(wl) and 1 in kn["operand_scale"]:
         # Large M, NVIDIA: PTX-unpacked code pairs times their group scale, one accumulator, so 256-row
         # tiles fit; 2 persistent programs per SM where such tiles fill the SMs, 128-row tiles where they
@@ -452,6 +478,8 @@ def variants(wl: Workload, target: Target) -> dict[str, dict[str, tuple[int, ...
                 values["num_stages"] = tuple(st for st in kn["num_stages"] if st >= 2)
         if v.option("tma"):
             values["block_k"] = tuple(b for b in values["block_k"] if b <= MAX_TMA_BOX)
+        if v.option("lanes"):
+            values["block_k"] = tuple(b for b in values["block_k"] if lane_segment(wl, b))
         if v.gluon:
             values["num_warps"] = tuple(w for w in kn["num_warps"] if w % WARPGROUP == 0)
             if v.name != "gluon_int4":

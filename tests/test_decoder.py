@@ -232,6 +232,7 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
                            ("gemm_w4a16", 256, 40.0), ("gemm_w8a8", 256, 25.0), ("gemm_w4a8", 64, 14.0),
                            ("gemm_w4a8", 1024, 60.0), ("gemm_w8a8", 4096, 90.0)):
             kw = {"G": 128} if op in ("gemm_w4a16", "gemm_w4a8") else {}
+            kw.update({"pack": "lanes"} if op == "gemm_w4a8" else {})  # the layout w4a8 linears pack
             wl = flashgen.workload(op, M=m, N=4096, K=4096, dtype="fp16", **kw)
             d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200",
                          schedule=ScheduleSpace(wl, h200).default(), status="ok", latency_us=lat,
@@ -241,6 +242,10 @@ def test_mixed_mode_picks_by_measured_latency(tmp_path):
         d.add(Record(workload_key="gemm_w4a16-00000000000000ff", workload=old, target_key="cuda:sm_90/h200",
                      schedule=ScheduleSpace(flashgen.Workload.from_json(old), h200).default(), status="ok",
                      latency_us=1.0, device="NVIDIA H200"))
+        # gemm_w4a8 of the k128 layout: not the kernel a w4a8 linear runs (its codes are packed as lanes)
+        k128 = flashgen.workload("gemm_w4a8", M=4096, N=4096, K=4096, G=128, dtype="fp16", pack="k128")
+        d.add(Record(workload_key=k128.key, workload=k128.to_json(), target_key="cuda:sm_90/h200",
+                     schedule=ScheduleSpace(k128, h200).default(), status="ok", latency_us=1.0, device="NVIDIA H200"))
     # each mode's latency at the call's M, from its records at other M (`latency_at`)
     assert choose(db, 4096, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # bandwidth-bound: 4-bit weights (10 / 14 / 11)
     assert choose(db, 4096, 4096, 64, "cuda:sm_90/h200") == "w4a8"      # 16 / 16.2 / 14, measured at M=64

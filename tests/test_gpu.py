@@ -135,7 +135,9 @@ GEMM_CASES = [flashgen.workload(op, M=m, N=320, K=512, dtype=dt, **kw)
                              ("gemm_w4a16", {"G": 512, "group": "channel", "zp": "asym"}),
                              ("gemm_w4a16", {"G": 64, "zp": "asym"}), ("gemm_w8a8", {}),
                              ("gemm_fp8", {}), ("gemm", {"with_bias": "yes", "act": "silu", "with_residual": "yes"}),
-                             ("gemm_w4a8", {"G": 128}), ("gemm_w4a8", {"G": 512, "group": "channel", "with_bias": "yes"}))
+                             ("gemm_w4a8", {"G": 128}), ("gemm_w4a8", {"G": 512, "group": "channel", "with_bias": "yes"}),
+                             ("gemm_w4a8", {"G": 128, "pack": "lanes"}),
+                             ("gemm_w4a8", {"G": 512, "group": "channel", "pack": "lanes", "with_residual": "yes"}))
               if op != "gemm_fp8" or "fp8e4m3" in TARGET.dtypes]
 
 
@@ -351,7 +353,31 @@ def test_gluon_consumers_take_turns_on_gpu(op, kw, dt, tile):
 
 STAGED_CASES = [("gemm_w4a16", {"G": 128}, 1152, 1), ("gemm_w4a16", {"G": 80, "zp": "asym", "with_residual": "yes"}, 1040, 0),
                 ("gemm_w4a16", {"G": 1040, "group": "channel"}, 1040, 1), ("gemm_w8a16", {"with_bias": "yes"}, 1040, 1),
-                ("gemm_w4a8", {"G": 128}, 1152, 1)]
+                ("gemm_w4a8", {"G": 128}, 1152, 1), ("gemm_w4a8", {"G": 128, "pack": "lanes"}, 1152, 1)]
+
+
+LANES_CASES = [  # (M, N, K, G or None per channel, schedule knobs besides the tile's)
+    (1, 330, 4096, 128, {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 4}),
+    (17, 1000, 1056, 352, {"block_m": 32, "block_n": 64, "block_k": 32, "num_warps": 4, "split_k": 2}),
+    (17, 1000, 1152, 128, {"block_m": 32, "block_n": 64, "block_k": 256, "num_warps": 4, "split_k": 1}),
+    (256, 4096, 4096, 128, {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "group_m": 8}),
+    (600, 960, 1088, 64, {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 8, "persistent": 1}),
+    (300, 1000, 1000, None, {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 4, "group_m": 8}),
+]
+
+
+@pytest.mark.parametrize("m, n, k, g, knobs", LANES_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}-g{c[3]}" for c in LANES_CASES])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_lanes_tiles_on_gpu(m, n, k, g, knobs, dt):
+    """gemm_w4a8's `lanes` tiles (four int8 lanes per AND, a group's int32 sum times its integer scale):
+    every group mode, tails on every side, split and persistent, twice, then replayed from a CUDA graph."""
+    wl = flashgen.workload("gemm_w4a8", M=m, N=n, K=k, G=g or k, dtype=dt, group="group" if g else "channel",
+                           pack="lanes")
+    space = ScheduleSpace(wl, TARGET)
+    s = {"variant": "tile_lanes", "num_stages": 3, "group_m": 1, "split_k": 1, "persistent": 0, **knobs}
+    s = {key: v for key, v in s.items() if key == "variant" or key in space.forms()["tile_lanes"]}
+    assert space.is_valid(s), space.why_invalid(s)
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 43)
 
 
 @pytest.mark.parametrize("op, kw, k, tma", STAGED_CASES, ids=[f"{o}-{len(kw)}-tma{t}" for o, kw, _, t in STAGED_CASES])

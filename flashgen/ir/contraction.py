@@ -9,7 +9,7 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.ir.op import Contract, Store, eval_int
-from flashgen.quant import INT4_PERIOD
+from flashgen.quant import INT4_PERIOD, LANE_BLOCK
 
 if TYPE_CHECKING:
     from flashgen.workload import Workload
@@ -85,6 +85,38 @@ def gluon_int4_operands(wl: Workload) -> tuple[str, E.Load] | None:
     if not (affine and plain_a and affine[1] == E.Const(8) and whole_block_groups(wl) and k % INT4_PERIOD == 0):
         return None
     return a.tensor, affine[0]
+
+
+@functools.lru_cache(maxsize=256)
+def int8_lanes(wl: Workload) -> tuple[E.Load, E.Load | None] | None:
+    """The packed-word Load and the group-scale Load (None per channel) when the weight is signed int4
+    codes of the `lanes` layout (`prologue.int4_lane`), optionally times a [c, k // G] scale with G a
+    multiple of LANE_BLOCK, entering an int8 operand: what the `lanes` matrix tiles read with one AND
+    per four codes (targets/triton/contraction/int8_lanes.py)."""
+    if operand_dtype(wl) != "int8":
+        return None
+    b, scale = extents(wl)[3].b, None
+    if isinstance(b, E.Binary) and b.op == "mul" and isinstance(b.b, E.Load):
+        b, scale = b.a, b.b
+        g = prologue.group_size(scale, wl.dim)
+        if g is None or g % LANE_BLOCK:
+            return None
+    word = prologue.lane_words(b)
+    return (word, scale) if word is not None else None
+
+
+@functools.lru_cache(maxsize=1024)
+def lane_segment(wl: Workload, block_k: int) -> int | None:
+    """The k a `lanes` tile sums apart before a group's scale: its whole k step per channel, else the
+    group or the k step, whichever is shallower, where the deeper is a multiple of it (None: neither,
+    or a k step not whole blocks of LANE_BLOCK k, or a workload without `lanes` codes)."""
+    lanes = int8_lanes(wl)
+    if lanes is None or block_k % LANE_BLOCK:
+        return None
+    if lanes[1] is None:
+        return block_k
+    g = prologue.group_size(lanes[1], wl.dim)
+    return min(g, block_k) if g % block_k == 0 or block_k % g == 0 else None
 
 
 def tma_output(wl: Workload) -> str | None:

@@ -20,7 +20,7 @@ from typing import Mapping
 
 from flashgen.ir import expr as E
 from flashgen.ir.op import eval_int
-from flashgen.quant import INT4_PERIOD
+from flashgen.quant import INT4_PERIOD, LANE_BLOCK
 
 RUN = INT4_PERIOD // 8  # consecutive k held by one code position of consecutive words
 
@@ -37,6 +37,25 @@ def int4_code(tensor: str) -> E.Expr:
     k = E.Index("k")
     word = E.Load(tensor, (E.Index("c"), k // INT4_PERIOD * RUN + k % RUN))
     return (word >> (k % INT4_PERIOD // RUN * 4)) & 15
+
+
+def int4_lane(tensor: str) -> E.Expr:
+    """The signed code u - 8 at (c, k) of an int4 weight packed by `pack_int4_lanes` (flashgen/quant.py):
+    word 4*(k // 32) + (k % 16) // 4, byte k % 4, its high nibble for k % 32 < 16, else its low one;
+    the nibble n read as 4-bit two's complement, n - 2 * (n & 8). Per element this is the layout's
+    meaning (and what the generic tiles and the dequant evaluate); the `lanes` matrix tiles read four
+    k of it with one AND (targets/triton/contraction/int8_lanes.py)."""
+    k = E.Index("k")
+    block = LANE_BLOCK // 2  # k per nibble half of a block
+    word = E.Load(tensor, (E.Index("c"), k // LANE_BLOCK * 4 + k % block // 4))
+    nibble = (word >> (k % 4 * 8 + 4 - k % LANE_BLOCK // block * 4)) & 15
+    return nibble - (nibble & 8) * 2
+
+
+def lane_words(e: E.Expr) -> E.Load | None:
+    """The packed-word Load of a `lanes` code over (c, k) (`int4_lane`), or None."""
+    loads = list({n for n in E.walk(e) if isinstance(n, E.Load)})
+    return loads[0] if len(loads) == 1 and e == int4_lane(loads[0].tensor) else None
 
 
 def packed_int4(e: E.Expr) -> E.Load | None:

@@ -21,7 +21,7 @@ COUNT_DEFAULTS = {"group_m": 1, "split_k": 1, "persistent": 0, "dequant_chunks":
 # The knobs that choose a form rather than a size, as flat schedules spell them (0: off), with their
 # value where a form leaves them off.
 OPTIONS = {"backend": 0, "tma": 0, "ptx_unpack": 0, "operand_scale": 0, "early_load": 0, "producer_warps": 0,
-           "consumers": 1, "tma_store": 0, "dequant_first": 0}
+           "consumers": 1, "tma_store": 0, "dequant_first": 0, "lanes": 0}
 TILE = ("block_m", "block_n", "block_k", "num_warps", "num_stages")  # every form reads these
 GLUON = 1  # `backend` of the Gluon generator (flashgen/kernel_classes.py SCHEDULE_BACKENDS)
 DEQUANT = "dq_"  # a weight dequantized first, then the dense op's tile of the rest of the name
@@ -56,6 +56,8 @@ def _table() -> dict[str, Variant]:
     gemv += [Variant(f"{v.name}_early", {**v.options, **early}, True, ("group_m",)) for v in gemv]
     tile = [Variant("tile"), Variant("tile_tma", {"tma": 1})]
     int4 = [Variant("tile_ptx", ptx), Variant("tile_ptx_scaled", {**ptx, "operand_scale": 1})]
+    # int4 codes of the `lanes` layout: one AND per four int8 lanes, int8 matrix instructions
+    int4 += [Variant("tile_lanes", {"lanes": 1})]
     g = {"backend": GLUON}
     warp = {**g, "producer_warps": 1}
     gluon = [Variant("gluon", g, counts=("group_m",)), Variant("gluon_warp", warp, counts=("group_m", "persistent")),

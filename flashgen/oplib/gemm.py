@@ -22,8 +22,8 @@ from flashgen.ir.op import DTYPE, Contract, Op, Store, TensorSpec
 from flashgen.oplib._common import M, N, c, f64, r, randn
 from flashgen.oplib.activation import _silu_mul
 from flashgen.oplib.norm import _rms, rms_inverse
-from flashgen.ir.prologue import int4_code
-from flashgen.quant import pack_int4, packed_words, quantize_rtn, quantize_w4a8, unpack_int4
+from flashgen.ir.prologue import int4_code, int4_lane
+from flashgen.quant import PACKS, pack_int4, packed_words, quantize_rtn, quantize_w4a8, unpack_int4
 
 K = Dim("K")
 k = Index("k")
@@ -229,9 +229,17 @@ FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
               "K a multiple of 32", _fp8_check)
 
 
+W4A8_MAX_K = (2 ** 31 - 1) // (128 * 128)  # int32 sums of K products |x| <= 128, |(u - 8) * s_group| <= 128 stay exact
+
+
+def _w4a8_code(a) -> E.Expr:
+    """The signed code u - 8 at (c, k), in the layout the `pack` attr names (flashgen/quant.py PACKS)."""
+    return int4_lane("w_packed") if a["pack"] == "lanes" else int4_code("w_packed") - Const(8)
+
+
 def _w4a8_weight(a) -> E.Expr:
     """The int8 operand at (c, k): (u - 8) * s_group (u - 8 per channel)."""
-    w = int4_code("w_packed") - Const(8)
+    w = _w4a8_code(a)
     return w * Load("w_group", (c, k // Dim("G"))) if a["group"] == "group" else w
 
 
@@ -246,14 +254,15 @@ def _w4a8_inputs(d, a, g) -> dict:
     from flashgen.oplib._common import quantize_ref
     xq, xs = quantize_ref(torch.randn((d["M"], d["K"]), generator=g, dtype=torch.float64), "int8")
     qw = quantize_w4a8(torch.randn((d["N"], d["K"]), generator=g), group=d["G"] if a["group"] == "group" else None)
-    t = {"x": xq.to(torch.int8), "x_scale": xs.float(), "w_packed": pack_int4(qw.codes), "w_scale": qw.channel_scales}
+    t = {"x": xq.to(torch.int8), "x_scale": xs.float(), "w_packed": PACKS[a["pack"]][0](qw.codes),
+         "w_scale": qw.channel_scales}
     if qw.group_scales is not None:
         t["w_group"] = qw.group_scales
     return t
 
 
 def _w4a8_operand_ref(t, d, a) -> torch.Tensor:
-    q = unpack_int4(t["w_packed"], d["K"]).to(torch.float64) - 8.0
+    q = PACKS[a["pack"]][1](t["w_packed"], d["K"]).to(torch.float64) - 8.0
     return q * f64(t["w_group"]).repeat_interleave(d["G"], 1) if a["group"] == "group" else q
 
 
@@ -261,16 +270,24 @@ def _w4a8_weight_ref(t, d, a) -> torch.Tensor:
     return _w4a8_operand_ref(t, d, a) * f64(t["w_scale"])[:, None]
 
 
+def _w4a8_dims(d, a) -> str | None:
+    if d["K"] > W4A8_MAX_K:
+        return f"K={d['K']} exceeds {W4A8_MAX_K}, beyond which int32 sums of int8 products may overflow"
+    return _w4_dims(d, a)
+
+
 W4A8 = _contraction_op(
     "gemm_w4a8", "y = epilogue((x_int8 @ w8.T) * x_scale[m] * w_scale[n]), w8 = (u_int4 - 8) * w_group[n, k // G]: "
-    "4-bit weights (packed as gemm_w4a16's), an int8 second-level group scale in 1..16 (flashgen/quant.py), "
-    "int8 tensor cores summing exactly in int32, per-token and per-channel scales fused", ("M", "N", "K", "G"),
+    "4-bit weights packed 8 per int32 (pack k128: gemm_w4a16's layout; lanes: signed nibbles that one AND "
+    "turns into four int8 lanes, flashgen/quant.py), an int8 second-level group scale in 1..16, int8 tensor "
+    "cores summing exactly in int32 (K <= 131071: |x| <= 128 and |w8| <= 128), per-token and per-channel "
+    "scales fused", ("M", "N", "K", "G"),
     (TensorSpec("x", (M, K), "int8"), TensorSpec("x_scale", (M,), "fp32"),
      TensorSpec("w_packed", (N, packed_words(K)), "int32"), TensorSpec("w_scale", (N,), "fp32"),
      TensorSpec("w_group", (N, K // Dim("G")), "int8", when=(("group", ("group",)),))),
-    {"dtype": HALF, "group": ("group", "channel"), "pack": ("k128",)}, _w4a8_prologue,
+    {"dtype": HALF, "group": ("group", "channel"), "pack": ("k128", "lanes")}, _w4a8_prologue,
     lambda t, p, d, a: (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ _w4a8_weight_ref(t, d, a).T,
-    _w4a8_inputs, _w4_dims, dequant=("dequant_w4a8", "gemm_w8a8"))
+    _w4a8_inputs, _w4a8_dims, dequant=("dequant_w4a8", "gemm_w8a8"))
 
 
 def dequant_form(base: Op, weight, weight_ref, out_dtype: str = DTYPE) -> Op:

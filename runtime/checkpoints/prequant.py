@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.quant import pack_int4
+from flashgen.quant import W4A8Weight, pack_int4
 from flashgen.runtime.checkpoints import compressed_tensors as ct
 from flashgen.runtime.checkpoints.compressed_tensors import CompressedConfig
 from flashgen.runtime.checkpoints.int_weight import IntWeight, act_order, check_stored, unpack_cols, unpack_rows
@@ -176,8 +176,7 @@ def quant_linear(parts: list, cfg: "PrequantConfig | CompressedConfig", dtype: t
         return mode((n, k), (codes.to(torch.int16) - 128).to(torch.int8), scales[:, 0].float().contiguous(),
                     weight=dequantized if mode.activations is None else None)
     if mode is W4A8Linear:  # (per channel, symmetric: compressed_tensors.parse_config)
-        return W4A8Linear((n, k), pack_int4(codes), scales[:, 0].float().contiguous(), None, parts[0].group,
-                          (codes.to(torch.int16) - 8).to(torch.int8) if cpu else None)
+        return W4A8Linear.of_codes(W4A8Weight(codes, scales[:, 0].float().contiguous(), None, parts[0].group))
     ordered = codes if perms[0] is None else codes[:, perms[0]]
     zp = zeros.to(torch.int8) if bool((zeros != 8).any()) else None  # (all 8: the symmetric kernel, no zero points)
     return W4A16Linear((n, k), pack_int4(ordered), scales.to(dtype), parts[0].group, zp, perms[0], weight=dequantized)

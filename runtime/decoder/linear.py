@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from flashgen.runtime.serving.buckets import best_records
-from flashgen.runtime.decoder.quant_modes import QuantLinear
+from flashgen.runtime.decoder.quant_modes import QuantLinear, quant_mode
 from flashgen.workload import recorded_workload
 
 # The modes mixed chooses among (runtime/decoder/quant_modes.py MixedLinear), and the op of each whose records decide
@@ -50,7 +50,8 @@ def choose(db_path, n: int, k: int, m: int, target_id: str, dtype: str | None = 
     """The fastest of `MIXED_OPS`' modes for an M x N x K call, each mode's latency at m estimated from
     its fastest measured workloads of this N x K in the call's activation `dtype` (all dtypes when None;
     records of a workload defined otherwise today are not counted: a record of another dtype times
-    another kernel than the call runs), so that modes measured at different M are compared at the call's
+    another kernel than the call runs, as does a record of another weight layout than the mode packs,
+    `QuantLinear.pack`), so that modes measured at different M are compared at the call's
     (`latency_at`); where
     fewer than two modes are measured, w4a16 up to the M=64 crossover and w8a8 above it. The records
     are read once per database state (`buckets.best_records`)."""
@@ -59,8 +60,10 @@ def choose(db_path, n: int, k: int, m: int, target_id: str, dtype: str | None = 
     for r in best_records(db_path, target_id):
         mode = ops.get(r.workload.get("op"))
         dims = r.workload["dims"]
-        same_dtype = dtype is None or r.workload.get("attrs", {}).get("dtype") == dtype
-        if mode and same_dtype and dims.get("N") == n and dims.get("K") == k and recorded_workload(r.workload, r.workload_key):
+        attrs = r.workload.get("attrs", {})
+        same_dtype = dtype is None or attrs.get("dtype") == dtype
+        same_layout = mode is not None and quant_mode(mode).pack in (None, attrs.get("pack"))
+        if mode and same_dtype and same_layout and dims.get("N") == n and dims.get("K") == k and recorded_workload(r.workload, r.workload_key):
             at = measured.setdefault(mode, {})
             at[dims["M"]] = min(at.get(dims["M"], r.latency_us), r.latency_us)
     if len(measured) >= 2:

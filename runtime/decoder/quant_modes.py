@@ -9,8 +9,9 @@ quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with integer group s
 cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), fp8 (e4m3 weights with per-channel
 scales and per-token dynamically quantized e4m3 activations: gemm_fp8, sm_90), and mixed, which holds a
 w4a16, a w8a8 and a w4a8 linear and lets each call take one of them for its row count (runtime/decoder/linear.py
-`choose`); its two 4-bit linears share one tensor of codes (w4a16's scales are w4a8's two levels
-multiplied out, in the activation dtype).
+`choose`); its two 4-bit linears hold the same codes, each packed in the layout its GEMM reads (w4a16's
+scales are w4a8's two levels multiplied out, in the activation dtype). w4a8's codes are packed once, at
+load, in gemm_w4a8's `lanes` layout (flashgen/quant.py `pack_int4_lanes`: one AND per four int8 lanes).
 
 On the CPU torch multiplies (reported as a fallback): w8a8 and w4a8 as their GEMMs compute (activations
 quantized per token by the generated dynamic_quant kernel, int8 products summed in int32, scaled per
@@ -31,7 +32,7 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.oplib._common import quantize_ref
 from flashgen.oplib.moe import INT4_GROUP
-from flashgen.quant import pack_int4, quantize_fp8, quantize_rtn, quantize_w4a8
+from flashgen.quant import W4A8Weight, pack_int4, pack_int4_lanes, quantize_fp8, quantize_rtn, quantize_w4a8
 
 
 def cpu_weight(w: torch.Tensor) -> torch.Tensor:
@@ -67,6 +68,7 @@ class QuantLinear:
     activations: ClassVar[str | None] = None  # the dtype activations are quantized to per token, if any
     fused: ClassVar[bool] = False             # whether its GEMMs take the feeding norm and gate (FUSED_MAX_ROWS)
     expert_weights: ClassVar[str | None] = None  # the moe ops' `weights` attr of its stacked experts, if they take it
+    pack: ClassVar[str | None] = None  # its GEMM's `pack` attr (the weight layout it packs), where the op has one
 
     shape: tuple[int, int]  # [N, K]
     weight: torch.Tensor | None = field(default=None, kw_only=True)
@@ -263,11 +265,13 @@ class W8A8Linear(_QuantizedActivations):
 
 @dataclass
 class W4A8Linear(_QuantizedActivations):
-    """Packed int4 codes with a per-channel fp32 scale and int8 group scales in 1..16 (None: per
-    channel), on int8 tensor cores; the CPU keeps the int8 operand (u - 8) * group scale."""
+    """int4 codes packed in gemm_w4a8's `lanes` layout with a per-channel fp32 scale and int8 group
+    scales in 1..16 (None: per channel), on int8 tensor cores; the CPU keeps the int8 operand
+    (u - 8) * group scale."""
     mode: ClassVar[str] = "w4a8"
     activations: ClassVar[str | None] = "int8"
-    w4: torch.Tensor | None = None          # int32 [N, packed_words(K)]
+    pack: ClassVar[str] = "lanes"  # the layout of `w4` (gemm_w4a8's `pack` attr)
+    w4: torch.Tensor | None = None          # int32 [N, packed_words(K)], pack_int4_lanes
     w4a8_scale: torch.Tensor | None = None  # fp32 [N]
     w4a8_group: torch.Tensor | None = None  # int8 [N, K / group] in 1..16 (None: per channel)
     group: int = 0
@@ -275,10 +279,14 @@ class W4A8Linear(_QuantizedActivations):
 
     @classmethod
     def prepare(cls, w: torch.Tensor) -> W4A8Linear:
-        group = _group(w.shape[1])
-        qa = quantize_w4a8(w, group)
-        return cls((w.shape[0], w.shape[1]), pack_int4(qa.codes), qa.channel_scales, qa.group_scales, group,
-                   qa.operand() if _on_cpu(w) else None)
+        return cls.of_codes(quantize_w4a8(w, _group(w.shape[1])))
+
+    @classmethod
+    def of_codes(cls, qa: W4A8Weight) -> W4A8Linear:
+        """The layer of quantized codes (u in 0..15, zero point 8), packed once for gemm_w4a8; on the
+        CPU, the int8 operand its product takes."""
+        return cls(tuple(qa.codes.shape), pack_int4_lanes(qa.codes), qa.channel_scales, qa.group_scales, qa.group,
+                   qa.operand() if _on_cpu(qa.codes) else None)
 
     @staticmethod
     def weight_bytes(dtype_bytes: int) -> float:
@@ -288,7 +296,7 @@ class W4A8Linear(_QuantizedActivations):
         n, k = self.shape
         grouped = self.w4a8_group is not None
         return ops.gemm_w4a8(xq, xs, self.w4, self.w4a8_scale, **({"w_group": self.w4a8_group} if grouped else {}),
-                             group="group" if grouped else "channel", dims=[xq.shape[0], n, k, self.group],
+                             group="group" if grouped else "channel", pack=self.pack, dims=[xq.shape[0], n, k, self.group],
                              dtype=dtype, **epi)
 
     def int8_operand(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,8 +333,9 @@ class Fp8Linear(_QuantizedActivations):
 
 @dataclass
 class MixedLinear(QuantLinear):
-    """A w4a16, a w8a8 and a w4a8 linear of one weight, the two 4-bit ones on one tensor of codes; each
-    call computes in the one its chooser picks for its row count (w4a16 without a chooser)."""
+    """A w4a16, a w8a8 and a w4a8 linear of one weight, the two 4-bit ones of the same codes (each in its
+    GEMM's layout); each call computes in the one its chooser picks for its row count (w4a16 without a
+    chooser)."""
     mode: ClassVar[str] = "mixed"
     choices: dict[str, QuantLinear] = field(default_factory=dict)  # by mode: w4a16, w8a8, w4a8
 
@@ -334,12 +343,10 @@ class MixedLinear(QuantLinear):
     def prepare(cls, w: torch.Tensor) -> MixedLinear:
         shape, group, cpu = (w.shape[0], w.shape[1]), _group(w.shape[1]), _on_cpu(w)
         qa = quantize_w4a8(w, group)
-        codes = pack_int4(qa.codes)
         levels = qa.channel_scales[:, None] * (qa.group_scales.float() if qa.group_scales is not None else 1.0)
-        w4a16 = W4A16Linear(shape, codes, levels.to(w.dtype), group,
+        w4a16 = W4A16Linear(shape, pack_int4(qa.codes), levels.to(w.dtype), group,
                             weight=cpu_weight(qa.dequantize().to(w.dtype)) if cpu else None)
-        w4a8 = W4A8Linear(shape, codes, qa.channel_scales, qa.group_scales, group, qa.operand() if cpu else None)
-        return cls(shape, {"w4a16": w4a16, "w8a8": W8A8Linear.prepare(w), "w4a8": w4a8})
+        return cls(shape, {"w4a16": w4a16, "w8a8": W8A8Linear.prepare(w), "w4a8": W4A8Linear.of_codes(qa)})
 
     @staticmethod
     def weight_bytes(dtype_bytes: int) -> float:

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
-from flashgen.ir.contraction import MMA_MIN_ROWS, int4_affine, operand_dtype, tma_operands
+from flashgen.ir.contraction import MMA_MIN_ROWS, int4_affine, int8_lanes, lane_segment, operand_dtype, tma_operands
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.ir.variants import count, variant
 from flashgen.quant import INT4_PERIOD
@@ -13,6 +13,7 @@ from flashgen.targets.triton.contraction.context import ACC, Tile
 from flashgen.targets.triton.contraction.gemv import gemv
 from flashgen.targets.triton.contraction.int4_gemv import segment_runs
 from flashgen.targets.triton.contraction.int4_mma import mma_int4
+from flashgen.targets.triton.contraction.int8_lanes import mma_lanes
 from flashgen.targets.triton.contraction.mma import k_loop, tma_k_loop
 from flashgen.targets.triton.contraction.ptx import INT4_MAGIC
 from flashgen.targets.triton.contraction.row_pass import prologue_refs, row_factors, row_pass, row_pass_step
@@ -123,6 +124,8 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
         gemv(t)
     elif int4_mma:
         mma_int4(t)
+    elif variant(s).option("lanes"):
+        mma_lanes(t, int8_lanes(wl), lane_segment(wl, s["block_k"]))
     elif variant(s).option("tma"):
         tma_k_loop(t, tma_operands(wl))
     else:

@@ -1,0 +1,85 @@
+"""Matrix tiles of gemm_w4a8's `lanes` codes (flashgen/quant.py `pack_int4_lanes`): signed nibbles that
+one AND turns into four int8 lanes, summed by int8 matrix instructions into int32.
+
+A word holds k = 32b + 4t + i (i = 0..3) in the high nibbles of its bytes and k = 32b + 16 + 4t + i in
+the low ones: `word & 0xF0F0F0F0` is four int8 lanes (u - 8) * 16, `(word << 4) & 0xF0F0F0F0` the
+other four, two word instructions and a shift for eight codes (the k128 layout's integer unpack costs a
+shift, an AND, a subtraction, a multiply by the group scale and a conversion per code, and reshapes the
+codes across threads). The lanes are in the k order an int8 matrix instruction's thread holds (4t..4t+3
+and 16+4t..16+4t+3 of each 32 k), so the byte tiles are joined and permuted into [block_n, k], never
+moved. The tile is computed transposed, acc^T [block_n, block_m] = W x^T, so that the weight is the
+instruction's A operand (registers; Hopper's warpgroup MMA reads A from there).
+
+Scales stay exact: the products are 16x their value, so a group's int32 sum (a whole k step, or a
+part of one that holds whole groups: `lane_segment`) is a multiple of 16, which an arithmetic shift
+divides out exactly before the group's integer scale multiplies it into the int32 accumulator; per
+channel, the accumulator sums the 16x products and is shifted once after the loop. Either way every
+partial sum is bounded by K * 128 * 128 (|x| <= 128, |(u - 8) * s_group| <= 128, and a group's 16x sum
+by G * 128 * 128): exact in int32 for K <= 131071 (gemm_w4a8 refuses larger K).
+"""
+from __future__ import annotations
+
+from flashgen.ir import expr as E
+from flashgen.quant import LANE_BLOCK, LANE_MASK
+from flashgen.targets.triton.contraction.context import Tile
+from flashgen.targets.triton.contraction.operands import operand_tile
+
+MASK = LANE_MASK - (1 << 32)  # 0xF0F0F0F0 as the int32 it is in the word's register
+LANE_SHIFT = 4  # log2 of the 16 by which the high-nibble lanes scale each code
+
+
+def _lanes(words: str, depth: str) -> tuple[str, str]:
+    """The [block_n, depth] int8 tile of a [block_n, depth / 8] words tile, in two statements (the
+    second reads the first as `h`): per word the high-nibble lanes (AND) and the low-nibble ones
+    (shift, AND) joined, then each word's four bytes joined in order, and the (nibble half, word)
+    dimensions permuted into k order: k = 32 b + 16 h + 4 t + i."""
+    v = f"tl.reshape({words}, [BLOCK_N, {depth} // {LANE_BLOCK}, 4])"
+    halves = f"tl.join({v} & {MASK}, ({v} << 4) & {MASK})"
+    return halves, (f"tl.reshape(tl.permute(tl.join(tl.join(h.to(tl.int8), (h >> 16).to(tl.int8)), "
+                    f"tl.join((h >> 8).to(tl.int8), (h >> 24).to(tl.int8))), (0, 1, 3, 2, 4, 5)), [BLOCK_N, {depth}])")
+
+
+def mma_lanes(t: Tile, lanes: tuple[E.Load, E.Load | None], segment: int) -> None:
+    """The k loop of a `lanes` matrix tile, computed transposed; each k step is block_k / `segment`
+    dots of `segment` k, a group's sum (or part of one) shifted and scaled into the accumulator, or
+    per channel all of them into it directly."""
+    em, con, top, body, kmask, acc = t.em, t.con, t.top, t.body, t.kmask, t.acc
+    assert not em.row_pass, "gemm_w4a8 takes no fused norm"
+    word, scale = lanes
+    rows, cols = em.emit(em.op.domain[0], top), em.emit(em.op.domain[1], top)
+    name = word.tensor
+    cmask = "cmask_t" if top.axes["c"][1] else None
+    top.line("r_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
+    top.line(f"rmask_t = r_t < {rows}")
+    top.line("c_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]")
+    if cmask:
+        top.line(f"cmask_t = c_t < {cols}")
+    top.line(f"{acc}_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)")
+    top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
+    k_extent = em.emit(con.extent, body)
+    for q in range(t.schedule["block_k"] // segment):
+        body.line(f"kw{q} = k0 // 8 + {segment // 8 * q} + tl.arange(0, {segment // 8})[None, :]")
+        bound = f"(kw{q} < {em.emit(em.op.tensors[name].shape[1], body)})" if kmask else None
+        mask = " & ".join(m for m in (cmask, bound) if m)
+        body.line(f"words{q} = tl.load({name}_ptr + c_t.to(tl.int64) * {name}_s0 + kw{q}"
+                  + (f", mask={mask}, other=0)" if mask else ")"))
+        halves, join = _lanes(f"words{q}", str(segment))
+        body.line(f"h = {halves}")
+        body.line(f"w{q} = {join}")
+        body.line(f"kx{q} = k0 + {segment * q} + tl.arange(0, {segment})[:, None]")
+        if kmask:
+            body.line(f"kxm{q} = kx{q} < {k_extent}")
+        x_scope = body.child(axes={"r": ("r_t", "rmask_t"), "k": (f"kx{q}", f"kxm{q}" if kmask else None)}, fresh=True)
+        x = operand_tile(t, con.a, x_scope)
+        if scale is None:
+            body.line(f"{acc}_t = tl.dot(w{q}, {x}, {acc}_t, out_dtype=tl.int32)")
+            continue
+        body.line(f"ksg{q} = k0 + {segment * q}")
+        seg_mask = None
+        if kmask:
+            body.line(f"ksgm{q} = ksg{q} < {k_extent}")
+            seg_mask = f"ksgm{q}"
+        sg_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"ksg{q}", seg_mask)}, fresh=True)
+        body.line(f"seg = tl.dot(w{q}, {x}, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32), out_dtype=tl.int32)")
+        body.line(f"{acc}_t += (seg >> {LANE_SHIFT}) * {em.emit(scale, sg_scope)}.to(tl.int32)")
+    top.line(f"{acc} = tl.trans({acc}_t)" + ("" if scale is not None else f" >> {LANE_SHIFT}"))
