@@ -153,6 +153,67 @@ def test_dispatch_falls_back_to_the_plain_form(tmp_path):
     assert Dispatcher(h200, db_path).choose(normed.workload, h200).source == "exact"
 
 
+def test_bucket_never_crosses_a_kernel_regime(tmp_path):
+    """A GEMV tile serves a call only where it covers the call's rows (each further row tile reads the
+    whole weight again): an fp16 record of the call's M wins over a bf16 one-row GEMV record, which a
+    bf16 call of 2-16 rows never takes (its decision says it was skipped and still classifies), while
+    an 8-row GEMV tile serves up to 8 rows; a call of the record's own M takes it as measured."""
+    h200 = get_target("h200")
+    db_path = tmp_path / "t.db"
+    w4 = lambda m, dtype="bf16": flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype=dtype)  # noqa: E731
+    # (the M=1 record in the flat form records were written in before variants, as the shipped ones)
+    one = {"block_m": 1, "block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 1, "group_m": 1, "split_k": 1,
+           "persistent": 0, "ptx_unpack": 2, "tma": 0, "early_load": 0, "operand_scale": 0}
+    eight = {"variant": "gemv_ptx_quad", "block_m": 8, "block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 1,
+             "group_m": 1, "split_k": 1, "persistent": 0}
+    tile = {"variant": "tile_ptx", "block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3,
+            "split_k": 4, "persistent": 0}
+    assert all(ScheduleSpace(w4(16), h200).is_valid(s) for s in (one, eight, tile))  # valid: only the regime differs
+    with Database(db_path) as db:
+        _record(db, w4(1), one, 4.0)
+    d = Dispatcher(h200, db_path)
+    for m in (2, 5, 16):
+        got = d.choose(w4(m), h200)
+        assert (got.source, got.kind) == (f"default (bucket M=1 skipped: a GEMV tile of 1 row cannot serve {m} rows)",
+                                          "default")
+        assert got.schedule == ScheduleSpace(w4(m), h200).default()
+    assert (d.choose(w4(1), h200).source, d.choose(w4(1), h200).schedule) == ("exact", one)
+    with Database(db_path) as db:
+        _record(db, w4(16, "fp16"), tile, 9.0)
+        _record(db, w4(8), eight, 6.0)
+    d = Dispatcher(h200, db_path)
+    for m in (5, 8):  # the 8-row tile covers these rows (at 2 the space holds GEMV tiles of 1 and 2 rows only)
+        assert (d.choose(w4(m), h200).source, d.choose(w4(m), h200).schedule) == ("bucket M=8" if m < 8 else "exact", eight)
+    for m, skipped in ((2, 1), (9, 8), (16, 8)):
+        got = d.choose(w4(m), h200)
+        assert (got.schedule, got.kind) == (tile, "other-dtype bucket")
+        assert got.source == (f"bucket M=16, tuned in fp16 (bucket M={skipped} skipped: a GEMV tile of {skipped} "
+                              f"row{'s' * (skipped > 1)} cannot serve {m} rows)")
+
+
+def test_dequant_first_schedules_serve_from_their_row_count(tmp_path):
+    """A weight dequantized first (dq_*) serves DEQUANT_FIRST_MIN_M rows or more: its record at M=4096 is
+    a bucket for 1024 rows, never for fewer than 512, whose space holds the fused tiles only."""
+    from flashgen.schedules.contraction_space import DEQUANT_FIRST_MIN_M
+    h200 = get_target("h200")
+    w4 = lambda m: flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype="fp16")  # noqa: E731
+    staged = ScheduleSpace(w4(4096), h200).default()
+    assert staged["variant"].startswith("dq_")
+    for m in (DEQUANT_FIRST_MIN_M, 1024):
+        assert ScheduleSpace(w4(m), h200).why_other_regime(staged) is None
+    for m in (1, 16, 256, DEQUANT_FIRST_MIN_M - 1):
+        assert ScheduleSpace(w4(m), h200).why_other_regime(staged) == \
+            f"a weight dequantized first serves {DEQUANT_FIRST_MIN_M} rows or more, not {m}"
+    db_path = tmp_path / "t.db"
+    with Database(db_path) as db:
+        _record(db, w4(4096), staged, 200.0)
+    d = Dispatcher(h200, db_path)
+    assert (d.choose(w4(1024), h200).source, d.choose(w4(1024), h200).schedule) == ("bucket M=4096", staged)
+    for m in (16, 256, DEQUANT_FIRST_MIN_M - 1):
+        got = d.choose(w4(m), h200)
+        assert got.source == "default" and not got.schedule["variant"].startswith("dq_")
+
+
 def test_linear_takes_its_norm_gate_and_residual_on_cpu():
     """runtime/decoder/linear.py on CPU tensors: the norm's and the gate's own kernels, torch's product, the
     residual added; equal to the float64 composition."""
