@@ -18,7 +18,7 @@ crossover of M = 64 between w4a16 and w8a8 where fewer than two are measured.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -70,13 +70,16 @@ def choose(db_path, n: int, k: int, m: int, target_id: str, dtype: str | None = 
 
 def apply(x: torch.Tensor, q: QuantLinear, bias: torch.Tensor | None, fallbacks: set[str],
           chooser: Callable[[int, int, int], str] | None = None, norm: torch.Tensor | None = None,
-          eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+          eps: float = 1e-6, gated: bool = False, residual: torch.Tensor | None = None,
+          ops: Any = None) -> torch.Tensor:
     """y = linear(x') + bias + residual in `q`'s mode, x' being rmsnorm(x) * norm when `norm` is given,
-    silu(g) * u of x = [g | u] when `gated`, else x; `chooser(n, k, m)` picks a mixed linear's mode."""
+    silu(g) * u of x = [g | u] when `gated`, else x; `chooser(n, k, m)` picks a mixed linear's mode.
+    `ops` stands for a GPU's `torch.ops.flashgen` where given (runtime/decoder/calls.py records the
+    kernels a call launches so, whatever the tensors' device)."""
     q = q.choose(x.shape[0], chooser)
-    gpu = x.device.type == "cuda"
+    gpu = ops is not None or x.device.type == "cuda"
     fused = gpu and q.fused and x.shape[0] <= FUSED_MAX_ROWS
-    ops = torch.ops.flashgen
+    ops = ops if ops is not None else torch.ops.flashgen
     if norm is not None and not fused and (q.activations is None or not gpu):
         x, norm = ops.rmsnorm(x, norm, eps), None
     if gated and not fused:
