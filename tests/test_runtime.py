@@ -331,30 +331,29 @@ def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
         assert Dispatcher(h200, db_path).choose(call, h200).schedule == far
 
 
-def test_mixed_linears_read_the_database_once_per_state(tmp_path, monkeypatch):
-    """A mixed-mode linear asks for its mode on every call: the records are read once, and again only
-    after the database changed (a later record flips the choice), while dispatch's buckets share them."""
-    from flashgen.runtime.decoder.linear import choose
+def test_mixed_estimates_read_the_database_once_per_state(tmp_path, monkeypatch):
+    """The mixed mode estimates every mode at every row count of every layer shape: the records are read
+    once, and again only after the database changed (a faster record changes the estimate), while
+    dispatch's buckets share them."""
+    from flashgen.runtime.decoder.mixed import estimate
 
     reads = []
     best_all = Database.best_all
     monkeypatch.setattr(Database, "best_all", lambda self, *a, **k: reads.append(1) or best_all(self, *a, **k))
-    db_path, h200 = tmp_path / "t.db", "cuda:sm_90/h200"
-    w4 = flashgen.workload("gemm_w4a16", M=16, N=1000, K=768, G=128, dtype="bf16")
+    db_path, h200 = tmp_path / "t.db", get_target("h200")
     w8 = flashgen.workload("gemm_w8a8", M=16, N=1000, K=768, dtype="bf16")
-    s4, s8 = (ScheduleSpace(wl, get_target("h200")).default() for wl in (w4, w8))  # served: valid today
+    s8 = ScheduleSpace(w8, h200).default()  # served: valid today
     with Database(db_path) as db:
-        _record(db, w4, s4, 10.0)
         _record(db, w8, s8, 14.0)
-    assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16, 1, 3, 16, 200)] == ["w4a16"] * 7
+    assert [estimate(w8.with_dims(M=m), h200, db_path).us for m in (3, 16, 3, 16)] == [14.0] * 4
     assert len(reads) == 1
-    d = Dispatcher(get_target("h200"), db_path)
+    d = Dispatcher(h200, db_path)
     for _ in range(2):  # a bucket lookup: the H200's records as read above, then once the H100's (none fit)
-        d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), get_target("h200"))
+        d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), h200)
         assert len(reads) == 2
     with Database(db_path) as db:
         _record(db, w8, {**s8, "num_stages": 3 if s8["num_stages"] != 3 else 2}, 7.0)
-    assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16)] == ["w8a8"] * 3
+    assert [estimate(w8.with_dims(M=m), h200, db_path).us for m in (3, 16)] == [7.0] * 2
     assert len(reads) == 3
 
 

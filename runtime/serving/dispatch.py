@@ -103,6 +103,30 @@ def describe_sources(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
+def tuned_forms(wl: Workload, db_path: str | os.PathLike | None, records_id: str, space: ScheduleSpace
+                ) -> list[tuple[str, list[tuple[int, float, Record]]]]:
+    """The forms a bucket of `wl` is looked for in, in order, each as (its note in a decision's source,
+    its best records on `records_id` as (row count, distance in the other row dims, record)): the
+    workload's own, the other 16-bit float dtype's (", tuned in fp16"), the plain form's (", tuned as
+    gemm"); only records of the same fixed dims whose schedules `space` admits."""
+    row = wl.op.row_dims[0]
+    fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
+    plain_op, plain_attrs = wl.op.plain_form(wl.attr)
+    forms = [(wl.op_name, wl.attr, "")]
+    other = other_half(wl.attr)
+    if other:
+        forms.append((wl.op_name, other, f", tuned in {other['dtype']}"))
+    if (plain_op, plain_attrs) != (wl.op_name, wl.attr):
+        changed = " ".join(f"{a}={v}" for a, v in sorted(plain_attrs.items()) if wl.attr.get(a) != v)
+        forms.append((plain_op, plain_attrs, f", tuned as {plain_op}" + (f" {changed}" if changed else "")))
+    ops = {f[0] for f in forms}
+    best = [rec for rec in best_records(db_path, records_id) if rec.workload.get("op") in ops and
+            all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
+    return [(note, [(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
+                    if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs])
+            for op_name, attrs, note in forms]
+
+
 def serving(tuned: list[tuple[int, float, Record]], rows: int, space: ScheduleSpace) -> list[tuple[int, float, Record]]:
     """Of (tuned row count, distance, record) triples, those whose schedules serve a call of `rows` rows
     in their own regime: tuned at those rows (measured there), or in the regime of `space`'s workload
@@ -177,21 +201,7 @@ class Dispatcher:
         another regime (`serving`) are left out of each; where a form's nearest record was, its note
         goes to `skipped`."""
         row = wl.op.row_dims[0]
-        fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
-        plain_op, plain_attrs = wl.op.plain_form(wl.attr)
-        forms = [(wl.op_name, wl.attr, "")]
-        other = other_half(wl.attr)
-        if other:
-            forms.append((wl.op_name, other, f", tuned in {other['dtype']}"))
-        if (plain_op, plain_attrs) != (wl.op_name, wl.attr):
-            changed = " ".join(f"{a}={v}" for a, v in sorted(plain_attrs.items()) if wl.attr.get(a) != v)
-            forms.append((plain_op, plain_attrs, f", tuned as {plain_op}" + (f" {changed}" if changed else "")))
-        ops = {f[0] for f in forms}
-        best = [rec for rec in best_records(self.db_path, records_id) if rec.workload.get("op") in ops and
-                all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
-        for op_name, attrs, note in forms:
-            tuned = [(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
-                     if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs]
+        for note, tuned in tuned_forms(wl, self.db_path, records_id, space):
             pick = nearest(serving(tuned, wl.dim[row], space), wl.dim[row])
             near = nearest(tuned, wl.dim[row])
             if near is not None and (pick is None or near[1] is not pick[1]):
