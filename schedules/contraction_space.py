@@ -43,6 +43,10 @@ words are whole blocks of 128 k. At M <= 16 the space holds the GEMV regime:
 one 16-row tile, narrow block_n for many programs, deep block_k for long contiguous loads; and tiles
 of 1-8 rows, whose products are summed on the ALUs (targets/triton/contraction.py), bounded by the
 products each thread holds per k step.
+Regimes (`why_other_regime`): a schedule tuned at one row count serves another only in its own regime,
+so that dispatch's buckets never cross one: a GEMV tile where it covers every row of the call (a
+one-row tile over 16 rows reads the whole weight 16 times), a weight dequantized first from
+DEQUANT_FIRST_MIN_M rows, matrix tiles wherever the space allows them.
 """
 from __future__ import annotations
 
@@ -530,6 +534,20 @@ def why_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     """The rules, on a variant-form schedule whose knobs ScheduleSpace checked, or on a flat one that no
     variant has (`current` left it flat), which they refuse."""
     return _flat_invalid(wl, target, flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s})
+
+
+def why_other_regime(wl: Workload, s: dict[str, Any]) -> str | None:
+    """Where schedule `s` (tuned at some row count) stops serving `wl`'s rows in its own regime: a GEMV
+    tile (fewer than MMA_MIN_ROWS rows, summed on the ALUs) only where it covers every row, since each
+    further row tile reads the whole weight again; a weight dequantized first only from
+    DEQUANT_FIRST_MIN_M rows. Matrix tiles serve any row count the space allows them at."""
+    f = flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s}
+    m, bm = extents(wl)[0], f["block_m"]
+    if bm < MMA_MIN_ROWS and bm < m:
+        return f"a GEMV tile of {bm} row{'s' * (bm > 1)} cannot serve {m} rows"
+    if f["dequant_first"] and m < DEQUANT_FIRST_MIN_M:
+        return f"a weight dequantized first serves {DEQUANT_FIRST_MIN_M} rows or more, not {m}"
+    return None
 
 
 def default(wl: Workload, target: Target) -> dict[str, Any]:

@@ -137,6 +137,15 @@ class ScheduleSpace:
     def is_valid(self, s: Schedule) -> bool:
         return self.why_invalid(s) is None
 
+    def why_other_regime(self, s: Schedule) -> str | None:
+        """Why `s`, a valid schedule tuned at another row count, belongs to another kernel regime than
+        this workload's rows (a one-row GEMV tile would read the weight once per row for 16 rows), or
+        None where it serves them as it served its own: the class's rule (`why_other_regime` of its
+        rules module), else every schedule serves. Dispatch's buckets and the mixed mode's estimates
+        read it, so that a record's time speaks only for calls its schedule serves alike."""
+        rule = getattr(self.rules, "why_other_regime", None)
+        return rule(self.workload, self.complete(s)) if rule is not None else None
+
     def added_knobs(self) -> dict[str, int]:
         """Knobs added after records were written, with the value their absence stands for."""
         return self.rules.added_knobs(self.workload)

@@ -195,7 +195,7 @@ def test_cli_generate_streams_text(checkpoint, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
-# (mixed picks w4a16 for these few rows, measuring nothing on the cpu: below the M = 64 crossover)
+# (mixed runs the modes its plan picks from the rooflines: the cpu has no records)
 @pytest.mark.parametrize("quant, tol", [("w8a16", 0.05), ("w4a16", 0.35), ("w8a8", 0.05), ("w4a8", 0.35), ("fp8", 0.1), ("mixed", 0.35)])
 def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
     """RTN-quantized linears change the logits by about the quantization error, not more."""
@@ -218,47 +218,102 @@ def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
     assert all(len(r.output) == 4 for r in out)
 
 
-def test_mixed_mode_picks_by_measured_latency(tmp_path):
-    from flashgen.db import Record
-    from flashgen.runtime.decoder.linear import choose, latency_at
-    import flashgen
-    db = tmp_path / "t.db"
-    from flashgen.db import Database
+TUNED_ROWS = (1, 16, 32, 64, 128, 256)  # records at 1 and at the rows of benchmarks/workloads/decode_rows.jsonl
+
+
+def _mixed_records(db_path, linear, latencies: dict[str, dict[int, float]]) -> None:
+    """Records of each mode's GEMM of `linear` (a prepared mixed linear) at the given rows, with the
+    H200's default schedule of each workload (valid there, in the regime of its own rows)."""
+    from flashgen.db import Database, Record
+    from flashgen.runtime.decoder.calls import gemm_workload
     from flashgen.schedules.space import ScheduleSpace
     from flashgen.targets import get_target
     h200 = get_target("h200")
-    with Database(db) as d:
-        for op, m, lat in (("gemm_w4a16", 16, 10.0), ("gemm_w8a8", 16, 14.0), ("gemm_w4a8", 16, 11.0),
-                           ("gemm_w4a16", 256, 40.0), ("gemm_w8a8", 256, 25.0), ("gemm_w4a8", 64, 14.0),
-                           ("gemm_w4a8", 1024, 60.0), ("gemm_w8a8", 4096, 90.0)):
-            kw = {"G": 128} if op in ("gemm_w4a16", "gemm_w4a8") else {}
-            kw.update({"pack": "lanes"} if op == "gemm_w4a8" else {})  # the layout w4a8 linears pack
-            wl = flashgen.workload(op, M=m, N=4096, K=4096, dtype="fp16", **kw)
-            d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200",
-                         schedule=ScheduleSpace(wl, h200).default(), status="ok", latency_us=lat,
-                         device="NVIDIA H200"))  # a schedule today's space serves
-        old = flashgen.workload("gemm_w4a16", M=256, N=4096, K=4096, G=128, dtype="fp16").to_json()
-        del old["attrs"]["pack"]  # measured before the interleaved layout: another kernel, not counted
-        d.add(Record(workload_key="gemm_w4a16-00000000000000ff", workload=old, target_key="cuda:sm_90/h200",
-                     schedule=ScheduleSpace(flashgen.Workload.from_json(old), h200).default(), status="ok",
-                     latency_us=1.0, device="NVIDIA H200"))
-        # gemm_w4a8 of the k128 layout: not the kernel a w4a8 linear runs (its codes are packed as lanes)
-        k128 = flashgen.workload("gemm_w4a8", M=4096, N=4096, K=4096, G=128, dtype="fp16", pack="k128")
-        d.add(Record(workload_key=k128.key, workload=k128.to_json(), target_key="cuda:sm_90/h200",
-                     schedule=ScheduleSpace(k128, h200).default(), status="ok", latency_us=1.0, device="NVIDIA H200"))
-    # each mode's latency at the call's M, from its records at other M (`latency_at`)
-    assert choose(db, 4096, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # bandwidth-bound: 4-bit weights (10 / 14 / 11)
-    assert choose(db, 4096, 4096, 64, "cuda:sm_90/h200") == "w4a8"      # 16 / 16.2 / 14, measured at M=64
-    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200") == "w4a8"     # 33 / 22.5 / 20.5, between measured M
-    assert choose(db, 4096, 4096, 4096, "cuda:sm_90/h200") == "w8a8"    # 640 / 90 / 240: above w4a8's largest M
-    assert latency_at({16: 10.0, 256: 40.0}, 136) == 25.0 and latency_at({16: 10.0}, 32) == 20.0
-    # records of another activation dtype time other kernels: a bf16 call counts bf16 records only
-    # (none here: the M=64 crossover)
-    assert choose(db, 4096, 4096, 64, "cuda:sm_90/h200", "bf16") == "w4a16"
-    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200", "bf16") == "w8a8"
-    assert choose(db, 4096, 4096, 200, "cuda:sm_90/h200", "fp16") == "w4a8"
-    assert choose(db, 1024, 4096, 1, "cuda:sm_90/h200") == "w4a16"      # unmeasured shape: the M crossover
-    assert choose(None, 1024, 4096, 512, "cuda:sm_90/h200") == "w8a8"
+    with Database(db_path) as d:
+        for mode, at in latencies.items():
+            for m, us in at.items():
+                wl = gemm_workload(linear.choices[mode], m, torch.bfloat16)
+                d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key=h200.id,
+                             schedule=ScheduleSpace(wl, h200).default(), status="ok", latency_us=us, device="NVIDIA H200"))
+
+
+def test_mixed_plan_follows_the_records_of_each_regime(tmp_path):
+    """Each row count's mode is the fastest of the three as dispatch would serve them: the one-row GEMV
+    records decide one row only (with them, w4a16 would look 2.5 us at 2 rows; its 16-row matrix tile
+    takes 10), and a linear keeps the weights of the modes its plan picks, no w4a8 here."""
+    from flashgen.runtime.decoder.calls import gemm_workload
+    from flashgen.runtime.decoder.mixed import ModePlan, planned_rows
+    from flashgen.runtime.decoder.quant_modes import prepare
+    from flashgen.schedules.contraction_space import flat_of
+    from flashgen.schedules.space import ScheduleSpace
+    from flashgen.targets import get_target
+    g = torch.Generator().manual_seed(3)
+    q = prepare(torch.randn(1024, 512, generator=g), "mixed")
+    db = tmp_path / "t.db"
+    _mixed_records(db, q, {"w4a16": dict(zip(TUNED_ROWS, (2.0, 10.0, 12.0, 16.0, 25.0, 40.0))),
+                           "w8a8": dict(zip(TUNED_ROWS, (5.0, 6.0, 7.0, 9.0, 14.0, 25.0))),
+                           "w4a8": dict(zip(TUNED_ROWS, (4.0, 8.0, 9.0, 11.0, 17.0, 30.0)))})
+    for mode in ("w4a16", "w8a8"):  # (the premise: their one-row records are GEMV tiles of one row)
+        wl = gemm_workload(q.choices[mode], 1, torch.bfloat16)
+        assert flat_of(wl, ScheduleSpace(wl, get_target("h200")).default())["block_m"] == 1
+    plan = ModePlan("h200", db, torch.bfloat16)
+    kept = q.settle(plan)
+    rows = planned_rows()
+    assert rows[:9] == (1, 2, 4, 8, 16, 32, 64, 128, 256) and rows[-1] >= 4096
+    assert [plan(1024, 512, m) for m in (1, 2, 3, 16, 17, 256, 5000, 10 ** 6)] == ["w4a16"] + ["w8a8"] * 7
+    assert sorted(kept.choices) == ["w4a16", "w8a8"] and kept.choices["w8a8"] is q.choices["w8a8"]
+    notes = plan.describe()
+    assert len(notes) == 1 and notes[0].startswith("mixed 1024x512 on cuda:sm_90/h200: w4a16 at rows 1 (at 1: w4a16 2.0 us")
+    assert "w8a8 at rows 2-" in notes[0] and "w4a16 10.0 us (records M=16)" in notes[0]
+    with pytest.raises(FlashgenError, match="w4a8 was chosen for 5 rows, but it keeps w4a16, w8a8 only"):
+        kept.choose(5, lambda n, k, m: "w4a8")
+
+
+def test_mixed_layer_without_w8a8_keeps_no_int8_weight(tmp_path):
+    """Where w8a8 is never the fastest, a mixed linear keeps the 4-bit codes (in each 4-bit GEMM's
+    layout), w4a16's and w4a8's scales, and no int8 weight; it computes each call in its planned mode's numerics."""
+    from flashgen.runtime.decoder.linear import apply
+    from flashgen.runtime.decoder.mixed import ModePlan
+    from flashgen.runtime.decoder.quant_modes import prepare
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(1024, 512, generator=g)
+    q = prepare(w, "mixed")
+    db = tmp_path / "t.db"
+    _mixed_records(db, q, {"w4a16": dict(zip(TUNED_ROWS, (2.0, 3.0, 4.0, 6.0, 10.0, 20.0))),
+                           "w4a8": dict(zip(TUNED_ROWS, (3.0, 2.5, 3.0, 5.0, 8.0, 15.0))),
+                           "w8a8": dict(zip(TUNED_ROWS, (9.0, 9.0, 10.0, 12.0, 20.0, 40.0)))})
+    plan = ModePlan("h200", db, torch.bfloat16)
+    kept = q.settle(plan)
+    assert sorted(kept.choices) == ["w4a16", "w4a8"]
+    assert not any(hasattr(lin, "w8") for lin in kept.choices.values())  # (w8a8's int8 weight let go)
+    assert [plan(1024, 512, m) for m in (1, 2, 256, 5000)] == ["w4a16", "w4a8", "w4a8", "w4a8"]
+    x = torch.randn(3, 512, generator=g)
+    for m, mode in ((1, "w4a16"), (3, "w4a8")):
+        assert torch.equal(apply(x[:m], kept, None, set(), plan), apply(x[:m], kept.choices[mode], None, set()))
+
+
+def test_mixed_plan_bad_inputs_are_one_line_errors(tmp_path):
+    from flashgen.runtime.decoder.mixed import ModePlan
+    with pytest.raises(FlashgenError) as e:
+        ModePlan("no-such-gpu", tmp_path / "t.db", torch.bfloat16)
+    assert "\n" not in str(e.value) and "no-such-gpu" in str(e.value)
+    with pytest.raises(FlashgenError, match="no mixed-mode plan for a 64x32 linear"):
+        ModePlan("h200", tmp_path / "t.db", torch.bfloat16)(64, 32, 1)
+
+
+def test_mixed_decoder_plans_its_shapes_at_load(checkpoint):
+    """A CPU decoder in mixed mode plans each layer shape once (no records: the rooflines decide) and
+    says so in its notes; its linears hold only the planned modes."""
+    _, _, folder = checkpoint
+    cfg, w = ModelConfig.from_folder(folder), load_weights(folder)
+    model = Decoder(cfg, w, quant="mixed")
+    shapes = {model.layers[0][name].shape for name in ("qkv", "o", "gate_up", "down")}
+    assert set(model.chooser.plans) == shapes and len(model.notes) == len(shapes)
+    assert all("roofline" in line for line in model.notes)
+    for name in ("qkv", "o", "gate_up", "down"):
+        lin = model.layers[0][name]
+        assert set(lin.choices) == {c.mode for c in model.chooser.plans[lin.shape]}
+    assert Decoder(cfg, w).notes == []
 
 
 def test_bench_model_cli_runs_tiny(capsys):

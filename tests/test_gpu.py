@@ -962,3 +962,28 @@ def test_tune_behind_a_producer_on_gpu(tmp_path):
     assert all(r.timing == "behind" and 1.0 < r.latency_us < 1000.0 for r in recs), [r.latency_us for r in recs]
     d = Dispatcher(TARGET, tmp_path / "t.db").choose(wl, TARGET)
     assert d.schedule == res.best.schedule and d.source == "exact (timed behind rmsnorm)"
+
+
+@pytest.mark.parametrize("rows", [2, 8, 16])
+def test_w4a16_rows_never_run_a_one_row_gemv_tile_on_gpu(rows, monkeypatch):
+    """Llama-3-8B's W4A16 qkv linear at 2-16 rows, served by the shipped records: dispatch runs a tile
+    of at least the call's rows (the M=1 records' one-row GEMV tiles would read the weight once per
+    row), and the product matches torch's on the same dequantized weight."""
+    from flashgen.runtime import register_all
+    from flashgen.runtime.decoder.linear import apply
+    from flashgen.runtime.decoder.quant_modes import prepare
+    from flashgen.schedules.contraction_space import flat_of
+    monkeypatch.setenv("FLASHGEN_SHIPPED", "1")
+    register_all()
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(6144, 4096, generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16)
+    q = prepare(w.to(DEVICE), "w4a16")
+    out = apply(x.to(DEVICE), q, None, set()).float().cpu()
+    ref = torch.nn.functional.linear(x.float(), prepare(w, "w4a16").weight.float())
+    assert torch.allclose(out, ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item()), (out - ref).abs().max()
+    d = next(d for d in dispatcher().decisions.values()
+             if d.workload.op_name == "gemm_w4a16" and d.workload.dim["M"] == rows and d.workload.dim["N"] == 6144)
+    s = ScheduleSpace(d.workload, TARGET).complete(d.schedule)
+    assert flat_of(d.workload, s)["block_m"] >= rows, d.source
+    assert "bucket M=1," not in d.source.split(" (")[0], d.source

@@ -153,6 +153,67 @@ def test_dispatch_falls_back_to_the_plain_form(tmp_path):
     assert Dispatcher(h200, db_path).choose(normed.workload, h200).source == "exact"
 
 
+def test_bucket_never_crosses_a_kernel_regime(tmp_path):
+    """A GEMV tile serves a call only where it covers the call's rows (each further row tile reads the
+    whole weight again): an fp16 record of the call's M wins over a bf16 one-row GEMV record, which a
+    bf16 call of 2-16 rows never takes (its decision says it was skipped and still classifies), while
+    an 8-row GEMV tile serves up to 8 rows; a call of the record's own M takes it as measured."""
+    h200 = get_target("h200")
+    db_path = tmp_path / "t.db"
+    w4 = lambda m, dtype="bf16": flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype=dtype)  # noqa: E731
+    # (the M=1 record in the flat form records were written in before variants, as the shipped ones)
+    one = {"block_m": 1, "block_n": 16, "block_k": 2048, "num_warps": 4, "num_stages": 1, "group_m": 1, "split_k": 1,
+           "persistent": 0, "ptx_unpack": 2, "tma": 0, "early_load": 0, "operand_scale": 0}
+    eight = {"variant": "gemv_ptx_quad", "block_m": 8, "block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 1,
+             "group_m": 1, "split_k": 1, "persistent": 0}
+    tile = {"variant": "tile_ptx", "block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3,
+            "split_k": 4, "persistent": 0}
+    assert all(ScheduleSpace(w4(16), h200).is_valid(s) for s in (one, eight, tile))  # valid: only the regime differs
+    with Database(db_path) as db:
+        _record(db, w4(1), one, 4.0)
+    d = Dispatcher(h200, db_path)
+    for m in (2, 5, 16):
+        got = d.choose(w4(m), h200)
+        assert (got.source, got.kind) == (f"default (bucket M=1 skipped: a GEMV tile of 1 row cannot serve {m} rows)",
+                                          "default")
+        assert got.schedule == ScheduleSpace(w4(m), h200).default()
+    assert (d.choose(w4(1), h200).source, d.choose(w4(1), h200).schedule) == ("exact", one)
+    with Database(db_path) as db:
+        _record(db, w4(16, "fp16"), tile, 9.0)
+        _record(db, w4(8), eight, 6.0)
+    d = Dispatcher(h200, db_path)
+    for m in (5, 8):  # the 8-row tile covers these rows (at 2 the space holds GEMV tiles of 1 and 2 rows only)
+        assert (d.choose(w4(m), h200).source, d.choose(w4(m), h200).schedule) == ("bucket M=8" if m < 8 else "exact", eight)
+    for m, skipped in ((2, 1), (9, 8), (16, 8)):
+        got = d.choose(w4(m), h200)
+        assert (got.schedule, got.kind) == (tile, "other-dtype bucket")
+        assert got.source == (f"bucket M=16, tuned in fp16 (bucket M={skipped} skipped: a GEMV tile of {skipped} "
+                              f"row{'s' * (skipped > 1)} cannot serve {m} rows)")
+
+
+def test_dequant_first_schedules_serve_from_their_row_count(tmp_path):
+    """A weight dequantized first (dq_*) serves DEQUANT_FIRST_MIN_M rows or more: its record at M=4096 is
+    a bucket for 1024 rows, never for fewer than 512, whose space holds the fused tiles only."""
+    from flashgen.schedules.contraction_space import DEQUANT_FIRST_MIN_M
+    h200 = get_target("h200")
+    w4 = lambda m: flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype="fp16")  # noqa: E731
+    staged = ScheduleSpace(w4(4096), h200).default()
+    assert staged["variant"].startswith("dq_")
+    for m in (DEQUANT_FIRST_MIN_M, 1024):
+        assert ScheduleSpace(w4(m), h200).why_other_regime(staged) is None
+    for m in (1, 16, 256, DEQUANT_FIRST_MIN_M - 1):
+        assert ScheduleSpace(w4(m), h200).why_other_regime(staged) == \
+            f"a weight dequantized first serves {DEQUANT_FIRST_MIN_M} rows or more, not {m}"
+    db_path = tmp_path / "t.db"
+    with Database(db_path) as db:
+        _record(db, w4(4096), staged, 200.0)
+    d = Dispatcher(h200, db_path)
+    assert (d.choose(w4(1024), h200).source, d.choose(w4(1024), h200).schedule) == ("bucket M=4096", staged)
+    for m in (16, 256, DEQUANT_FIRST_MIN_M - 1):
+        got = d.choose(w4(m), h200)
+        assert got.source == "default" and not got.schedule["variant"].startswith("dq_")
+
+
 def test_linear_takes_its_norm_gate_and_residual_on_cpu():
     """runtime/decoder/linear.py on CPU tensors: the norm's and the gate's own kernels, torch's product, the
     residual added; equal to the float64 composition."""
@@ -270,30 +331,29 @@ def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
         assert Dispatcher(h200, db_path).choose(call, h200).schedule == far
 
 
-def test_mixed_linears_read_the_database_once_per_state(tmp_path, monkeypatch):
-    """A mixed-mode linear asks for its mode on every call: the records are read once, and again only
-    after the database changed (a later record flips the choice), while dispatch's buckets share them."""
-    from flashgen.runtime.decoder.linear import choose
+def test_mixed_estimates_read_the_database_once_per_state(tmp_path, monkeypatch):
+    """The mixed mode estimates every mode at every row count of every layer shape: the records are read
+    once, and again only after the database changed (a faster record changes the estimate), while
+    dispatch's buckets share them."""
+    from flashgen.runtime.decoder.mixed import estimate
 
     reads = []
     best_all = Database.best_all
     monkeypatch.setattr(Database, "best_all", lambda self, *a, **k: reads.append(1) or best_all(self, *a, **k))
-    db_path, h200 = tmp_path / "t.db", "cuda:sm_90/h200"
-    w4 = flashgen.workload("gemm_w4a16", M=16, N=1000, K=768, G=128, dtype="bf16")
+    db_path, h200 = tmp_path / "t.db", get_target("h200")
     w8 = flashgen.workload("gemm_w8a8", M=16, N=1000, K=768, dtype="bf16")
-    s4, s8 = (ScheduleSpace(wl, get_target("h200")).default() for wl in (w4, w8))  # served: valid today
+    s8 = ScheduleSpace(w8, h200).default()  # served: valid today
     with Database(db_path) as db:
-        _record(db, w4, s4, 10.0)
         _record(db, w8, s8, 14.0)
-    assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16, 1, 3, 16, 200)] == ["w4a16"] * 7
+    assert [estimate(w8.with_dims(M=m), h200, db_path).us for m in (3, 16, 3, 16)] == [14.0] * 4
     assert len(reads) == 1
-    d = Dispatcher(get_target("h200"), db_path)
+    d = Dispatcher(h200, db_path)
     for _ in range(2):  # a bucket lookup: the H200's records as read above, then once the H100's (none fit)
-        d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), get_target("h200"))
+        d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), h200)
         assert len(reads) == 2
     with Database(db_path) as db:
         _record(db, w8, {**s8, "num_stages": 3 if s8["num_stages"] != 3 else 2}, 7.0)
-    assert [choose(db_path, 1000, 768, m, h200) for m in (1, 3, 16)] == ["w8a8"] * 3
+    assert [estimate(w8.with_dims(M=m), h200, db_path).us for m in (3, 16)] == [7.0] * 2
     assert len(reads) == 3
 
 

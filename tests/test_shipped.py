@@ -239,3 +239,26 @@ def test_dispatch_serves_shipped_records_exactly_and_as_buckets(tmp_path):
                         schedule=ScheduleSpace(wl, target).default(), status="ok", latency_us=99.0, device="mine"))
     d = Dispatcher(target, tmp_path / "u.db").choose(wl, target)
     assert d.source == "exact" and d.schedule == ScheduleSpace(wl, target).default()
+
+
+def test_shipped_gemv_records_never_serve_several_rows(tmp_path, capsys):
+    """The W4A16 qkv GEMM of Llama-3-8B at 2-16 rows on an H100 has only the H200's M=1 bf16 records in
+    its own dtype, one-row GEMV tiles: dispatch serves the fp16 M=16 matrix tile instead (never a tile of
+    fewer rows than the call, which would read the weight once per row tile), and says what it skipped."""
+    from flashgen.runtime.serving.dispatch import Dispatcher
+    from flashgen.schedules.contraction_space import flat_of
+    target, db = get_target("h100"), tmp_path / "empty.db"
+    Database(db).close()  # a user database of no records: the shipped ones serve
+    for m in range(1, 17):
+        wl = workload("gemm_w4a16", M=m, N=6144, K=4096, G=128, dtype="bf16")
+        d = Dispatcher(target, db).choose(wl, target)
+        block_m = flat_of(wl, ScheduleSpace(wl, target).complete(d.schedule))["block_m"]
+        assert block_m >= m, (m, d)
+        if m > 1:
+            assert d.kind == "other-device record" and d.source.startswith("bucket M=16, tuned in fp16")
+            assert d.source.endswith(f"(bucket M=1, tuned on cuda:sm_90/h200 skipped: a GEMV tile of 1 row "
+                                     f"cannot serve {m} rows)")
+    assert main(["explain", "gemm_w4a16", "--dim", "M=16", "--dim", "N=6144", "--dim", "K=4096", "--dim", "G=128",
+                 "--dtype", "bf16", "--target", "h100", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert '"block_m": 16' in out and "skipped: a GEMV tile of 1 row cannot serve 16 rows" in out

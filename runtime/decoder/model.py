@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from flashgen.errors import FlashgenError
-from flashgen.ir import dtypes
 from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, expert_runs, moe_align
 from flashgen.runtime.decoder.kv_cache import PagedKVCache
-from flashgen.runtime.decoder.linear import apply, choose
+from flashgen.runtime.decoder.linear import apply
+from flashgen.runtime.decoder.mixed import ModePlan
 from flashgen.runtime.decoder.quant_modes import Bf16Linear, QuantLinear, cpu_weight, quant_mode, torch_linear
 from flashgen.runtime.serving.torch_ops import dispatcher, register_all
 from flashgen.runtime.checkpoints.model_config import ModelConfig
@@ -99,6 +99,8 @@ class Decoder:
                                     f"not {quant}: its weights are quantized already")
             self.mode = stored
         self.quant = self.mode.mode  # its name, as --quant gives it
+        # which mode a mixed linear computes each call in, decided per layer shape as its weights settle
+        self.chooser = ModePlan(dispatcher().target_for(self.device), dispatcher().db_path, dtype)
         keep = config.prequant is not None  # (a pre-quantized linear's tensors keep their dtypes: e4m3, fp32 scales)
         w = {k: v.to(self.device, dtype if v.is_floating_point() and not (keep and quantized_tensor(k)) else None)
              for k, v in weights.items()}
@@ -136,10 +138,19 @@ class Decoder:
         the decoder's mode, or a pre-quantized checkpoint's codes repacked (runtime/checkpoints/prequant.py)."""
         pq = self.c.prequant
         if pq is None:
-            return self.mode.prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1
-                                     else w[parts[0] + ".weight"])
+            return self._prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1
+                                 else w[parts[0] + ".weight"])
         ints = [read_linear(w, x + ".", pq, *self._features(x), "the checkpoint") for x in parts]
         return quant_linear(ints, pq, self.dtype, f"{parts[0].rsplit('.', 1)[0]}.{name}")
+
+    def _prepare(self, w: torch.Tensor) -> QuantLinear:
+        """A float weight in the decoder's mode, as it will serve (`QuantLinear.settle`)."""
+        return self.mode.prepare(w).settle(self.chooser)
+
+    @property
+    def notes(self) -> list[str]:
+        """Which mode mixed linears compute in at which rows, per layer shape, and why (none in other modes)."""
+        return self.chooser.describe()
 
     def _features(self, linear: str) -> tuple[int, int]:
         """A dense layer's linear (`...q_proj` and so on): its output and input features, as the config says."""
@@ -165,7 +176,7 @@ class Decoder:
         names = moe_names(self.c, layer)
 
         def expert(gate: str, up: str, down: str) -> tuple[QuantLinear, QuantLinear]:
-            return self.mode.prepare(torch.cat([w[gate], w[up]])), self.mode.prepare(w[down])
+            return self._prepare(torch.cat([w[gate], w[up]])), self._prepare(w[down])
 
         shared = expert(*names.shared) if names.shared else None
         gate = cpu_weight(w[names.router]), shared, cpu_weight(w[names.shared_gate]) if names.shared_gate else None
@@ -189,7 +200,7 @@ class Decoder:
         it and the residual it adds (see runtime/decoder/linear.py)."""
         if self.device.type != "cuda":
             self.fallbacks.add("linear (torch on cpu: the gemm ops are generated for GPUs)")
-        return apply(x, w, bias, self.fallbacks, self._choose, norm, self.c.rms_norm_eps, gated, residual)
+        return apply(x, w, bias, self.fallbacks, self.chooser, norm, self.c.rms_norm_eps, gated, residual)
 
     def moe(self, h: torch.Tensor, b: MoeBlock) -> torch.Tensor:
         """The MoE MLP of the normed hidden states `h` [T, hidden]: each token's top-k experts (softmax
@@ -247,10 +258,6 @@ class Decoder:
             y = self.linear(self.linear(h[tokens], gate_up), down, gated=True)
             out.index_add_(0, tokens, y * weights[pairs, None])
         return out
-
-    def _choose(self, n: int, k: int, m: int) -> str:
-        target = dispatcher().target_for(self.device)
-        return choose(dispatcher().db_path, n, k, m, target.id, dtypes.of_torch(self.dtype))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
                   batch: Batch,

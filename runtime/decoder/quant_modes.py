@@ -7,9 +7,10 @@ Modes: bf16 (the weight as is), w8a16 and w4a16 (weight-only int8 / int4, RTN-qu
 in groups of 128 along K where K allows, else per channel), w8a8 (int8 weights and per-token dynamically
 quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with integer group scales on int8 tensor
 cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), fp8 (e4m3 weights with per-channel
-scales and per-token dynamically quantized e4m3 activations: gemm_fp8, sm_90), and mixed, which holds a
-w4a16, a w8a8 and a w4a8 linear and lets each call take one of them for its row count (runtime/decoder/linear.py
-`choose`); its two 4-bit linears hold the same codes, each packed in the layout its GEMM reads (w4a16's
+scales and per-token dynamically quantized e4m3 activations: gemm_fp8, sm_90), and mixed, which prepares
+a w4a16, a w8a8 and a w4a8 linear, keeps those its layer shape's plan picks for some row count
+(runtime/decoder/mixed.py `ModePlan`, `settle`) and lets each call take the one planned for its row
+count; its two 4-bit linears hold the same codes, each packed in the layout its GEMM reads (w4a16's
 scales are w4a8's two levels multiplied out, in the activation dtype). w4a8's codes are packed once, at
 load, in gemm_w4a8's `lanes` layout (flashgen/quant.py `pack_int4_lanes`: one AND per four int8 lanes).
 
@@ -86,6 +87,11 @@ class QuantLinear:
 
     def choose(self, rows: int, chooser: Callable[[int, int, int], str] | None) -> QuantLinear:
         """The linear that computes a call of `rows` rows: itself (mixed picks one of its own)."""
+        return self
+
+    def settle(self, plan: Any) -> QuantLinear:
+        """The linear as the decoder keeps it, once `plan` (runtime/decoder/mixed.py `ModePlan`) has
+        decided its modes: itself (mixed keeps only the modes chosen)."""
         return self
 
     def gemm(self, ops: Any, x: torch.Tensor, prologue: str, args: dict[str, Any], epi: dict[str, Any]) -> torch.Tensor:
@@ -333,9 +339,9 @@ class Fp8Linear(_QuantizedActivations):
 
 @dataclass
 class MixedLinear(QuantLinear):
-    """A w4a16, a w8a8 and a w4a8 linear of one weight, the two 4-bit ones of the same codes (each in its
-    GEMM's layout); each call computes in the one its chooser picks for its row count (w4a16 without a
-    chooser)."""
+    """A w4a16, a w8a8 and a w4a8 linear of one weight (those of them its plan picks, once settled), the
+    two 4-bit ones of the same codes (each in its GEMM's layout); each call computes in the one its
+    chooser picks for its row count (w4a16 without a chooser)."""
     mode: ClassVar[str] = "mixed"
     choices: dict[str, QuantLinear] = field(default_factory=dict)  # by mode: w4a16, w8a8, w4a8
 
@@ -350,10 +356,20 @@ class MixedLinear(QuantLinear):
 
     @staticmethod
     def weight_bytes(dtype_bytes: int) -> float:
-        return W4A16Linear.weight_bytes(dtype_bytes)  # (what a decode step reads: small M runs w4a16)
+        return W4A16Linear.weight_bytes(dtype_bytes)  # (what a decode step reads: small M runs a 4-bit mode)
 
     def choose(self, rows, chooser):
-        return self.choices[chooser(*self.shape, rows) if chooser else "w4a16"]
+        mode = chooser(*self.shape, rows) if chooser else "w4a16"
+        if mode not in self.choices:
+            raise FlashgenError(f"mixed {self.shape[0]}x{self.shape[1]} linear: {mode} was chosen for {rows} rows, "
+                                f"but it keeps {', '.join(self.choices)} only")
+        return self.choices[mode]
+
+    def settle(self, plan):
+        """Only the modes `plan` picks for this shape at some row count: a layer that never runs w8a8
+        keeps no int8 weight, one that never runs w4a8 no w4a8 scales (the codes stay w4a16's)."""
+        used = plan.plan(self.choices)
+        return MixedLinear(self.shape, {mode: q for mode, q in self.choices.items() if mode in used})
 
 
 MODES: dict[str, type[QuantLinear]] = {cls.mode: cls for cls in (Bf16Linear, W8A16Linear, W4A16Linear, W8A8Linear,

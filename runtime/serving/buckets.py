@@ -1,9 +1,10 @@
 """The nearest tuned bucket, and the database's best records read once per database state.
 
-Both dispatch (a kernel's schedule for an untuned row count) and mixed-mode linears (w4a16 or w8a8 for
-a row count) ask which tuned workload is nearest a call's: the smallest tuned row count at or above the
-call's, else the largest below, and among records of that row count the nearest in the other row dims.
-Linears ask on every call, so `best_records` keeps what it read until the database file changes. The
+Dispatch (a kernel's schedule for an untuned row count) asks which tuned workload is nearest a call's:
+the smallest tuned row count at or above the call's, else the largest below, and among records of that
+row count the nearest in the other row dims. The mixed mode's plan (runtime/decoder/mixed.py) reads the
+same records for every mode, row count and layer shape, so `best_records` keeps what it read until the
+database file changes. The
 records come from the user's database first, then from the records shipped with flashgen
 (flashgen/db/shipped.py) for workloads the user has not measured.
 """

@@ -9,6 +9,11 @@ length; failing that, the same in the other 16-bit float dtype, then the workloa
 fused norm's base GEMM, epilogues left out, which streams the same weights); else the same two steps
 on the records of another device of the same architecture (an H100 served by H200 records: the
 schedules are valid there and rank alike, far better than a default); else the analytic default.
+A bucket never crosses a kernel regime: a record tuned at another row count whose schedule would not
+serve the call's rows as it served its own (`ScheduleSpace.why_other_regime`: a one-row GEMV tile for
+16 rows reads the weight 16 times) is skipped, in every form and on every device, and where a form's
+nearest record was skipped the decision's source says so ("default (bucket M=1 skipped: a GEMV tile
+of 1 row cannot serve 16 rows)"). A record tuned at the call's own row count serves it as measured.
 Kernels are compiled once per (workload, schedule) and come from the on-disk artifact cache after
 that, so a warm start compiles nothing. Every decision is kept
 (and logged at DEBUG) for `flashgen explain`.
@@ -27,7 +32,7 @@ import torch
 
 from flashgen.compiler import check_supported, compile as compile_kernel
 from flashgen.db import Database, default_db_path
-from flashgen.db.record import BEHIND
+from flashgen.db.record import BEHIND, Record
 from flashgen.db.shipped import ORIGIN, TunedRecords, serving_devices
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
@@ -41,6 +46,7 @@ from flashgen.targets.kernel import MAX_CALL_SIGNATURES, Kernel
 from flashgen.workload import Workload, other_half, workload
 
 log = logging.getLogger("flashgen.dispatch")
+SKIPPED = " skipped: "  # a decision's note on a bucket record of another regime it passed over
 
 
 @dataclass(frozen=True)
@@ -48,16 +54,23 @@ class Decision:
     workload: Workload
     target: str
     schedule: Schedule
-    source: str  # "exact", "exact (timed behind OP)", "exact from shipped records", "bucket M=...", "bucket M=..., tuned in fp16", "bucket M=..., tuned as gemm ...", "exact, tuned on cuda:sm_90/h200", "default"
+    # "exact", "exact (timed behind OP)", "exact from shipped records", "bucket M=...", "bucket M=..., tuned
+    # in fp16", "bucket M=..., tuned as gemm ...", "exact, tuned on cuda:sm_90/h200", "default", each
+    # followed by " (bucket M=... skipped: WHY; ...)" where records of another regime were passed over
+    source: str
 
     @property
     def kind(self) -> str:
-        """exact, bucket, other-dtype bucket, plain-form bucket, other-device record or default."""
-        if "tuned on" in self.source:
+        """exact, bucket, other-dtype bucket, plain-form bucket, other-device record or default (of the
+        record served: the skipped ones' notes do not count)."""
+        source = self.source
+        if SKIPPED in source:
+            source = source[:source.rindex(" (", 0, source.index(SKIPPED))]
+        if "tuned on" in source:
             return "other-device record"
-        if "tuned in" in self.source:
+        if "tuned in" in source:
             return "other-dtype bucket"
-        return "plain-form bucket" if "tuned as" in self.source else self.source.split(" ")[0]
+        return "plain-form bucket" if "tuned as" in source else source.split(" ")[0]
 
 
 def bind_shapes(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mapping[str, int]) -> dict[str, int]:
@@ -90,6 +103,42 @@ def describe_sources(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
+def tuned_forms(wl: Workload, db_path: str | os.PathLike | None, records_id: str, space: ScheduleSpace
+                ) -> list[tuple[str, list[tuple[int, float, Record]]]]:
+    """The forms a bucket of `wl` is looked for in, in order, each as (its note in a decision's source,
+    its best records on `records_id` as (row count, distance in the other row dims, record)): the
+    workload's own, the other 16-bit float dtype's (", tuned in fp16"), the plain form's (", tuned as
+    gemm"); only records of the same fixed dims whose schedules `space` admits."""
+    row = wl.op.row_dims[0]
+    fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
+    plain_op, plain_attrs = wl.op.plain_form(wl.attr)
+    forms = [(wl.op_name, wl.attr, "")]
+    other = other_half(wl.attr)
+    if other:
+        forms.append((wl.op_name, other, f", tuned in {other['dtype']}"))
+    if (plain_op, plain_attrs) != (wl.op_name, wl.attr):
+        changed = " ".join(f"{a}={v}" for a, v in sorted(plain_attrs.items()) if wl.attr.get(a) != v)
+        forms.append((plain_op, plain_attrs, f", tuned as {plain_op}" + (f" {changed}" if changed else "")))
+    ops = {f[0] for f in forms}
+    best = [rec for rec in best_records(db_path, records_id) if rec.workload.get("op") in ops and
+            all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
+    return [(note, [(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
+                    if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs])
+            for op_name, attrs, note in forms]
+
+
+def serving(tuned: list[tuple[int, float, Record]], rows: int, space: ScheduleSpace) -> list[tuple[int, float, Record]]:
+    """Of (tuned row count, distance, record) triples, those whose schedules serve a call of `rows` rows
+    in their own regime: tuned at those rows (measured there), or in the regime of `space`'s workload
+    (`ScheduleSpace.why_other_regime`)."""
+    return [t for t in tuned if t[0] == rows or space.why_other_regime(t[2].schedule) is None]
+
+
+def _notes(skipped: list[str]) -> str:
+    """The records of another regime a decision passed over, as the end of its source ("" if none)."""
+    return f" ({'; '.join(skipped)})" if skipped else ""
+
+
 def _distance(dims: Mapping[str, int], wl: Workload) -> float:
     """How far a record's other row dims are from the call's, as summed |log2| ratios: between records
     of one bucket size, the nearest wins (a decode schedule tuned for a 4k context, not a 128k one)."""
@@ -118,13 +167,14 @@ class Dispatcher:
 
     def choose(self, wl: Workload, target: Target) -> Decision:
         space = ScheduleSpace(wl, target)
+        skipped: list[str] = []  # buckets of another regime passed over, said in the decision
         for records in serving_devices(target):  # each device's exact record, then its nearest bucket
-            found = self._exact(wl, records.id, space) or self._bucket(wl, records.id, space)
+            tuned_on = "" if records is target else f", tuned on {records.id}"
+            found = self._exact(wl, records.id, space) or self._bucket(wl, records.id, space, tuned_on, skipped)
             if found is not None:
                 source, schedule = found
-                tuned_on = "" if records is target else f", tuned on {records.id}"
-                return Decision(wl, target.id, schedule, source + tuned_on)
-        return Decision(wl, target.id, space.default(), "default")
+                return Decision(wl, target.id, schedule, source + tuned_on + _notes(skipped))
+        return Decision(wl, target.id, space.default(), "default" + _notes(skipped))
 
     def _exact(self, wl: Workload, records_id: str, space: ScheduleSpace) -> tuple[str, Schedule] | None:
         """The best valid record of exactly `wl` among `records_id`'s (the user's database, then the
@@ -141,28 +191,22 @@ class Dispatcher:
         timed = f" (timed behind {best.extra['behind']['op']})" if best.timing == BEHIND else ""
         return "exact" + timed + (" from shipped records" if origin == ORIGIN else ""), best.schedule
 
-    def _bucket(self, wl: Workload, records_id: str, space: ScheduleSpace) -> tuple[str, Schedule] | None:
+    def _bucket(self, wl: Workload, records_id: str, space: ScheduleSpace, tuned_on: str,
+                skipped: list[str]) -> tuple[str, Schedule] | None:
         """The nearest tuned workload differing only in row dims (`buckets.nearest`): M rounded up, else
         the largest below.
         Failing that, the same in the other 16-bit float dtype (fp16 and bf16 kernels of one schedule
         run alike: a schedule tuned in one serves the other), then in the workload's plain form
-        (`Op.plain_form`: the same weights streamed, without the fused norm or epilogue)."""
+        (`Op.plain_form`: the same weights streamed, without the fused norm or epilogue). Records of
+        another regime (`serving`) are left out of each; where a form's nearest record was, its note
+        goes to `skipped`."""
         row = wl.op.row_dims[0]
-        fixed = {k: v for k, v in wl.dim.items() if k not in wl.op.row_dims}
-        plain_op, plain_attrs = wl.op.plain_form(wl.attr)
-        forms = [(wl.op_name, wl.attr, "")]
-        other = other_half(wl.attr)
-        if other:
-            forms.append((wl.op_name, other, f", tuned in {other['dtype']}"))
-        if (plain_op, plain_attrs) != (wl.op_name, wl.attr):
-            changed = " ".join(f"{a}={v}" for a, v in sorted(plain_attrs.items()) if wl.attr.get(a) != v)
-            forms.append((plain_op, plain_attrs, f", tuned as {plain_op}" + (f" {changed}" if changed else "")))
-        ops = {f[0] for f in forms}
-        best = [rec for rec in best_records(self.db_path, records_id) if rec.workload.get("op") in ops and
-                all(rec.workload["dims"].get(k) == v for k, v in fixed.items()) and space.is_valid(rec.schedule)]
-        for op_name, attrs, note in forms:
-            pick = nearest([(rec.workload["dims"][row], _distance(rec.workload["dims"], wl), rec) for rec in best
-                            if rec.workload.get("op") == op_name and rec.workload.get("attrs") == attrs], wl.dim[row])
+        for note, tuned in tuned_forms(wl, self.db_path, records_id, space):
+            pick = nearest(serving(tuned, wl.dim[row], space), wl.dim[row])
+            near = nearest(tuned, wl.dim[row])
+            if near is not None and (pick is None or near[1] is not pick[1]):
+                why = space.why_other_regime(near[1].schedule)
+                skipped.append(f"bucket {row}={near[0]}{note}{tuned_on}{SKIPPED}{why}")
             if pick is not None:
                 size, rec = pick
                 return f"bucket {row}={size}{note}", rec.schedule

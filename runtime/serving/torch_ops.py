@@ -72,6 +72,31 @@ def _splitter(op: Op) -> Callable[[tuple], tuple[dict, dict, dict, dict]]:
     return split
 
 
+def split_call(op: Op, args: tuple, kwargs: Mapping[str, Any]) -> tuple[dict, dict, dict, dict]:
+    """The tensors, params, attrs and given dims of a call written as `torch.ops.flashgen.<op>(*args,
+    **kwargs)` is (`runtime/decoder/calls.py` records calls so, without running them)."""
+    names = [t.name for t in op.inputs] + list(op.params) + _attr_names(op) + ["dims"]
+    given = {**dict(zip(names, args)), **kwargs}
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise FlashgenError(f"{op.name}: no argument {', '.join(unknown)}")
+    return _splitter(op)(tuple(given.get(n, d) for n, d in zip(names, _defaults(op))))
+
+
+def empty_outputs(op: Op, tensors: Mapping[str, torch.Tensor], attrs: Mapping[str, str],
+                  dims: Mapping[str, int]) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    """The op's outputs for a call, uninitialized, on the first input's device: shapes and dtypes as
+    the kernel would write them (the fake implementation)."""
+    bound = bind_shapes(op.name, tensors, dims)
+    first = next(iter(tensors.values()))
+    full = {**{a: v[0] for a, v in op.attrs.items()}, "dtype": dtypes.of_torch(first.dtype), **attrs}
+    if "dtype" not in op.attrs:
+        full.pop("dtype")
+    vals = tuple(first.new_empty(tuple(eval_int(e, bound) for e in t.shape), dtype=dtypes.TORCH[op.dtype_of(t.name, full)])
+                 for t in op.outputs if t.present(full))
+    return vals[0] if len(vals) == 1 else vals or None
+
+
 def check_tables(op_name: str, tensors: Mapping[str, torch.Tensor], given: Mapping[str, int]) -> None:
     """A paged cache's lengths and the block-table entries they use must lie inside the cache: a kernel
     reads whatever they point at. Checked on CPU tensors only, where it costs no wait for a device."""
@@ -108,15 +133,7 @@ def register(op: Op) -> None:
 
     def fake(*args: Any):
         tensors, _, attrs, dims = split(args)
-        bound = bind_shapes(op.name, tensors, dims)
-        first = next(iter(tensors.values()))
-        full = {**{a: v[0] for a, v in op.attrs.items()}, "dtype": dtypes.of_torch(first.dtype), **attrs}
-        if "dtype" not in op.attrs:
-            full.pop("dtype")
-        vals = tuple(first.new_empty(tuple(eval_int(e, bound) for e in t.shape),
-                                     dtype=dtypes.TORCH[op.dtype_of(t.name, full)])
-                     for t in op.outputs if t.present(full))
-        return vals[0] if len(vals) == 1 else vals or None
+        return empty_outputs(op, tensors, attrs, dims)
 
     for key in ("CPU", "CUDA"):
         _LIB.impl(op.name, real, key)

@@ -1,0 +1,158 @@
+"""Which mode the mixed mode computes a call in, decided once per layer shape when the decoder loads.
+
+For each layer shape N x K and each row count a call may have (the decode buckets 1, 2, 4, ..., 256 of
+runtime/decoder/decode_graphs.py, and prefill's PREFILL_ROWS above them), `ModePlan` estimates each
+candidate mode's GEMM (the workload its `gemm` launches, runtime/decoder/calls.py) as dispatch would
+serve it on the running GPU, and picks the fastest. The estimate comes from the records dispatch would
+serve the call with (runtime/serving/dispatch.py `tuned_forms`: the target's records, then another
+device's of its architecture; the workload's own form, the other 16-bit dtype's, the plain form's),
+only those whose schedules serve that row count in their own regime (`serving`: never a one-row GEMV
+record for 16 rows), their latencies interpolated to the call's rows (`latency_at`). Where no such
+record exists, the GEMM's roofline on the target stands for it (flashgen/roofline.py `contraction_us`:
+4-bit weights stream the fewest bytes at small M, int8 tensor cores run twice the 16-bit rate at large
+M), scaled by how far the modes known by records at that row count are from theirs (`comparable`). A
+mode's activation quantization (the int8 modes' rmsnorm_quant or dynamic_quant) is not counted.
+
+A call of rows between two planned counts takes the next planned count up, past the largest the
+largest's mode. A mixed linear keeps only the weights of the modes its shape's plan picks at some
+row count (`MixedLinear.settle`). `describe` says which mode serves which rows of each shape, and why.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+
+from flashgen.db.shipped import serving_devices
+from flashgen.errors import FlashgenError
+from flashgen.ir import dtypes
+from flashgen.roofline import contraction_us
+from flashgen.runtime.decoder.calls import gemm_workload
+from flashgen.runtime.serving.dispatch import serving, tuned_forms
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.targets.descriptor import Target, get_target
+from flashgen.workload import Workload
+
+if TYPE_CHECKING:
+    from flashgen.runtime.decoder.quant_modes import QuantLinear
+
+PREFILL_ROWS = (512, 1024, 2048, 4096, 8192)  # rows planned above the decode buckets
+
+
+def planned_rows() -> tuple[int, ...]:
+    """The decode buckets (CUDA-graph batch sizes), then PREFILL_ROWS."""
+    from flashgen.runtime.decoder.decode_graphs import MAX_BATCH, buckets  # (decode_graphs imports the model)
+
+    return tuple(buckets(MAX_BATCH)) + tuple(r for r in PREFILL_ROWS if r > MAX_BATCH)
+
+
+def latency_at(measured: Mapping[int, float], m: int) -> float:
+    """A GEMM's latency at M = m from its latencies at measured M: flat below the smallest (the weight's
+    read bounds it), linear between two measured M, and in proportion to M above the largest (as if
+    compute-bound: an upper bound, so that a mode measured at the call's M is preferred to a guess)."""
+    ms = sorted(measured)
+    if m <= ms[0]:
+        return measured[ms[0]]
+    if m >= ms[-1]:
+        return measured[ms[-1]] * m / ms[-1]
+    hi = next(x for x in ms if x >= m)
+    lo = max(x for x in ms if x < m)
+    return measured[lo] + (measured[hi] - measured[lo]) * (m - lo) / (hi - lo)
+
+
+ROOFLINE = "roofline"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mode's GEMM time at a row count, where it comes from, and the GEMM's roofline."""
+    us: float
+    source: str  # "records M=1,16, tuned in fp16", "roofline" or "roofline x1.25"
+    roofline_us: float
+
+
+def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) -> Estimate:
+    """`wl`'s time as dispatch would serve it: from the first form (on the first device) holding records
+    that serve its rows in their regime, interpolated to its rows; else its roofline."""
+    space, rows = ScheduleSpace(wl, target), wl.dim[wl.op.row_dims[0]]
+    for records in serving_devices(target):
+        for note, tuned in tuned_forms(wl, db_path, records.id, space):
+            served: dict[int, float] = {}
+            for size, _, rec in serving(tuned, rows, space):
+                served[size] = min(served.get(size, rec.latency_us), rec.latency_us)
+            if served:
+                on = "" if records is target else f", tuned on {records.id}"
+                return Estimate(latency_at(served, rows), f"records M={','.join(map(str, sorted(served)))}{note}{on}",
+                                contraction_us(wl, target))
+    return Estimate(contraction_us(wl, target), ROOFLINE, contraction_us(wl, target))
+
+
+def comparable(estimates: tuple[tuple[str, Estimate], ...]) -> tuple[tuple[str, Estimate], ...]:
+    """The estimates of one row count on one footing: a mode known by its roofline alone is taken to
+    reach it as the modes known by records reach theirs (their mean ratio of time to roofline), so that
+    a lower bound is never compared with a measured time."""
+    ratios = [e.us / e.roofline_us for _, e in estimates if e.source != ROOFLINE]
+    if not ratios:
+        return estimates
+    scale = sum(ratios) / len(ratios)
+    return tuple((mode, e if e.source != ROOFLINE else Estimate(e.roofline_us * scale, f"{ROOFLINE} x{scale:.2f}",
+                                                                 e.roofline_us)) for mode, e in estimates)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The mode a call of `rows` rows runs in, and each candidate's estimate that decided it."""
+    rows: int
+    mode: str
+    estimates: tuple[tuple[str, Estimate], ...]
+
+
+class ModePlan:
+    """The mixed mode's chooser: `plan(choices)` decides a layer shape's mode at every planned row count
+    from its candidate linears (by mode), once per shape; `plan(n, k, m)` is then the mode of a call."""
+
+    def __init__(self, target: Target | str, db_path: str | os.PathLike | None, dtype: torch.dtype):
+        self.target = get_target(target) if isinstance(target, str) else target
+        self.db_path = db_path
+        # the GEMMs' activation dtype: a float32 decoder (the CPU's) plans as its bf16 twin would run
+        self.dtype = dtype if dtypes.of_torch(dtype) in ("bf16", "fp16") else torch.bfloat16
+        self.plans: dict[tuple[int, int], tuple[Choice, ...]] = {}
+
+    def plan(self, choices: Mapping[str, QuantLinear]) -> set[str]:
+        """Plans the shape of `choices`' linears (all one shape) if not yet done; the modes it picks."""
+        shape = next(iter(choices.values())).shape
+        if shape not in self.plans:
+            out = []
+            for rows in planned_rows():
+                est = comparable(tuple((mode, estimate(gemm_workload(q, rows, self.dtype), self.target, self.db_path))
+                                       for mode, q in choices.items()))
+                out.append(Choice(rows, min(est, key=lambda e: e[1].us)[0], est))
+            self.plans[shape] = tuple(out)
+        return {c.mode for c in self.plans[shape]}
+
+    def __call__(self, n: int, k: int, m: int) -> str:
+        plan = self.plans.get((n, k))
+        if plan is None:
+            raise FlashgenError(f"no mixed-mode plan for a {n}x{k} linear: its weights were not settled by this plan")
+        return next((c.mode for c in plan if c.rows >= m), plan[-1].mode)
+
+    def describe(self) -> list[str]:
+        """One line per planned shape: which mode serves which rows, and the estimates that decided."""
+        lines = []
+        for (n, k), plan in sorted(self.plans.items()):
+            runs: list[list[Choice]] = []
+            for c in plan:
+                if runs and runs[-1][-1].mode == c.mode:
+                    runs[-1].append(c)
+                else:
+                    runs.append([c])
+            parts = []
+            for run in runs:
+                lo, hi, c = run[0].rows, run[-1].rows, run[0]
+                span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+                why = ", ".join(f"{mode} {e.us:.1f} us ({e.source})" for mode, e in c.estimates)
+                parts.append(f"{c.mode} at rows {span} (at {lo}: {why})")
+            lines.append(f"mixed {n}x{k} on {self.target.id}: " + "; ".join(parts))
+        return lines

@@ -1,0 +1,78 @@
+"""benchmarks/studies/decode_workloads.py and benchmarks/workloads/decode_rows.jsonl: the GEMMs a decode
+step launches in each mode, read off the decoder's code (runtime/decoder/calls.py), as lines `flashgen
+tune --workloads` takes."""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from flashgen.runtime.decoder.bench import CONFIGS
+from flashgen.workload import read_workload_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+import decode_workloads  # noqa: E402
+
+LLAMA = CONFIGS["llama3-8b"]
+# Llama-3-8B's layer in miniature: the same head size, groups of 128 along every K
+SMALL = dataclasses.replace(LLAMA, hidden_size=256, intermediate_size=384, num_heads=2, num_kv_heads=1)
+W4 = {"act": "none", "dtype": "bf16", "group": "group", "out": "none", "pack": "k128", "with_bias": "no", "zp": "sym"}
+DENSE = {"act": "none", "dtype": "bf16", "out": "none", "with_bias": "no"}
+
+
+def _read(tmp_path, text: str) -> list[tuple[dict, dict]]:
+    path = tmp_path / "w.jsonl"
+    path.write_text(text)
+    return [(wl.to_json(), behind.to_json()) for wl, behind in read_workload_lines(str(path))]
+
+
+def _summary(pairs: list[tuple[dict, dict]]) -> set[tuple]:
+    return {(w["op"], w["dims"]["M"], json.dumps(w["attrs"], sort_keys=True), b["op"], json.dumps(b["attrs"], sort_keys=True))
+            for w, b in pairs}
+
+
+def test_lines_name_the_ops_and_attrs_the_decoder_dispatches(tmp_path):
+    """Each mode's four GEMMs per row count, behind the kernel before each in a decode step: bf16 fuses
+    norm and gate at one row (FUSED_MAX_ROWS) behind the last GEMM, else runs them first; w4a16 packs
+    groups of 128; the int8 modes run behind rmsnorm_quant or dynamic_quant. Every line parses."""
+    pairs = _read(tmp_path, "\n".join(decode_workloads.lines(SMALL, rows=(1, 16))) + "\n")
+    got = {(w["op"], w["dims"]["M"], w["dims"]["N"], w["dims"]["K"], w["attrs"].get("with_residual"), b["op"])
+           for w, b in pairs}
+    expect = set()
+    for m in (1, 16):
+        fused = m == 1
+        expect |= {("rmsnorm_gemm" if fused else "gemm", m, 512, 256, "no", "silu_mul_gemm" if fused else "rmsnorm"),
+                   ("gemm", m, 256, 256, "yes", "paged_decode_attention"),
+                   ("rmsnorm_gemm" if fused else "gemm", m, 768, 256, "no", "gemm" if fused else "rmsnorm"),
+                   ("silu_mul_gemm" if fused else "gemm", m, 256, 384, "yes", "rmsnorm_gemm" if fused else "silu_mul")}
+        expect |= {("gemm_w4a16", m, 512, 256, "no", "rmsnorm"), ("gemm_w4a16", m, 256, 256, "yes", "paged_decode_attention"),
+                   ("gemm_w4a16", m, 768, 256, "no", "rmsnorm"), ("gemm_w4a16", m, 256, 384, "yes", "silu_mul")}
+        for op in ("gemm_w8a8", "gemm_w4a8"):
+            expect |= {(op, m, 512, 256, "no", "rmsnorm_quant"), (op, m, 256, 256, "yes", "dynamic_quant"),
+                       (op, m, 768, 256, "no", "rmsnorm_quant"), (op, m, 256, 384, "yes", "dynamic_quant")}
+    assert got == expect and len(pairs) == len(expect)
+    for w, b in pairs:
+        residual = {"with_residual": w["attrs"]["with_residual"]}
+        if w["op"] == "gemm_w4a16":
+            assert w["attrs"] == {**W4, **residual} and w["dims"]["G"] == 128
+        elif w["op"] == "gemm_w4a8":
+            assert {k: v for k, v in w["attrs"].items() if k != "zp"} == {**{k: v for k, v in W4.items() if k != "zp"}, **residual}
+        elif w["op"] != "gemm_w8a8":
+            assert w["attrs"] == {**DENSE, **residual}
+        if b["op"] in ("rmsnorm_quant", "dynamic_quant"):
+            assert b["attrs"]["out_dtype"] == "int8" and b["dims"] == {"M": w["dims"]["M"], "N": w["dims"]["K"]}
+        if b["op"] == "paged_decode_attention":
+            assert b["dims"]["B"] == w["dims"]["M"] and b["dims"]["Hq"] * b["dims"]["D"] == w["dims"]["K"]
+
+
+def test_the_committed_file_is_what_the_script_writes(tmp_path):
+    """benchmarks/workloads/decode_rows.jsonl: Llama-3-8B's layer at rows 16-256, the same ops, attrs and
+    producers as the script gives for the layer in miniature (the full weights take a minute to quantize)."""
+    path = ROOT / "benchmarks" / "workloads" / "decode_rows.jsonl"
+    pairs = _read(tmp_path, path.read_text())
+    assert len(pairs) == len(set(map(json.dumps, pairs))) == 80
+    shapes = {(w["dims"]["N"], w["dims"]["K"]) for w, _ in pairs}
+    assert shapes == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    assert {w["dims"]["M"] for w, _ in pairs} == set(decode_workloads.ROWS)
+    small = _read(tmp_path, "\n".join(decode_workloads.lines(SMALL)) + "\n")
+    assert _summary(pairs) == _summary(small)
