@@ -56,7 +56,8 @@ def test_lines_name_the_ops_and_attrs_the_decoder_dispatches(tmp_path):
         if w["op"] == "gemm_w4a16":
             assert w["attrs"] == {**W4, **residual} and w["dims"]["G"] == 128
         elif w["op"] == "gemm_w4a8":
-            assert {k: v for k, v in w["attrs"].items() if k != "zp"} == {**{k: v for k, v in W4.items() if k != "zp"}, **residual}
+            assert {k: v for k, v in w["attrs"].items() if k != "zp"} == {
+                **{k: v for k, v in W4.items() if k != "zp"}, "pack": "lanes", **residual}  # (packed at load)
         elif w["op"] != "gemm_w8a8":
             assert w["attrs"] == {**DENSE, **residual}
         if b["op"] in ("rmsnorm_quant", "dynamic_quant"):

@@ -243,7 +243,7 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     token, the sums scaled per token and per channel), not as the weight-only modes; mixed runs, call by call, the
     mode its chooser picks for M."""
     from flashgen.oplib._common import quantize_ref
-    from flashgen.quant import quantize_w4a8
+    from flashgen.quant import quantize_w4a8, unpack_int4, unpack_int4_lanes
     from flashgen.runtime.decoder.linear import apply
     from flashgen.runtime.decoder.quant_modes import prepare
     g = torch.Generator().manual_seed(6)
@@ -287,7 +287,8 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     qa = quantize_w4a8(w, None)
     assert rel(apply(x[:1], qm, b, mixed, chooser), x[:1].double() @ qa.dequantize().T + b.double()) < 1e-6
     assert torch.equal(apply(x[:3], qm, b, mixed, chooser), apply(x[:3], prepare(w, "w4a8"), b, set()))
-    assert qm.choices["w4a16"].w4 is qm.choices["w4a8"].w4  # (one tensor of codes)
+    # (the same codes, each 4-bit linear's in the layout its GEMM reads)
+    assert torch.equal(unpack_int4(qm.choices["w4a16"].w4, 96), unpack_int4_lanes(qm.choices["w4a8"].w4, 96))
     assert picks == [(40, 96, 5), (40, 96, 1), (40, 96, 3)]
     assert mixed == fallbacks | {"w4a16 linear (torch on the dequantized weight on cpu)"}
 
