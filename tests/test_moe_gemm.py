@@ -322,3 +322,58 @@ def test_fp32_tolerance_follows_the_sum_length():
     assert 2e-5 < tolerance(long, "fp32") < 5e-5
     assert tolerance(short, "fp32") == REL_TOL["fp32"] and tolerance(long, "bf16") == REL_TOL["bf16"]
     assert tolerance(flashgen.workload("rmsnorm", M=4, N=8192, dtype="fp32"), "fp32") == REL_TOL["fp32"]
+
+
+# ---- int8 activations (w8a8, w4a8g128) and ALU tiles of 1-8 pairs --------------------------------
+# odd shapes: E not a power of two, one or a few pairs per expert, an expert no token chose (make_inputs
+# leaves expert 0 out), K not a multiple of the k step (w8a8); both routings; matrix and ALU tiles
+INT8_SHAPES = [dict(M=1, N=40, K=128, E=5, topk="2"), dict(M=3, N=24, K=256, E=6, topk="2"),
+               dict(M=5, N=33, K=128, E=3, topk="1")]
+INT8_CASES = [(flashgen.workload(op, dtype="fp16", weights=w, routing=routing, **shape), bm)
+              for shape in INT8_SHAPES for op in ("moe_gemm_gate_up", "moe_gemm_down")
+              for w in ("w8a8", "w4a8g128") for routing, bm in (("ids", 1), ("sorted", 2 if shape["M"] > 1 else 1), ("ids", 16))]
+
+
+@pytest.mark.parametrize("wl,block_m", INT8_CASES, ids=lambda v: case_id(v) if not isinstance(v, int) else f"bm{v}")
+def test_int8_activations(interpreter, wl, block_m):
+    """int8 activations per row times int8 codes (w8a8) or 4-bit codes times integer group scales
+    (w4a8g128), summed in int32 and scaled after, against the float64 reference on fresh inputs, in
+    ALU tiles of 1-2 pairs and 16-pair matrix tiles."""
+    s = {"block_m": block_m, "block_n": 16, "block_k": 64 if block_m < 16 else 32, "num_warps": 4, "num_stages": 2}
+    assert ScheduleSpace(wl, H200).is_valid(s), s
+    for c in interpreter.check(wl, s, "h200", seed=[11, 12]):
+        assert c.ok, (c, s)
+
+
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("weights", ["half", "w4a16g128"])
+def test_alu_tiles(interpreter, op, weights):
+    """ALU tiles of 16-bit activations: 4 pairs per tile over the tail of every k step (K = 384 in
+    steps of 256) and of the columns, the sorted routing, E = 7."""
+    wl = flashgen.workload(op, M=6, N=40, K=384, E=7, topk="2", dtype="fp16", weights=weights, routing="sorted")
+    s = {"block_m": 4, "block_n": 16, "block_k": 256, "num_warps": 8, "num_stages": 2}
+    assert ScheduleSpace(wl, H200).is_valid(s)
+    for c in interpreter.check(wl, s, "h200", seed=[21, 22]):
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("bad", [8, -1], ids=["E", "minus_one"])
+@pytest.mark.parametrize("weights,block_m", [("w8a8", 1), ("w4a8g128", 2), ("w4a8g128", 16)])
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+def test_int8_forms_skip_ids_of_no_expert(own_interpreter, op, weights, block_m, bad):
+    """A pair whose id is outside [0, E) adds nothing and reads no weight in the int8 forms too (every
+    weight tensor flanked by an expert of ones on each side)."""
+    from flashgen.targets.triton.interpret import _run_in_child
+    wl = flashgen.workload(op, M=5, N=24, K=128, E=8, topk="2", dtype="fp16", weights=weights, routing="ids")
+    g = torch.Generator().manual_seed(block_m)
+    t = wl.op.make_inputs(wl.dim, wl.attr, g)
+    t["topk_ids"][2, 1] = bad
+    for name in ("w_q", "w_packed", "w_group", "w_scale"):
+        if name in t:
+            t[name] = flanked(t[name])
+    want = wl.op.reference(t, {}, wl.dim, wl.attr)
+    if op == "moe_gemm_gate_up":
+        want["h"][2 * 2 + 1] = NAN  # (the reference writes 0 there; the kernel must leave the row alone)
+    s = {"block_m": block_m, "block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 2}
+    outs = own_interpreter.pool.apply_async(_run_in_child, (wl.to_json(), s, "h200", t, {})).get(timeout=300)
+    assert_skipped(wl, {**outs, **({"y": t["y"]} if "y" in want else {})}, want)
