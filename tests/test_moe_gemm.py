@@ -229,6 +229,19 @@ def test_aot_compile(target, weights):
         assert k.binary_kind == ("cubin" if target.startswith("sm_") else "hsaco")
 
 
+@pytest.mark.parametrize("weights,m", [(w, 1) for w in ("w8a16", "w4a16g128", "w8a8", "w4a8g128")]
+                         + [("w8a8", 16), ("w4a8g128", 64)])
+def test_aot_compile_int8_and_alu_tiles(weights, m):
+    """The int8-activation forms (matrix tiles at 16 and 64 tokens) and the quantized experts' decode
+    default, an ALU tile, built for sm_90: Mixtral's experts at batch 1 run 1-pair ALU tiles."""
+    for op, kw in (("moe_gemm_gate_up", dict(N=14336, K=4096)), ("moe_gemm_down", dict(N=4096, K=14336))):
+        wl = flashgen.workload(op, M=m, E=8, topk="2", dtype="bf16", weights=weights, routing="ids", **kw)
+        k = flashgen.compile(wl, "sm_90")
+        assert (k.schedule["block_m"] < 16) == (m == 1), k.schedule
+        assert k.binary[:4] == b"\x7fELF" and k.metadata["binary_symbol"].encode() in k.binary
+        assert ("tl.dot(" in k.source) == (m > 1)
+
+
 @pytest.mark.parametrize("target", ["h200", "sm_80", "gfx942"])
 @pytest.mark.parametrize("m", [1, 64, 4096])
 def test_space_and_features(target, m):
@@ -364,7 +377,7 @@ def test_int8_forms_skip_ids_of_no_expert(own_interpreter, op, weights, block_m,
     """A pair whose id is outside [0, E) adds nothing and reads no weight in the int8 forms too (every
     weight tensor flanked by an expert of ones on each side)."""
     from flashgen.targets.triton.interpret import _run_in_child
-    wl = flashgen.workload(op, M=5, N=24, K=128, E=8, topk="2", dtype="fp16", weights=weights, routing="ids")
+    wl = flashgen.workload(op, M=5, N=32, K=128, E=8, topk="2", dtype="fp16", weights=weights, routing="ids")
     g = torch.Generator().manual_seed(block_m)
     t = wl.op.make_inputs(wl.dim, wl.attr, g)
     t["topk_ids"][2, 1] = bad
