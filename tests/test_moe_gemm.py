@@ -293,7 +293,8 @@ GPU_CASES = [flashgen.workload(op, dtype=dt, weights=w, routing=routing, **s) fo
     dict(M=1, N=320, K=512, E=8, topk="2"), dict(M=33, N=200, K=384, E=16, topk="4"),
     dict(M=300, N=256, K=256, E=128, topk="8")) for op in ("moe_gemm_gate_up", "moe_gemm_down")
     for dt, w, routing in (("bf16", "half", "sorted"), ("bf16", "half", "ids"), ("fp16", "w8a16", "ids"),
-                           ("bf16", "w4a16g128", "sorted"), ("fp16", "w4a16g128", "ids"))]
+                           ("bf16", "w4a16g128", "sorted"), ("fp16", "w4a16g128", "ids"), ("bf16", "w8a8", "ids"),
+                           ("bf16", "w8a8", "sorted"), ("bf16", "w4a8g128", "ids"), ("fp16", "w4a8g128", "sorted"))]
 
 
 @pytest.mark.gpu
@@ -306,6 +307,25 @@ def test_moe_gemm_on_gpu(wl):
     for seed in (0, 1):
         for c in check(wl, lambda i, o, p: kernel.run(i, o, p), seed, dev):
             assert c.ok, (c, kernel.schedule)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["half", "w8a16", "w4a16g128", "w8a8", "w4a8g128"])
+@pytest.mark.parametrize("block_m,block_k", [(1, 1024), (2, 512), (4, 256), (8, 128)])
+def test_alu_tiles_on_gpu(weights, block_m, block_k):
+    """ALU tiles of 1-8 pairs in bf16 on the GPU, both routings, Mixtral-like widths cut down, against
+    the float64 reference (the interpreter checks them in fp16 only)."""
+    from flashgen.check import check
+
+    dev = torch.device("cuda")
+    for routing, m in (("ids", 5), ("sorted", 9)):
+        wl = flashgen.workload("moe_gemm_down", M=m, N=256, K=1408, E=6, topk="2", dtype="bf16", weights=weights,
+                               routing=routing)
+        s = {"block_m": block_m, "block_n": 16, "block_k": block_k, "num_warps": 4, "num_stages": 3}
+        assert ScheduleSpace(wl, H200).is_valid(s), s
+        kernel = flashgen.compile(wl, flashgen.targets.device_target(dev), schedule=s, db=None)
+        for c in check(wl, lambda i, o, p: kernel.run(i, o, p), 0, dev):
+            assert c.ok, (c, s)
 
 
 @pytest.mark.gpu
@@ -390,3 +410,14 @@ def test_int8_forms_skip_ids_of_no_expert(own_interpreter, op, weights, block_m,
     s = {"block_m": block_m, "block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 2}
     outs = own_interpreter.pool.apply_async(_run_in_child, (wl.to_json(), s, "h200", t, {})).get(timeout=300)
     assert_skipped(wl, {**outs, **({"y": t["y"]} if "y" in want else {})}, want)
+
+
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("routing", ["ids", "sorted"])
+def test_one_pair_tiles_of_whole_columns(interpreter, op, routing):
+    """One-pair ALU tiles whose column tiles divide N (no column mask in the k loop; decode's
+    Mixtral shapes): every pair's row is stored whole."""
+    wl = flashgen.workload(op, M=5, N=32, K=128, E=8, topk="2", dtype="fp16", weights="w8a8", routing=routing)
+    s = {"block_m": 1, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 2}
+    for c in interpreter.check(wl, s, "h200", seed=[31, 32]):
+        assert c.ok, c

@@ -342,7 +342,8 @@ def _gate_up_inputs(d, a, g) -> dict:
 MOE_GEMM_GATE_UP = Op(
     name="moe_gemm_gate_up", kclass="moe",
     doc="h[p] = silu(x[p // KT] @ w[e_p, :N].T) * (x[p // KT] @ w[e_p, N:].T) for each routed pair p "
-        "(token p // KT's expert e_p), grouped by expert; w [E, 2N, K] (gate rows, then up rows)",
+        "(token p // KT's expert e_p), grouped by expert; w [E, 2N, K] (gate rows, then up rows); int8 "
+        "formats (w8a8, w4a8g128) take x_q with a per-token x_scale, summed in int32",
     dims=("M", "N", "K", "E", "KT"), row_dims=("M",),
     inputs=(*_activation_specs("x", M), *ROUTING, *_weight_specs(2 * N_)),
     outputs=(TensorSpec("h", (M * KT, N_), DTYPE),),
@@ -377,7 +378,8 @@ def _down_inputs(d, a, g) -> dict:
 MOE_GEMM_DOWN = Op(
     name="moe_gemm_down", kclass="moe",
     doc="y[p // KT] += topk_weights[p] * (h[p] @ w[e_p].T) for each routed pair p, grouped by expert: "
-        "each token's k expert outputs, weighted, summed into y [M, N] (fp32, in place)",
+        "each token's k expert outputs, weighted, summed into y [M, N] (fp32, in place); int8 formats "
+        "(w8a8, w4a8g128) take h_q with a per-pair h_scale, summed in int32",
     dims=("M", "N", "K", "E", "KT"), row_dims=("M",),
     # (h follows the inputs every format has: where it is int8, h_q and h_scale stand in its place)
     inputs=(TensorSpec("topk_weights", (M * KT,), "fp32"), TensorSpec("y", (M, N_), "fp32", written=True),

@@ -13,8 +13,9 @@ has at most M pairs, one a token), returning at once where there is none. A pair
 [0, E) is no expert's, on either routing: no program serves it (h's row is left as it was, y gets
 nothing from it), so no weight is read past the last expert's. The k loop loads the A
 tile through the op's prologue (gathered rows: a pair's token row of x), the weight tiles of each
-Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32; Contracts over the same A
-share its tile (gate and up in one loop). The epilogue is the op's statements: a `combine="add"`
+Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32 (int32 for int8 activations
+and weights); Contracts over the same A share its tile (gate and up in one loop). Tiles of fewer than
+16 pairs sum on the ALUs instead (`_alu_k_loop`): decode's one or two pairs per expert. The epilogue is the op's statements: a `combine="add"`
 store adds atomically (a token's k expert outputs meet there).
 """
 from __future__ import annotations
@@ -176,7 +177,13 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     else:
         _mma_k_loop(em, blk, contracts, accs, cmask, kmask)
     em.named.update(accs)
-    out = blk.child(axes={"r": ("r", "rmask"), "c": ("c", cmask), "e": ("e", None)}, fresh=True)
+    out_cmask = cmask
+    if out_cmask is None and s["block_m"] < MMA_MIN_ROWS:
+        # a one-pair tile's [1, 1] row mask, which Triton's interpreter does not broadcast over an
+        # atomic add's columns (it adds the first only): an ALU tile's epilogue gets the output's shape
+        blk.line(f"cmask_out = c < {em.emit(op.domain[1], blk)}")
+        out_cmask = "cmask_out"
+    out = blk.child(axes={"r": ("r", "rmask"), "c": ("c", out_cmask), "e": ("e", None)}, fresh=True)
     for st in body:
         if isinstance(st, Store):
             em.store(st, out)
