@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 
 from flashgen.ir import dtypes
+from flashgen.ir.contraction import MMA_MIN_ROWS  # tiles of fewer pairs sum on the ALUs
 from flashgen.ir.op import Contract
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Schedule, Workload
 
 MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread
 DECODE_MAX_M = 64  # up to this many tokens, the default serves decode: 16-pair tiles, narrow columns
-MMA_MIN_ROWS = 16  # tiles of fewer pairs sum on the ALUs
 ALU_ROWS = (1, 2, 4, 8)
 MAX_MMA_BLOCK_K = 256
 ALU_DEFAULT_MAX_ROWS = 4  # as the contraction class's int4 GEMV default (GEMV_INT4_DEFAULT_M): more take matrix tiles

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.oplib.moe import IDS_SCAN
-from flashgen.schedules.moe_space import MMA_MIN_ROWS
+from flashgen.ir.contraction import MMA_MIN_ROWS
 from flashgen.targets.triton.contraction.context import ACC
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, grid_dependency, kernel_args, module_header
 from flashgen.workload import Schedule, Workload
