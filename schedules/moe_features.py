@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from flashgen.ir import dtypes
+from flashgen.ir.op import Contract
 from flashgen.schedules.moe_space import contracts, touched_experts
 from flashgen.oplib.moe import IDS_SCAN
 from flashgen.targets.descriptor import Target
@@ -24,7 +25,7 @@ FEATURE_NAMES: tuple[str, ...] = (*KNOBS, *(f"log2_{k}" for k in KNOBS), "log2_m
                                   "topk", "contracts", "by_ids", "weight_bytes", "log2_touched", "log2_bytes", "log2_flops",
                                   "log2_programs", "log2_waves", "last_wave_fill", "log2_estimate_us", "sm_count",
                                   "log2_copy_gbs")
-WEIGHT_BYTES = {"half": 2.0, "w8a16": 1.0, "w4a16g128": 0.5}
+WEIGHT_BYTES = {"half": 2.0, "w8a16": 1.0, "w4a16g128": 0.5, "w8a8": 1.0, "w4a8g128": 0.5}
 LAUNCH_US, EXIT_US = 3.0, 0.0005
 SCAN_US = 0.05  # an ids-routed program's scan of IDS_SCAN ids, per SM (it runs beside the other programs)
 
@@ -37,14 +38,15 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     tiles_w = contracts(wl)
     pairs = m * kt
     touched = touched_experts(m, e, kt)
-    elem = dtypes.BYTES[wl.attr["dtype"]]
+    operand = next(st for st in wl.op.body(wl.attr) if isinstance(st, Contract)).operand_dtype(wl.attr)
+    elem = dtypes.BYTES[operand]  # an activation's bytes (int8 ones: 1)
     wbytes = WEIGHT_BYTES[wl.attr["weights"]]
     col_tiles = np.ceil(n / kv["block_n"])
     row_tiles = touched * np.ceil(pairs / touched / kv["block_m"])  # each touched expert's, its last partial
     nbytes = (tiles_w * n * k * wbytes * row_tiles
-              + col_tiles * pairs * k * elem + pairs * n * (elem if tiles_w > 1 else 8.0))
+              + col_tiles * pairs * k * elem + pairs * n * (dtypes.BYTES[wl.attr["dtype"]] if tiles_w > 1 else 8.0))
     flops = 2.0 * pairs * tiles_w * n * k
-    peak = target.peak_tflops[wl.attr["dtype"]] * 1e6
+    peak = target.peak_tflops[operand] * 1e6
     eff = np.clip(kv["block_m"] * kv["block_n"] / (128.0 * 128.0), 0.05, 1.0) ** 0.5
     programs = row_tiles * col_tiles
     sms = max(target.sm_count, 1)

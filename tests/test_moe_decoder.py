@@ -212,7 +212,7 @@ def test_stacked_experts_are_the_ops_layout(quant, weights):
     from flashgen.runtime.decoder.moe_experts import stack_experts
     from flashgen.runtime.decoder.quant_modes import prepare, quant_mode
     assert quant_mode(quant).stacked_format(256, 384) == weights
-    assert quant_mode("w4a16").stacked_format(64, 384) is None and quant_mode("w8a8").stacked_format(256, 384) is None
+    assert quant_mode("w4a16").stacked_format(64, 384) is None and quant_mode("fp8").stacked_format(256, 384) is None
     g = torch.Generator().manual_seed(7)
     e, kt, m, hidden, inter = 4, 2, 5, 256, 384
     w13 = [(torch.randn(2 * inter, hidden, generator=g) / hidden ** 0.5).half() for _ in range(e)]
@@ -344,3 +344,103 @@ def test_a_request_on_a_failed_requests_blocks_is_unharmed(checkpoint, monkeypat
     assert any(v.isnan().any() for v in eng.cache.v)
     outs = eng.generate([PROMPTS[1]] * 2, SamplingParams(max_new_tokens=6))
     assert [(r.output, r.error) for r in outs] == [(want[1], "")] * 2
+
+
+class ReferenceOps:
+    """torch.ops.flashgen as the decoder's generated experts call it, the grouped GEMMs computed by
+    their float64 references (the moe class has no CPU generator) and dynamic_quant by its CPU kernel."""
+
+    @staticmethod
+    def dynamic_quant(x: torch.Tensor, out_dtype: str):
+        return torch.ops.flashgen.dynamic_quant(x, out_dtype=out_dtype)
+
+    @staticmethod
+    def _call(op, kw: dict, rows: torch.Tensor, n: int) -> dict:
+        from flashgen.ir import dtypes
+        tensors = {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
+        attrs = {k: v for k, v in kw.items() if isinstance(v, str)}
+        e = next(v for k, v in tensors.items() if k in ("w", "w_q", "w_packed")).shape[0]
+        dims = {"M": rows.shape[0], "N": n, "E": e, "KT": int(attrs["topk"])}
+        out = op.reference(tensors, {}, dims, {"routing": "sorted", **attrs})
+        return {k: v.to(dtypes.TORCH[attrs["dtype"]] if k == "h" else torch.float32) for k, v in out.items()}
+
+    def moe_gemm_gate_up(self, **kw) -> torch.Tensor:
+        from flashgen.oplib.moe import MOE_GEMM_GATE_UP
+        x = kw.get("x", kw.get("x_q"))
+        n = next(v for k, v in kw.items() if k in ("w", "w_q", "w_packed")).shape[1] // 2
+        return self._call(MOE_GEMM_GATE_UP, kw, x, n)["h"]
+
+    def moe_gemm_down(self, **kw) -> None:
+        from flashgen.oplib.moe import MOE_GEMM_DOWN
+        kw["y"].copy_(self._call(MOE_GEMM_DOWN, kw, kw["y"], kw["y"].shape[1])["y"])
+
+
+@pytest.fixture(scope="module")
+def mixtral_128(tmp_path_factory) -> Path:
+    """A tiny Mixtral whose widths the int4 group of 128 divides (w4a8 experts have a stacked form),
+    five experts (not a power of two)."""
+    torch.manual_seed(11)
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **{**COMMON, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1}, num_local_experts=5))
+    return write_checkpoint(hf, tmp_path_factory.mktemp("mixtral_128"), (".gate.weight",))
+
+
+@pytest.mark.parametrize("quant,weights", [("w8a8", "w8a8"), ("w4a8", "w4a8g128"), ("mixed", "w4a16g128")])
+@pytest.mark.parametrize("routing", ["ids", "sorted"])
+def test_generated_experts_compute_as_the_modes_dense_linears(mixtral_128, quant, weights, routing):
+    """The decoder's generated-experts call (`run_experts`: activations quantized per token for x and
+    per pair for h by dynamic_quant, the stacked experts of the mode) through the ops' float64
+    references gives what the torch expert loop gives with each expert's own dense linears of that
+    mode (int8 products summed exactly, scaled per token and per channel), a pair of no expert (id
+    -1) left out by both."""
+    from flashgen.oplib.moe import moe_align
+    from flashgen.runtime.decoder.moe_experts import run_experts, stack_experts
+    from flashgen.runtime.checkpoints.weights import moe_names
+    c, w = ModelConfig.from_folder(mixtral_128), load_weights(mixtral_128)
+    model = Decoder(c, dict(w), quant=quant)
+    mode = model.mode
+    assert mode.stacked_format(c.hidden_size, c.moe_intermediate_size) == weights
+    names = moe_names(c, 0)
+    stacked = stack_experts([(lambda g=g, u=u: torch.cat([w[g], w[u]]), lambda d=d: w[d]) for g, u, d in names.experts],
+                            mode)
+    g = torch.Generator().manual_seed(5)
+    t = 7
+    h = torch.randn(t, c.hidden_size, generator=g)
+    chosen = torch.stack([torch.randperm(c.num_experts, generator=g)[:2] for _ in range(t)]).to(torch.int32)
+    chosen[3, 1] = -1
+    weights_ = torch.rand(t, 2, generator=g) + 0.1
+    want = model._torch_experts(h, model.layers[0]["moe"].experts, chosen, weights_)
+    route = ({"routing": "ids", "topk_ids": chosen} if routing == "ids"
+             else dict(zip(("sorted_pairs", "expert_offsets"), moe_align(chosen, c.num_experts))))
+    got = run_experts(ReferenceOps(), h, stacked, route, weights_.flatten(), {"topk": "2", "weights": weights},
+                      mode.activations)
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-3, err
+    # (the comparison sees the mode: the float experts' sum differs by the quantization's error)
+    floats = Decoder(c, dict(w), quant="bf16")
+    assert float((floats._torch_experts(h, floats.layers[0]["moe"].experts, chosen, weights_) - want).norm()
+                 / want.norm()) > 10 * max(err, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("quant", ["w8a8", "w4a8", "mixed"])
+def test_int8_experts_on_gpu(mixtral_128, quant):
+    """On a GPU, w8a8 and w4a8 experts (and mixed's) run as the generated grouped GEMMs (no torch
+    expert loop), decode steps captured in CUDA graphs giving the tokens eager steps give, and the
+    logits of a prompt (ids routing) and of a 70-token one (sorted routing) track the CPU decoder's
+    of the same mode (its torch experts on each expert's dense linears)."""
+    c = ModelConfig.from_folder(mixtral_128)
+    model = Decoder(c, load_weights(mixtral_128), "cuda", torch.bfloat16, quant=quant)
+    cpu = Decoder(c, load_weights(mixtral_128), quant=quant)
+    for prompt in (PROMPTS[1], (PROMPTS[1] * 4)[:70]):
+        ref = prefill_logits(cpu, prompt)
+        got = prefill_logits(model, prompt).float().cpu()
+        assert float((got - ref).norm() / ref.norm()) < 0.03, len(prompt)
+    assert "moe experts (torch)" not in model.fallbacks and model.capturable
+    sampling = SamplingParams(max_new_tokens=8)
+    eng = Engine(model, num_blocks=64)
+    assert eng.graphs is not None
+    graphed = [r.output for r in eng.generate(PROMPTS, sampling)]
+    eager = [r.output for r in Engine(model, num_blocks=64, cuda_graphs=False).generate(PROMPTS, sampling)]
+    assert graphed == eager and all(len(o) == 8 for o in graphed)

@@ -229,6 +229,19 @@ def test_aot_compile(target, weights):
         assert k.binary_kind == ("cubin" if target.startswith("sm_") else "hsaco")
 
 
+@pytest.mark.parametrize("weights,m", [(w, 1) for w in ("w8a16", "w4a16g128", "w8a8", "w4a8g128")]
+                         + [("w8a8", 16), ("w4a8g128", 64)])
+def test_aot_compile_int8_and_alu_tiles(weights, m):
+    """The int8-activation forms (matrix tiles at 16 and 64 tokens) and the quantized experts' decode
+    default, an ALU tile, built for sm_90: Mixtral's experts at batch 1 run 1-pair ALU tiles."""
+    for op, kw in (("moe_gemm_gate_up", dict(N=14336, K=4096)), ("moe_gemm_down", dict(N=4096, K=14336))):
+        wl = flashgen.workload(op, M=m, E=8, topk="2", dtype="bf16", weights=weights, routing="ids", **kw)
+        k = flashgen.compile(wl, "sm_90")
+        assert (k.schedule["block_m"] < 16) == (m == 1), k.schedule
+        assert k.binary[:4] == b"\x7fELF" and k.metadata["binary_symbol"].encode() in k.binary
+        assert ("tl.dot(" in k.source) == (m > 1)
+
+
 @pytest.mark.parametrize("target", ["h200", "sm_80", "gfx942"])
 @pytest.mark.parametrize("m", [1, 64, 4096])
 def test_space_and_features(target, m):
@@ -280,7 +293,8 @@ GPU_CASES = [flashgen.workload(op, dtype=dt, weights=w, routing=routing, **s) fo
     dict(M=1, N=320, K=512, E=8, topk="2"), dict(M=33, N=200, K=384, E=16, topk="4"),
     dict(M=300, N=256, K=256, E=128, topk="8")) for op in ("moe_gemm_gate_up", "moe_gemm_down")
     for dt, w, routing in (("bf16", "half", "sorted"), ("bf16", "half", "ids"), ("fp16", "w8a16", "ids"),
-                           ("bf16", "w4a16g128", "sorted"), ("fp16", "w4a16g128", "ids"))]
+                           ("bf16", "w4a16g128", "sorted"), ("fp16", "w4a16g128", "ids"), ("bf16", "w8a8", "ids"),
+                           ("bf16", "w8a8", "sorted"), ("bf16", "w4a8g128", "ids"), ("fp16", "w4a8g128", "sorted"))]
 
 
 @pytest.mark.gpu
@@ -293,6 +307,25 @@ def test_moe_gemm_on_gpu(wl):
     for seed in (0, 1):
         for c in check(wl, lambda i, o, p: kernel.run(i, o, p), seed, dev):
             assert c.ok, (c, kernel.schedule)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["half", "w8a16", "w4a16g128", "w8a8", "w4a8g128"])
+@pytest.mark.parametrize("block_m,block_k", [(1, 1024), (2, 512), (4, 256), (8, 128)])
+def test_alu_tiles_on_gpu(weights, block_m, block_k):
+    """ALU tiles of 1-8 pairs in bf16 on the GPU, both routings, Mixtral-like widths cut down, against
+    the float64 reference (the interpreter checks them in fp16 only)."""
+    from flashgen.check import check
+
+    dev = torch.device("cuda")
+    for routing, m in (("ids", 5), ("sorted", 9)):
+        wl = flashgen.workload("moe_gemm_down", M=m, N=256, K=1408, E=6, topk="2", dtype="bf16", weights=weights,
+                               routing=routing)
+        s = {"block_m": block_m, "block_n": 16, "block_k": block_k, "num_warps": 4, "num_stages": 3}
+        assert ScheduleSpace(wl, H200).is_valid(s), s
+        kernel = flashgen.compile(wl, flashgen.targets.device_target(dev), schedule=s, db=None)
+        for c in check(wl, lambda i, o, p: kernel.run(i, o, p), 0, dev):
+            assert c.ok, (c, s)
 
 
 @pytest.mark.gpu
@@ -322,3 +355,69 @@ def test_fp32_tolerance_follows_the_sum_length():
     assert 2e-5 < tolerance(long, "fp32") < 5e-5
     assert tolerance(short, "fp32") == REL_TOL["fp32"] and tolerance(long, "bf16") == REL_TOL["bf16"]
     assert tolerance(flashgen.workload("rmsnorm", M=4, N=8192, dtype="fp32"), "fp32") == REL_TOL["fp32"]
+
+
+# ---- int8 activations (w8a8, w4a8g128) and ALU tiles of 1-8 pairs --------------------------------
+# odd shapes: E not a power of two, one or a few pairs per expert, an expert no token chose (make_inputs
+# leaves expert 0 out), K not a multiple of the k step (w8a8); both routings; matrix and ALU tiles
+INT8_SHAPES = [dict(M=1, N=40, K=128, E=5, topk="2"), dict(M=3, N=24, K=256, E=6, topk="2"),
+               dict(M=5, N=33, K=128, E=3, topk="1")]
+INT8_CASES = [(flashgen.workload(op, dtype="fp16", weights=w, routing=routing, **shape), bm)
+              for shape in INT8_SHAPES for op in ("moe_gemm_gate_up", "moe_gemm_down")
+              for w in ("w8a8", "w4a8g128") for routing, bm in (("ids", 1), ("sorted", 2 if shape["M"] > 1 else 1), ("ids", 16))]
+
+
+@pytest.mark.parametrize("wl,block_m", INT8_CASES, ids=lambda v: case_id(v) if not isinstance(v, int) else f"bm{v}")
+def test_int8_activations(interpreter, wl, block_m):
+    """int8 activations per row times int8 codes (w8a8) or 4-bit codes times integer group scales
+    (w4a8g128), summed in int32 and scaled after, against the float64 reference on fresh inputs, in
+    ALU tiles of 1-2 pairs and 16-pair matrix tiles."""
+    s = {"block_m": block_m, "block_n": 16, "block_k": 64 if block_m < 16 else 32, "num_warps": 4, "num_stages": 2}
+    assert ScheduleSpace(wl, H200).is_valid(s), s
+    for c in interpreter.check(wl, s, "h200", seed=[11, 12]):
+        assert c.ok, (c, s)
+
+
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("weights", ["half", "w4a16g128"])
+def test_alu_tiles(interpreter, op, weights):
+    """ALU tiles of 16-bit activations: 4 pairs per tile over the tail of every k step (K = 384 in
+    steps of 256) and of the columns, the sorted routing, E = 7."""
+    wl = flashgen.workload(op, M=6, N=40, K=384, E=7, topk="2", dtype="fp16", weights=weights, routing="sorted")
+    s = {"block_m": 4, "block_n": 16, "block_k": 256, "num_warps": 8, "num_stages": 2}
+    assert ScheduleSpace(wl, H200).is_valid(s)
+    for c in interpreter.check(wl, s, "h200", seed=[21, 22]):
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("bad", [8, -1], ids=["E", "minus_one"])
+@pytest.mark.parametrize("weights,block_m", [("w8a8", 1), ("w4a8g128", 2), ("w4a8g128", 16)])
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+def test_int8_forms_skip_ids_of_no_expert(own_interpreter, op, weights, block_m, bad):
+    """A pair whose id is outside [0, E) adds nothing and reads no weight in the int8 forms too (every
+    weight tensor flanked by an expert of ones on each side)."""
+    from flashgen.targets.triton.interpret import _run_in_child
+    wl = flashgen.workload(op, M=5, N=32, K=128, E=8, topk="2", dtype="fp16", weights=weights, routing="ids")
+    g = torch.Generator().manual_seed(block_m)
+    t = wl.op.make_inputs(wl.dim, wl.attr, g)
+    t["topk_ids"][2, 1] = bad
+    for name in ("w_q", "w_packed", "w_group", "w_scale"):
+        if name in t:
+            t[name] = flanked(t[name])
+    want = wl.op.reference(t, {}, wl.dim, wl.attr)
+    if op == "moe_gemm_gate_up":
+        want["h"][2 * 2 + 1] = NAN  # (the reference writes 0 there; the kernel must leave the row alone)
+    s = {"block_m": block_m, "block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 2}
+    outs = own_interpreter.pool.apply_async(_run_in_child, (wl.to_json(), s, "h200", t, {})).get(timeout=300)
+    assert_skipped(wl, {**outs, **({"y": t["y"]} if "y" in want else {})}, want)
+
+
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("routing", ["ids", "sorted"])
+def test_one_pair_tiles_of_whole_columns(interpreter, op, routing):
+    """One-pair ALU tiles whose column tiles divide N (no column mask in the k loop; decode's
+    Mixtral shapes): every pair's row is stored whole."""
+    wl = flashgen.workload(op, M=5, N=32, K=128, E=8, topk="2", dtype="fp16", weights="w8a8", routing=routing)
+    s = {"block_m": 1, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 2}
+    for c in interpreter.check(wl, s, "h200", seed=[31, 32]):
+        assert c.ok, c

@@ -23,8 +23,8 @@ from flashgen.ir import dtypes
 from flashgen.ir.expr import Binary, Dim, Expr, Index, Load, Ref, absolute, exp, sigmoid, where
 from flashgen.ir.op import DTYPE, Attrs, Contract, Let, Op, Reduce, Stmt, Store, TensorSpec
 from flashgen.ir.prologue import RUN
-from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, r, randn
-from flashgen.quant import INT4_PERIOD, pack_int4, packed_words, quantize_rtn, unpack_int4
+from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, quantize_ref, r, randn
+from flashgen.quant import INT4_PERIOD, pack_int4, packed_words, quantize_rtn, quantize_w4a8, unpack_int4
 
 E, K = Dim("E"), Dim("K")
 k = Index("k")
@@ -138,9 +138,18 @@ MOE_ROUTE = Op(
 # attr: "sorted" takes them listed expert by expert (`moe_align`: `sorted_pairs`, expert e's at
 # [expert_offsets[e], expert_offsets[e + 1])), "ids" takes the router's [M, KT] `topk_ids` and each
 # program picks its expert's pairs itself (decode: a few hundred pairs, no alignment step to launch).
+# The `weights` attr is the experts' format. With 16-bit activations: 16-bit experts (half), int8 codes
+# with per-row scales (w8a16), int4 codes with 16-bit scales in groups of 128 k (w4a16g128). With int8
+# activations quantized per row (x_q, x_scale: a token's row, quantized once before any pair gathers
+# it; h_q, h_scale: a pair's row of h), summed exactly in int32 and scaled after: int8 codes with
+# per-row scales (w8a8), and 4-bit codes in pack_int4's layout whose int8 operand (u - 8) * w_group has
+# an integer group scale per 128 k, times a per-row scale (w4a8g128, flashgen/quant.py quantize_w4a8).
 N_, KT = Dim("N"), Dim("KT")
 e_ = Index("e")
-WEIGHTS = ("half", "w8a16", "w4a16g128")  # 16-bit experts; int8 per channel; int4 in groups of 128 k
+WEIGHTS = ("half", "w8a16", "w4a16g128", "w8a8", "w4a8g128")
+INT8_ACTIVATIONS = ("w8a8", "w4a8g128")  # formats whose ops take int8 activations with per-row scales
+HALF_ACTIVATIONS = tuple(w for w in WEIGHTS if w not in INT8_ACTIVATIONS)
+INT4_WEIGHTS = ("w4a16g128", "w4a8g128")
 INT4_GROUP = 128
 IDS_SCAN = 128  # top-k ids an ids-routed kernel reads at a time (its generator's and cost model's unit)
 
@@ -161,39 +170,88 @@ def moe_align(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch
 
 
 def _weight(a: Attrs, rows: Expr) -> Expr:
-    """Expert e's weight at (row `rows`, k), dequantized in the prologue; an int8 weight's per-channel
-    scale applies to the accumulator instead (`_channel_scale`)."""
-    if a["weights"] == "w4a16g128":  # pack_int4's interleaved words, symmetric codes (zero point 8)
+    """Expert e's weight at (row `rows`, k), dequantized in the prologue (for int8 activations: the
+    int8 operand); a per-row scale applies to the accumulator instead (`_scaled`)."""
+    w = a["weights"]
+    if w in INT4_WEIGHTS:  # pack_int4's interleaved words, symmetric codes (zero point 8)
         word = Load("w_packed", (e_, rows, k // INT4_PERIOD * RUN + k % RUN))
         code = (word >> (k % INT4_PERIOD // RUN * 4)) & 15
-        return (code - 8) * Load("scales", (e_, rows, k // INT4_GROUP))
-    return Load("w_q" if a["weights"] == "w8a16" else "w", (e_, rows, k))
+        return (code - 8) * Load("scales" if w == "w4a16g128" else "w_group", (e_, rows, k // INT4_GROUP))
+    return Load("w" if w == "half" else "w_q", (e_, rows, k))
 
 
-def _channel_scale(a: Attrs, acc: Expr, rows: Expr) -> Expr:
+def _scaled(a: Attrs, acc: Expr, rows: Expr, act_scale: Expr) -> Expr:
+    """The accumulator times the weight's per-row scale and the activation row's scale, where the
+    format has them."""
+    if a["weights"] in INT8_ACTIVATIONS:
+        return acc * act_scale * Load("w_scale", (e_, rows))
     return acc * Load("w_scale", (e_, rows)) if a["weights"] == "w8a16" else acc
+
+
+def _contract(a: Attrs, name: str, act: str, act_row: Expr, rows: Expr) -> Contract:
+    """acc[pair, column] over K: 16-bit operands summed in fp32, or int8 ones summed exactly in int32."""
+    if a["weights"] in INT8_ACTIVATIONS:
+        return Contract(name, Load(f"{act}_q", (act_row, k)), _weight(a, rows), K, "int8", "int32")
+    return Contract(name, Load(act, (act_row, k)), _weight(a, rows), K, DTYPE)
+
+
+def _activation_specs(name: str, rows: Expr) -> tuple[TensorSpec, ...]:
+    """An activation input: 16-bit, or int8 with a per-row fp32 scale (`INT8_ACTIVATIONS`)."""
+    return (TensorSpec(name, (rows, K), DTYPE, when=(("weights", HALF_ACTIVATIONS),)),
+            TensorSpec(f"{name}_q", (rows, K), "int8", when=(("weights", INT8_ACTIVATIONS),)),
+            TensorSpec(f"{name}_scale", (rows,), "fp32", when=(("weights", INT8_ACTIVATIONS),)))
 
 
 def _weight_specs(rows: Expr) -> tuple[TensorSpec, ...]:
     return (TensorSpec("w", (E, rows, K), DTYPE, when=(("weights", ("half",)),)),
-            TensorSpec("w_q", (E, rows, K), "int8", when=(("weights", ("w8a16",)),)),
-            TensorSpec("w_scale", (E, rows), "fp32", when=(("weights", ("w8a16",)),)),
-            TensorSpec("w_packed", (E, rows, packed_words(K)), "int32", when=(("weights", ("w4a16g128",)),)),
-            TensorSpec("scales", (E, rows, K // INT4_GROUP), DTYPE, when=(("weights", ("w4a16g128",)),)))
+            TensorSpec("w_q", (E, rows, K), "int8", when=(("weights", ("w8a16", "w8a8")),)),
+            TensorSpec("w_scale", (E, rows), "fp32", when=(("weights", ("w8a16", "w8a8", "w4a8g128")),)),
+            TensorSpec("w_packed", (E, rows, packed_words(K)), "int32", when=(("weights", INT4_WEIGHTS),)),
+            TensorSpec("scales", (E, rows, K // INT4_GROUP), DTYPE, when=(("weights", ("w4a16g128",)),)),
+            TensorSpec("w_group", (E, rows, K // INT4_GROUP), "int8", when=(("weights", ("w4a8g128",)),)))
 
 
 def _expert_weights(t: dict, a: Attrs) -> torch.Tensor:
-    """The [E, rows, K] float64 weights the kernel computes with: int8 codes scaled after the sum
-    (exact), int4 codes dequantized and rounded to the 16-bit operand dtype, as the Contract casts them."""
-    if a["weights"] == "half":
+    """The [E, rows, K] float64 weights the kernel computes with: int8 operands scaled after the sum
+    (exact), w4a16's codes dequantized and rounded to the 16-bit operand dtype, as the Contract casts them."""
+    w = a["weights"]
+    if w == "half":
         return f64(t["w"])
-    if a["weights"] == "w8a16":
+    if w not in INT4_WEIGHTS:
         return f64(t["w_q"]) * f64(t["w_scale"])[..., None]
-    e, rows, _ = t["scales"].shape
-    k = t["scales"].shape[2] * INT4_GROUP
-    codes = unpack_int4(t["w_packed"].reshape(e * rows, -1), k).reshape(e, rows, k)
-    w = (f64(codes) - 8) * f64(t["scales"]).repeat_interleave(INT4_GROUP, dim=2)
-    return f64(w.to(dtypes.TORCH[a["dtype"]]))
+    group = t["scales" if w == "w4a16g128" else "w_group"]
+    e, rows, groups = group.shape
+    codes = unpack_int4(t["w_packed"].reshape(e * rows, -1), groups * INT4_GROUP).reshape(e, rows, -1)
+    operand = (f64(codes) - 8) * f64(group).repeat_interleave(INT4_GROUP, dim=2)
+    if w == "w4a8g128":
+        return operand * f64(t["w_scale"])[..., None]
+    return f64(operand.to(dtypes.TORCH[a["dtype"]]))
+
+
+def _activations(t: dict, name: str, a: Attrs) -> torch.Tensor:
+    """An activation input in float64: int8 rows times their scales (`INT8_ACTIVATIONS`)."""
+    if a["weights"] in INT8_ACTIVATIONS:
+        return f64(t[f"{name}_q"]) * f64(t[f"{name}_scale"])[:, None]
+    return f64(t[name])
+
+
+def _make_activations(t: dict, name: str, shape: tuple[int, int], a: Attrs, g: torch.Generator) -> None:
+    """Random activations `name` [rows, K], int8 per row for `INT8_ACTIVATIONS` (as dynamic_quant makes them)."""
+    if a["weights"] in INT8_ACTIVATIONS:
+        q, scale = quantize_ref(torch.randn(shape, generator=g, dtype=torch.float64), "int8")
+        t[f"{name}_q"], t[f"{name}_scale"] = q.to(torch.int8), scale.float()
+    else:
+        t[name] = randn(shape, a["dtype"], g)
+
+
+def w4a8_expert(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One expert's [rows, K] weight in the w4a8g128 format (`quantize_w4a8` in groups of 128, codes in
+    pack_int4's layout); K = 128, which quantize_w4a8 takes per channel, has group scales of 1."""
+    qa = quantize_w4a8(w, INT4_GROUP)
+    group = qa.group_scales
+    if group is None:
+        group = torch.ones(w.shape[0], w.shape[1] // INT4_GROUP, dtype=torch.int8, device=w.device)
+    return {"w_packed": pack_int4(qa.codes), "w_group": group, "w_scale": qa.channel_scales}
 
 
 def _make_weights(t: dict, shape: tuple[int, int, int], a: Attrs, g: torch.Generator) -> None:
@@ -203,7 +261,11 @@ def _make_weights(t: dict, shape: tuple[int, int, int], a: Attrs, g: torch.Gener
         t["w"] = w.to(dtypes.TORCH[a["dtype"]])
         return
     e, rows, k = shape
-    bits, group = (8, None) if a["weights"] == "w8a16" else (4, INT4_GROUP)
+    if a["weights"] == "w4a8g128":
+        t.update(w4a8_expert(w.reshape(e * rows, k)))
+        t.update({name: v.reshape(e, rows, *v.shape[1:]) for name, v in t.items() if name.startswith("w_")})
+        return
+    bits, group = (8, None) if a["weights"] in ("w8a16", "w8a8") else (4, INT4_GROUP)
     q = quantize_rtn(w.reshape(e * rows, k), bits=bits, group=group)
     if bits == 8:
         t["w_q"], t["w_scale"] = q.codes.reshape(shape), q.scales[:, 0].reshape(e, rows).float()
@@ -239,7 +301,7 @@ def _pairs_of(t: dict, experts: int) -> list[tuple[int, torch.Tensor]]:
 def _moe_check(d, a) -> str | None:
     if d["KT"] > d["E"]:
         return f"topk={d['KT']} is more than the E={d['E']} experts"
-    if a["weights"] == "w4a16g128" and d["K"] % INT4_GROUP:
+    if a["weights"] in INT4_WEIGHTS and d["K"] % INT4_GROUP:
         return f"K={d['K']} is not a multiple of the int4 weights' group of {INT4_GROUP}"
     return None
 
@@ -252,15 +314,15 @@ MOE_ATTRS = {"dtype": ("bf16", "fp16"), "weights": WEIGHTS, "topk": TOPK, "routi
 
 def _gate_up(a: Attrs) -> tuple[Stmt, ...]:
     """Both halves of a pair's gate_up row in one k loop (the x tile loaded once), SiLU(gate) * up."""
-    x = Load("x", (r // KT, k))
-    gate = _channel_scale(a, Ref("gate"), c)
-    up = _channel_scale(a, Ref("up"), c + N_)
-    return (Contract("gate", x, _weight(a, c), K, DTYPE), Contract("up", x, _weight(a, c + N_), K, DTYPE),
+    x_scale = Load("x_scale", (r // KT,))
+    gate = _scaled(a, Ref("gate"), c, x_scale)
+    up = _scaled(a, Ref("up"), c + N_, x_scale)
+    return (_contract(a, "gate", "x", r // KT, c), _contract(a, "up", "x", r // KT, c + N_),
             Store("h", (r, c), gate * sigmoid(gate) * up))
 
 
 def _gate_up_ref(t, p, d, a) -> dict:
-    w, x = _expert_weights(t, a), f64(t["x"])
+    w, x = _expert_weights(t, a), _activations(t, "x", a)
     # (the row of a pair of no expert stays 0 here; a kernel leaves it unwritten)
     h = torch.zeros(d["M"] * d["KT"], d["N"], dtype=torch.float64, device=x.device)
     for e, pairs in _pairs_of(t, d["E"]):
@@ -271,7 +333,8 @@ def _gate_up_ref(t, p, d, a) -> dict:
 
 
 def _gate_up_inputs(d, a, g) -> dict:
-    t = {"x": randn((d["M"], d["K"]), a["dtype"], g), **_routing(d, a, g)}
+    t = _routing(d, a, g)
+    _make_activations(t, "x", (d["M"], d["K"]), a, g)
     _make_weights(t, (d["E"], 2 * d["N"], d["K"]), a, g)
     return t
 
@@ -279,9 +342,10 @@ def _gate_up_inputs(d, a, g) -> dict:
 MOE_GEMM_GATE_UP = Op(
     name="moe_gemm_gate_up", kclass="moe",
     doc="h[p] = silu(x[p // KT] @ w[e_p, :N].T) * (x[p // KT] @ w[e_p, N:].T) for each routed pair p "
-        "(token p // KT's expert e_p), grouped by expert; w [E, 2N, K] (gate rows, then up rows)",
+        "(token p // KT's expert e_p), grouped by expert; w [E, 2N, K] (gate rows, then up rows); int8 "
+        "formats (w8a8, w4a8g128) take x_q with a per-token x_scale, summed in int32",
     dims=("M", "N", "K", "E", "KT"), row_dims=("M",),
-    inputs=(TensorSpec("x", (M, K), DTYPE), *ROUTING, *_weight_specs(2 * N_)),
+    inputs=(*_activation_specs("x", M), *ROUTING, *_weight_specs(2 * N_)),
     outputs=(TensorSpec("h", (M * KT, N_), DTYPE),),
     domain=(M * KT, N_), attrs=MOE_ATTRS, attr_dims={"KT": "topk"},
     build=_gate_up, reference=_gate_up_ref, check_dims=_moe_check, make_inputs=_gate_up_inputs,
@@ -290,13 +354,12 @@ MOE_GEMM_GATE_UP = Op(
 
 def _down(a: Attrs) -> tuple[Stmt, ...]:
     """A pair's expert output, weighted by its router weight and added to its token's row of y."""
-    out = _channel_scale(a, Ref("acc"), c) * Load("topk_weights", (r,))
-    return (Contract("acc", Load("h", (r, k)), _weight(a, c), K, DTYPE),
-            Store("y", (r // KT, c), out, combine="add"))
+    out = _scaled(a, Ref("acc"), c, Load("h_scale", (r,))) * Load("topk_weights", (r,))
+    return (_contract(a, "acc", "h", r, c), Store("y", (r // KT, c), out, combine="add"))
 
 
 def _down_ref(t, p, d, a) -> dict:
-    w, h = _expert_weights(t, a), f64(t["h"])
+    w, h = _expert_weights(t, a), _activations(t, "h", a)
     y = f64(t["y"]).clone()
     for e, pairs in _pairs_of(t, d["E"]):
         y.index_add_(0, pairs // d["KT"], (h[pairs] @ w[e].T) * f64(t["topk_weights"])[pairs, None])
@@ -305,8 +368,9 @@ def _down_ref(t, p, d, a) -> dict:
 
 def _down_inputs(d, a, g) -> dict:
     p = d["M"] * d["KT"]
-    t = {"h": randn((p, d["K"]), a["dtype"], g), **_routing(d, a, g),
-         "topk_weights": torch.rand(p, generator=g) + 0.05, "y": randn((d["M"], d["N"]), "fp32", g)}
+    t = {**_routing(d, a, g), "topk_weights": torch.rand(p, generator=g) + 0.05,
+         "y": randn((d["M"], d["N"]), "fp32", g)}
+    _make_activations(t, "h", (p, d["K"]), a, g)
     _make_weights(t, (d["E"], d["N"], d["K"]), a, g)
     return t
 
@@ -314,10 +378,12 @@ def _down_inputs(d, a, g) -> dict:
 MOE_GEMM_DOWN = Op(
     name="moe_gemm_down", kclass="moe",
     doc="y[p // KT] += topk_weights[p] * (h[p] @ w[e_p].T) for each routed pair p, grouped by expert: "
-        "each token's k expert outputs, weighted, summed into y [M, N] (fp32, in place)",
+        "each token's k expert outputs, weighted, summed into y [M, N] (fp32, in place); int8 formats "
+        "(w8a8, w4a8g128) take h_q with a per-pair h_scale, summed in int32",
     dims=("M", "N", "K", "E", "KT"), row_dims=("M",),
-    inputs=(TensorSpec("h", (M * KT, K), DTYPE), TensorSpec("topk_weights", (M * KT,), "fp32"),
-            TensorSpec("y", (M, N_), "fp32", written=True), *ROUTING, *_weight_specs(N_)),
+    # (h follows the inputs every format has: where it is int8, h_q and h_scale stand in its place)
+    inputs=(TensorSpec("topk_weights", (M * KT,), "fp32"), TensorSpec("y", (M, N_), "fp32", written=True),
+            *_activation_specs("h", M * KT), *ROUTING, *_weight_specs(N_)),
     outputs=(),
     domain=(M * KT, N_), attrs=MOE_ATTRS, attr_dims={"KT": "topk"},
     build=_down, reference=_down_ref, check_dims=_moe_check, make_inputs=_down_inputs,

@@ -13,13 +13,15 @@ used). Linears may be quantized (`quant`: bf16, w8a16, w4a16, w8a8, w4a8 or mixe
 
 An MoE layer's router, unquantized so that weight rounding does not change which experts a token
 gets, gives float32 logits; the generated `moe_route` kernel picks each token's top-k experts and
-their weights. On a GPU, in bf16, w8a16 and w4a16 (group 128) modes, the experts run as the generated
-grouped GEMMs of the moe class, their weights stacked and quantized as the mode says
-(runtime/decoder/moe_experts.py): `moe_gemm_gate_up` gives each (token, expert) pair's SiLU(gate) * up, and
+their weights. On a GPU, in every mode but fp8 (int4 experts where the group of 128 divides their
+widths), the experts run as the generated grouped GEMMs of the moe class, their weights stacked and
+quantized as the mode says, mixed's as its w4a16 linear (runtime/decoder/moe_experts.py; w8a8 and w4a8
+quantize the activations per row first, as their dense linears do): `moe_gemm_gate_up` gives each
+(token, expert) pair's SiLU(gate) * up, and
 `moe_gemm_down` adds each pair's weighted expert output into its token's row, reading each touched
 expert's weights once. A decode step's kernels find each expert's pairs in the router's ids; a longer
 batch's pairs are first ordered by expert (`moe_align`, torch's sort, no host sync). Such
-steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, w8a8, w4a8 or mixed experts) each
+steps are captured in CUDA graphs like a dense model's. Otherwise (the CPU, fp8 experts) each
 expert's tokens are gathered and run through its gate|up and down linears in torch (in `quant`, as the
 dense layers'), scaled by their router weights and summed; that routing reads each expert's token
 count on the host, so its decode steps are not captured (`capturable`). Qwen2-MoE adds its shared
@@ -41,7 +43,7 @@ from flashgen.runtime.decoder.mixed import ModePlan
 from flashgen.runtime.decoder.quant_modes import Bf16Linear, QuantLinear, cpu_weight, quant_mode, torch_linear
 from flashgen.runtime.serving.torch_ops import dispatcher, register_all
 from flashgen.runtime.checkpoints.model_config import ModelConfig
-from flashgen.runtime.decoder.moe_experts import Stacked, stack_experts
+from flashgen.runtime.decoder.moe_experts import Stacked, run_experts, stack_experts
 from flashgen.runtime.checkpoints.prequant import mode_of, quant_linear, quantized_tensor, read_linear
 from flashgen.runtime.checkpoints.rope_scaling import rope_table
 from flashgen.runtime.checkpoints.weights import moe_names
@@ -231,17 +233,14 @@ class Decoder:
     def _generated_experts(self, h: torch.Tensor, stacked: tuple[Stacked, Stacked], chosen: torch.Tensor,
                            weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum by the generated grouped GEMMs (module docstring)."""
-        gate_up, down = stacked
-        kw = {"topk": str(self.c.experts_per_tok), "weights": self.moe_weights}
         if h.shape[0] <= IDS_ROUTING_MAX_TOKENS:  # each program finds its pairs in the ids: no alignment launched
-            kw.update(routing="ids", topk_ids=chosen)
+            routing = {"routing": "ids", "topk_ids": chosen}
         else:
             pairs, offsets = moe_align(chosen, self.c.num_experts)
-            kw.update(sorted_pairs=pairs, expert_offsets=offsets)
-        act = torch.ops.flashgen.moe_gemm_gate_up(h, **gate_up, **kw)
-        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        torch.ops.flashgen.moe_gemm_down(act, weights.flatten().contiguous(), out, **down, **kw)
-        return out.to(h.dtype)
+            routing = {"sorted_pairs": pairs, "expert_offsets": offsets}
+        attrs = {"topk": str(self.c.experts_per_tok), "weights": self.moe_weights}
+        return run_experts(torch.ops.flashgen, h, stacked, routing, weights.flatten().contiguous(), attrs,
+                           self.mode.activations).to(h.dtype)
 
     def _torch_experts(self, h: torch.Tensor, experts: list[tuple[QuantLinear, QuantLinear]], chosen: torch.Tensor,
                        weights: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.oplib._common import quantize_ref
-from flashgen.oplib.moe import INT4_GROUP
+from flashgen.oplib.moe import INT4_GROUP, w4a8_expert
 from flashgen.quant import W4A8Weight, pack_int4, pack_int4_lanes, quantize_fp8, quantize_rtn, quantize_w4a8
 
 
@@ -114,8 +114,14 @@ class QuantLinear:
         """The moe ops' `weights` attr for experts in this mode, or None where they have no stacked form."""
         return cls.expert_weights
 
+    @classmethod
+    def expert(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """An expert linear's tensors as the moe ops take them (modes with a stacked form), quantized as
+        the mode's dense linear is."""
+        return cls.prepare(w).expert_fields()
+
     def expert_fields(self) -> dict[str, torch.Tensor]:
-        """This expert linear's tensors as the moe ops take them (modes with a stacked form)."""
+        """This linear's tensors as the moe ops take them (modes with a stacked form)."""
         raise NotImplementedError
 
 
@@ -250,6 +256,7 @@ class W8A8Linear(_QuantizedActivations):
     """int8 codes with per-channel scales, times int8 activations quantized per token."""
     mode: ClassVar[str] = "w8a8"
     activations: ClassVar[str | None] = "int8"
+    expert_weights: ClassVar[str | None] = "w8a8"
     w8: torch.Tensor | None = None        # int8 [N, K]
     w8_scale: torch.Tensor | None = None  # fp32 [N]
 
@@ -261,6 +268,9 @@ class W8A8Linear(_QuantizedActivations):
     @staticmethod
     def weight_bytes(dtype_bytes: int) -> float:
         return 1.0
+
+    def expert_fields(self) -> dict[str, torch.Tensor]:
+        return {"w_q": self.w8, "w_scale": self.w8_scale}
 
     def quantized_gemm(self, ops, xq, xs, dtype, epi):
         return ops.gemm_w8a8(xq, xs, self.w8, self.w8_scale, dtype=dtype, **epi)
@@ -297,6 +307,16 @@ class W4A8Linear(_QuantizedActivations):
     @staticmethod
     def weight_bytes(dtype_bytes: int) -> float:
         return 0.5 + 1 / INT4_GROUP
+
+    @classmethod
+    def stacked_format(cls, hidden: int, intermediate: int) -> str | None:
+        return "w4a8g128" if hidden % INT4_GROUP == 0 and intermediate % INT4_GROUP == 0 else None
+
+    @classmethod
+    def expert(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """quantize_w4a8's codes in groups of 128 in pack_int4's layout (the moe ops' own, whatever
+        layout the dense gemm_w4a8 reads), with the int8 group scales and the per-row scale."""
+        return w4a8_expert(w)
 
     def quantized_gemm(self, ops, xq, xs, dtype, epi):
         n, k = self.shape
@@ -370,6 +390,15 @@ class MixedLinear(QuantLinear):
         keeps no int8 weight, one that never runs w4a8 no w4a8 scales (the codes stay w4a16's)."""
         used = plan.plan(self.choices)
         return MixedLinear(self.shape, {mode: q for mode, q in self.choices.items() if mode in used})
+
+    # Experts run its w4a16 linear at every row count (the grouped GEMMs have no chooser): a decode
+    # step's few pairs per expert are where w4a16 is chosen for dense linears too.
+    @classmethod
+    def stacked_format(cls, hidden: int, intermediate: int) -> str | None:
+        return W4A16Linear.stacked_format(hidden, intermediate)
+
+    def expert_fields(self) -> dict[str, torch.Tensor]:
+        return self.choices["w4a16"].expert_fields()
 
 
 MODES: dict[str, type[QuantLinear]] = {cls.mode: cls for cls in (Bf16Linear, W8A16Linear, W4A16Linear, W8A8Linear,

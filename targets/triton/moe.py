@@ -13,14 +13,17 @@ has at most M pairs, one a token), returning at once where there is none. A pair
 [0, E) is no expert's, on either routing: no program serves it (h's row is left as it was, y gets
 nothing from it), so no weight is read past the last expert's. The k loop loads the A
 tile through the op's prologue (gathered rows: a pair's token row of x), the weight tiles of each
-Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32; Contracts over the same A
-share its tile (gate and up in one loop). The epilogue is the op's statements: a `combine="add"`
+Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32 (int32 for int8 activations
+and weights); Contracts over the same A share its tile (gate and up in one loop). Tiles of fewer than
+16 pairs sum on the ALUs instead (`_alu_k_loop`): decode's one or two pairs per expert. The epilogue is the op's statements: a `combine="add"`
 store adds atomically (a token's k expert outputs meet there).
 """
 from __future__ import annotations
 
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.oplib.moe import IDS_SCAN
+from flashgen.ir.contraction import MMA_MIN_ROWS
+from flashgen.targets.triton.contraction.context import ACC
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, grid_dependency, kernel_args, module_header
 from flashgen.workload import Schedule, Workload
 
@@ -71,6 +74,66 @@ def _pairs_from_ids(top: Scope) -> None:
     top.line("rmask = jj < cnt")
 
 
+def _mma_k_loop(em: Emitter, blk: Scope, contracts: list[Contract], accs: dict[str, str], cmask: str | None,
+                kmask: bool) -> None:
+    """The k loop of a tile of block_m >= 16 pairs: A and weight tiles cast to the operand dtype, one
+    `tl.dot` per Contract into its fp32 (int32 for int8 operands) accumulator."""
+    blk.line(f"for k0 in range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K):")
+    loop = blk.child(blk.indent + "    ", {}, fresh=True)
+    loop.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
+    loop.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+    if kmask:
+        k_extent = em.emit(contracts[0].extent, loop)
+        loop.line(f"kmask_a = ka < {k_extent}")
+        loop.line(f"kmask_b = kb < {k_extent}")
+    e_axis = ("e", None)
+    a_scope = loop.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None), "e": e_axis},
+                         fresh=True)
+    b_scope = loop.child(axes={"c": ("c", cmask),
+                               "k": ("kb", "kmask_b" if kmask else None), "e": e_axis}, fresh=True)
+    for con in contracts:
+        operand = con.operand_dtype(em.attrs)
+        a = em.operand(con.a, a_scope, operand)
+        b = em.operand(con.b, b_scope, operand)
+        loop.line(f"{accs[con.name]} = tl.dot({a}, {b}, {accs[con.name]}, out_dtype={ACC[con.acc]})")
+
+
+def _alu_k_loop(em: Emitter, blk: Scope, contracts: list[Contract], accs: dict[str, str], s: Schedule,
+                cmask: str | None, kmask: bool) -> None:
+    """The k loop of a tile of fewer pairs than a matrix instruction takes (decode: one or a few pairs
+    per expert), on the ALUs, as the contraction class's GEMV tiles: each step's weight tile
+    [block_k, block_n] is dequantized once (rounded to the operand dtype, as the reference does) and
+    multiplied, in the layout it was loaded in, by each pair's column of activations, into a tile of
+    partial sums per pair, summed over k once after the loop. No operand layout for a 16-row
+    instruction of which one row is used, no shared-memory round trip; deep k steps keep kilobytes of
+    weights in flight (`tl.range` pipelines the plain loads)."""
+    bm = s["block_m"]
+    blk.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
+    for i in range(bm):  # each pair of the tile as scalars: its index and whether it is served
+        blk.line(f"r{i} = tl.sum(tl.where(row_ids == {i}, r, 0))")
+        blk.line(f"rmask{i} = tl.sum(tl.where(row_ids == {i}, rmask.to(tl.int32), 0)) > 0")
+        for con in contracts:
+            blk.line(f"part{i}_{con.name} = tl.zeros([BLOCK_K, BLOCK_N], dtype={ACC[con.acc]})")
+    blk.line(f"for k0 in tl.range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K, num_stages={s['num_stages']}):")
+    loop = blk.child(blk.indent + "    ", {}, fresh=True)
+    loop.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+    if kmask:
+        loop.line(f"kmask_b = kb < {em.emit(contracts[0].extent, loop)}")
+    k_axis, e_axis = ("kb", "kmask_b" if kmask else None), ("e", None)
+    b_scope = loop.child(axes={"c": ("c", cmask),
+                               "k": k_axis, "e": e_axis}, fresh=True)
+    rows = [loop.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": k_axis, "e": e_axis}, fresh=True) for i in range(bm)]
+    for con in contracts:
+        operand, acc_t = con.operand_dtype(em.attrs), ACC[con.acc]
+        w = em.temp(loop, f"{em.operand(con.b, b_scope, operand)}.to({acc_t})")
+        for i, row in enumerate(rows):
+            loop.line(f"part{i}_{con.name} += {em.operand(con.a, row, operand)}.to({acc_t}) * {w}")
+    for i in range(bm):
+        for con in contracts:
+            acc = accs[con.name]
+            blk.line(f"{acc} = tl.where(row_ids == {i}, tl.sum(part{i}_{con.name}, axis=0)[None, :], {acc})")
+
+
 def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     """A moe workload's Triton kernel for schedule `s`."""
     op, attrs = wl.op, wl.attr
@@ -107,28 +170,20 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     if cmask:
         blk.line(f"cmask = c < {em.emit(op.domain[1], blk)}")
     accs = {con.name: f"acc_{con.name}" for con in contracts}
-    for acc in accs.values():
-        blk.line(f"{acc} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
-    blk.line(f"for k0 in range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K):")
-    loop = blk.child(blk.indent + "    ", {}, fresh=True)
-    loop.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
-    loop.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
-    if kmask:
-        k_extent = em.emit(contracts[0].extent, loop)
-        loop.line(f"kmask_a = ka < {k_extent}")
-        loop.line(f"kmask_b = kb < {k_extent}")
-    e_axis = ("e", None)
-    a_scope = loop.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None), "e": e_axis},
-                         fresh=True)
-    b_scope = loop.child(axes={"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None), "e": e_axis},
-                         fresh=True)
     for con in contracts:
-        operand = con.operand_dtype(attrs)
-        a = em.operand(con.a, a_scope, operand)
-        b = em.operand(con.b, b_scope, operand)
-        loop.line(f"{accs[con.name]} = tl.dot({a}, {b}, {accs[con.name]}, out_dtype=tl.float32)")
+        blk.line(f"{accs[con.name]} = tl.zeros([BLOCK_M, BLOCK_N], dtype={ACC[con.acc]})")
+    if s["block_m"] < MMA_MIN_ROWS:
+        _alu_k_loop(em, blk, contracts, accs, s, cmask, kmask)
+    else:
+        _mma_k_loop(em, blk, contracts, accs, cmask, kmask)
     em.named.update(accs)
-    out = blk.child(axes={"r": ("r", "rmask"), "c": ("c", cmask), "e": e_axis}, fresh=True)
+    out_cmask = cmask
+    if out_cmask is None and s["block_m"] < MMA_MIN_ROWS:
+        # a one-pair tile's [1, 1] row mask, which Triton's interpreter does not broadcast over an
+        # atomic add's columns (it adds the first only): an ALU tile's epilogue gets the output's shape
+        blk.line(f"cmask_out = c < {em.emit(op.domain[1], blk)}")
+        out_cmask = "cmask_out"
+    out = blk.child(axes={"r": ("r", "rmask"), "c": ("c", out_cmask), "e": ("e", None)}, fresh=True)
     for st in body:
         if isinstance(st, Store):
             em.store(st, out)
