@@ -15,6 +15,13 @@ from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import get_target
 from flashgen.workload import recorded_workload, workload
 
+SHIPPED_FILES = json.loads((SHIPPED_DIR / "MANIFEST.json").read_text())["files"]  # name -> {records, sha256}
+
+
+def _device(name: str) -> str:
+    """The target key of the records a shipped file holds (`<device>.jsonl`)."""
+    return get_target(name.removesuffix(".jsonl")).id
+
 
 @pytest.fixture(autouse=True)
 def _shipped_on(monkeypatch):
@@ -36,13 +43,14 @@ def test_every_shipped_record_is_verified_and_valid_in_its_space():
 
 
 def _copy(tmp_path):
+    """The shipped folder, every file the manifest lists and the manifest, where a test may damage it."""
     folder = tmp_path / "shipped"
     shutil.copytree(SHIPPED_DIR, folder)
     return folder
 
 
-def _damage(folder, damage):
-    data = folder / "h200.jsonl"
+def _damage(folder, damage, name="h200.jsonl"):
+    data = folder / name
     raw = bytearray(data.read_bytes())
     if damage == "flip":
         raw[len(raw) // 2] ^= 0x01
@@ -55,28 +63,55 @@ def _damage(folder, damage):
         (folder / "MANIFEST.json").write_text("{not json")
 
 
-@pytest.mark.parametrize("damage, why", [("flip", "failed its sha256 check"), ("truncate", "failed its sha256 check"),
-                                         ("empty", "failed its sha256 check"), ("manifest", "missing or unreadable")])
-def test_a_damaged_shipped_file_is_not_served(tmp_path, monkeypatch, damage, why):
+@pytest.mark.parametrize("name", sorted(SHIPPED_FILES))
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_a_damaged_shipped_file_is_not_served(tmp_path, monkeypatch, damage, name):
+    """None of a damaged file's records is served; the other files the manifest lists still are."""
     folder = _copy(tmp_path)
-    _damage(folder, damage)
+    _damage(folder, damage, name)
+    others = {n: e["records"] for n, e in SHIPPED_FILES.items() if n != name}
     records, problems = shipped_mod._read_verified(folder)
-    assert records == [] and len(problems) == 1 and why in problems[0], problems
+    assert len(problems) == 1 and f"{folder / name} failed its sha256 check" in problems[0], problems
+    assert len(records) == sum(others.values()) and {r.target_key for r in records} == {_device(n) for n in others}
     monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
-    with pytest.warns(UserWarning, match=f"shipped records not served: .*{why}"):
+    with pytest.warns(UserWarning, match=f"shipped records not served: .*{name} failed its sha256 check"):
+        db = shipped_database()
+    assert (db.count() if db is not None else 0) == sum(others.values())
+
+
+def test_a_damaged_manifest_serves_no_shipped_file(tmp_path, monkeypatch):
+    folder = _copy(tmp_path)
+    _damage(folder, "manifest")
+    records, problems = shipped_mod._read_verified(folder)
+    assert records == [] and len(problems) == 1 and "missing or unreadable" in problems[0], problems
+    monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
+    with pytest.warns(UserWarning, match="shipped records not served: .*missing or unreadable"):
         assert shipped_database() is None
 
 
 def test_db_list_shipped_says_the_file_failed_its_sha256_check(tmp_path, monkeypatch, capsys):
-    """A tampered file was blamed on FLASHGEN_SHIPPED=0 or on none being installed, with exit 0."""
+    """A tampered file was blamed on FLASHGEN_SHIPPED=0 or on none being installed, with exit 0: with
+    every shipped file tampered, one line names each and the exit is 2; with one, the others' records are
+    listed and one warning line names it."""
     folder = _copy(tmp_path)
-    _damage(folder, "flip")
+    for name in SHIPPED_FILES:
+        _damage(folder, "flip", name)
     monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
     assert main(["db", "list", "--shipped"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, err
-    assert f"{folder / 'h200.jsonl'} failed its sha256 check against MANIFEST.json" in err, err
+    for name in SHIPPED_FILES:
+        assert f"{folder / name} failed its sha256 check against MANIFEST.json" in err, err
     assert "FLASHGEN_SHIPPED" not in err
+    folder = _copy(tmp_path / "one")
+    _damage(folder, "flip", "h200.jsonl")
+    monkeypatch.setattr(shipped_mod, "SHIPPED_DIR", folder)
+    assert main(["db", "list", "--shipped"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and f"{folder / 'h200.jsonl'} failed its sha256 check against MANIFEST.json" in err
+    targets = [line.split()[2] for line in out.splitlines()[1:]]
+    others = {n: e["records"] for n, e in SHIPPED_FILES.items() if n != "h200.jsonl"}
+    assert len(targets) == sum(others.values()) and set(targets) == {_device(n) for n in others}, out
 
 
 def _rewrite(folder, change):
@@ -187,18 +222,26 @@ def _best_rows(out: str) -> list[tuple[str, str, str]]:
     return [(line.split()[2], line.split()[-2], line.split()[-1]) for line in lines[1:] if not line.startswith("(")]
 
 
+def _shipped_keys(device: str) -> set[str]:
+    """The workload keys `device` has shipped records of."""
+    return {r.workload_key for r in shipped_database().best_all(get_target(device).id)}
+
+
 def test_db_best_on_a_fresh_install_shows_the_shipped_records_dispatch_serves(tmp_path, monkeypatch, capsys):
     """With no database yet (or an empty one), `db best --target h200` said no tuning database (or no
-    records) while dispatch served every shipped H200 record."""
-    h200 = {r.workload_key for r in shipped_database().best_all("cuda:sm_90/h200")}
+    records) while dispatch served every shipped H200 record (and the H100's of workloads it has none of)."""
+    h200 = _shipped_keys("h200")
+    h100 = _shipped_keys("h100") - h200
+    expected = {("cuda:sm_90/h200", k, "shipped") for k in h200} | {("cuda:sm_90/h100", k, "shipped") for k in h100}
     monkeypatch.setenv("FLASHGEN_DB", str(tmp_path / "none.db"))
     assert main(["db", "best", "--target", "h200"]) == 0
-    rows = _best_rows(capsys.readouterr().out)
-    assert {k for _, k, _ in rows} == h200 and len(rows) == len(h200)
-    assert {(t, o) for t, _, o in rows} == {("cuda:sm_90/h200", "shipped")}
+    out = capsys.readouterr().out
+    rows = _best_rows(out)
+    assert set(rows) == expected and len(rows) == len(expected)
+    assert f"({len(h100)} records of another device of the architecture" in out, out
     Database(tmp_path / "none.db").close()  # an empty database: the shipped records still fill in
     assert main(["db", "best", "--target", "h200"]) == 0
-    assert len(_best_rows(capsys.readouterr().out)) == len(h200)
+    assert set(_best_rows(capsys.readouterr().out)) == expected
 
 
 def test_db_best_shows_what_compile_takes_user_shipped_and_other_device(tmp_path, monkeypatch, capsys):
@@ -212,14 +255,19 @@ def test_db_best_shows_what_compile_takes_user_shipped_and_other_device(tmp_path
         user.add(Record(workload_key=rec.workload_key, workload=rec.workload, target_key=rec.target_key,
                         schedule=ScheduleSpace(wl, get_target("h200")).default(), status="ok", latency_us=99.0,
                         device="mine"))
-    for name in ("h200", "h100"):
+    own = {name: _shipped_keys(name) for name in ("h200", "h100")}
+    assert own["h100"] - own["h200"] and rec.workload_key not in own["h100"]
+    for name, other in (("h200", "h100"), ("h100", "h200")):
         assert main(["db", "best", "--target", name, "--db", str(tmp_path / "u.db")]) == 0
         out = capsys.readouterr().out
         rows = {k: (t, o) for t, k, o in _best_rows(out)}
         assert rows[rec.workload_key] == ("cuda:sm_90/h200", "database")
-        assert len(rows) == len({r.workload_key for r in shipped})
+        assert set(rows) == own[name] | own[other]
         assert all(o == "shipped" for k, (_, o) in rows.items() if k != rec.workload_key)
-        assert ("records of another device of the architecture" in out) == (name == "h100"), out
+        assert all(t == get_target(name).id for k, (t, _) in rows.items() if k in own[name])
+        borrowed = own[other] - own[name]  # (on the H100, the user's H200 record among them)
+        assert all(rows[k][0] == get_target(other).id for k in borrowed)
+        assert f"({len(borrowed)} records of another device of the architecture" in out, out
         target = get_target(name)
         schedule, source = choose_schedule(wl, target, tmp_path / "u.db", None)
         assert schedule == ScheduleSpace(wl, target).default() and str(tmp_path / "u.db") in source
@@ -242,15 +290,18 @@ def test_dispatch_serves_shipped_records_exactly_and_as_buckets(tmp_path):
 
 
 def test_shipped_gemv_records_never_serve_several_rows(tmp_path, capsys):
-    """The W4A16 qkv GEMM of Llama-3-8B at 2-16 rows on an H100 has only the H200's M=1 bf16 records in
-    its own dtype, one-row GEMV tiles: dispatch serves the fp16 M=16 matrix tile instead (never a tile of
-    fewer rows than the call, which would read the weight once per row tile), and says what it skipped."""
+    """The W4A16 8192x8192 GEMM (Llama-3-70B's o_proj) at 2-16 rows on an H100, which has no records of
+    that shape of its own, has only the H200's M=1 bf16 records in its own dtype, one-row GEMV tiles:
+    dispatch serves the fp16 M=16 matrix tile instead (never a tile of fewer rows than the call, which
+    would read the weight once per row tile), and says what it skipped."""
     from flashgen.runtime.serving.dispatch import Dispatcher
     from flashgen.schedules.contraction_space import flat_of
     target, db = get_target("h100"), tmp_path / "empty.db"
+    assert not any(r.workload["dims"]["N"] == r.workload["dims"]["K"] == 8192
+                   for r in shipped_database().best_all(target.id) if r.workload["op"] == "gemm_w4a16")
     Database(db).close()  # a user database of no records: the shipped ones serve
     for m in range(1, 17):
-        wl = workload("gemm_w4a16", M=m, N=6144, K=4096, G=128, dtype="bf16")
+        wl = workload("gemm_w4a16", M=m, N=8192, K=8192, G=128, dtype="bf16")
         d = Dispatcher(target, db).choose(wl, target)
         block_m = flat_of(wl, ScheduleSpace(wl, target).complete(d.schedule))["block_m"]
         assert block_m >= m, (m, d)
@@ -258,7 +309,8 @@ def test_shipped_gemv_records_never_serve_several_rows(tmp_path, capsys):
             assert d.kind == "other-device record" and d.source.startswith("bucket M=16, tuned in fp16")
             assert d.source.endswith(f"(bucket M=1, tuned on cuda:sm_90/h200 skipped: a GEMV tile of 1 row "
                                      f"cannot serve {m} rows)")
-    assert main(["explain", "gemm_w4a16", "--dim", "M=16", "--dim", "N=6144", "--dim", "K=4096", "--dim", "G=128",
+    assert main(["explain", "gemm_w4a16", "--dim", "M=16", "--dim", "N=8192", "--dim", "K=8192", "--dim", "G=128",
                  "--dtype", "bf16", "--target", "h100", "--db", str(db)]) == 0
     out = capsys.readouterr().out
     assert '"block_m": 16' in out and "skipped: a GEMV tile of 1 row cannot serve 16 rows" in out
+
