@@ -314,3 +314,23 @@ def test_shipped_gemv_records_never_serve_several_rows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert '"block_m": 16' in out and "skipped: a GEMV tile of 1 row cannot serve 16 rows" in out
 
+
+def test_an_h100_serves_its_own_shipped_records_and_an_h200_the_h200s(tmp_path):
+    """Each of the H100's shipped W4A16 decode GEMMs is served on an H100 from its own record, exact, not
+    from the H200's; the H200 still serves Llama-3-8B's qkv GEMM at 16 rows from its own records."""
+    from flashgen.runtime.serving.dispatch import Dispatcher
+    shipped = shipped_database()
+    h100, h200 = get_target("h100"), get_target("h200")
+    own = shipped.best_all(h100.id)
+    assert len(own) == SHIPPED_FILES["h100.jsonl"]["records"] > 0
+    for rec in own:
+        wl = recorded_workload(rec.workload, rec.workload_key)
+        d = Dispatcher(h100, tmp_path / "none.db").choose(wl, h100)
+        assert d.source == f"exact (timed behind {rec.extra['behind']['op']}) from shipped records", d
+        assert d.schedule == rec.schedule
+    wl = workload("gemm_w4a16", M=16, N=6144, K=4096, G=128, dtype="bf16")
+    theirs = shipped.best(wl.key, h100.id)
+    mine = shipped.best(workload("gemm_w4a16", M=16, N=6144, K=4096, G=128, dtype="fp16").key, h200.id)
+    assert theirs is not None and mine is not None and theirs.schedule != mine.schedule
+    d = Dispatcher(h200, tmp_path / "none.db").choose(wl, h200)
+    assert d.source.startswith("bucket M=16, tuned in fp16 (") and d.schedule == mine.schedule, d
