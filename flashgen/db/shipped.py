@@ -9,8 +9,8 @@ served, nor a record whose workload is not the one its key names (one warning ea
 `FLASHGEN_SHIPPED=0` (or false, no, off) turns the shipped records off, to measure with a user database
 alone; a value that is no such word is refused.
 
-Maintainers rebuild the files from H200 record logs with
-`python -m flashgen.db.ship h200 benchmarks/results/h200_gemm_records.jsonl ...`.
+Maintainers rebuild a device's file from its record logs with
+`python -m flashgen.db.ship h200 benchmarks/results/h200_gemm_records.jsonl ...` (h100 likewise).
 """
 from __future__ import annotations
 
