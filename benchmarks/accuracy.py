@@ -223,7 +223,8 @@ def model_folder(args: argparse.Namespace) -> tuple[Path, str]:
     folder = convert_gguf(gguf_file(args.gguf, cache), cache)
     src = json.loads((folder / "gguf.json").read_text())
     types = ", ".join(f"{n} x{k}" for n, k in sorted(src["tensor_types"].items()))
-    return folder, f"{src['gguf']} dequantized to float32 by transformers (the GGUF's tensors: {types})"
+    return folder, (f"{src['gguf']} dequantized to float32 by transformers (the GGUF's tensors: {types}; the float "
+                    "weights are these dequantized, which each mode quantizes again)")
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> None:
     notes = (f"Model: {model}. Text: {source}, sha256 {meta['text_sha256'][:16]}..., its first {len(tokens)} "
              f"tokens (no special tokens), {meta['windows']} windows of {args.window} tokens {args.stride} apart; "
              f"every token but the first scored once. Perplexity = exp(mean negative log-likelihood), cross-entropy "
-             f"in float64 from each row's logits. Rows: the decoder in float32 ({REFERENCE}, the reference), "
+             f"in float64 from each row's logits. Rows: the decoder in float32 (the reference), "
              f"transformers' own float32 forward of the same windows (a check of the decoder), and the decoder in "
              f"each quant mode with bf16 activations, computed on the CPU as the mode's GPU kernels compute "
              f"(runtime/decoder/quant_modes.py); linears_as: the modes its linears computed in (mixed takes one per "
@@ -312,7 +313,7 @@ def run(args: argparse.Namespace) -> None:
              f"nearest, symmetric; 4-bit weights in groups of 128 along K where K is a multiple of 128, else per "
              f"channel: here {int4_groups(config)}): no GPTQ or AWQ checkpoint of this model could be made here "
              f"without a GPTQ/AWQ tool, so RTN alone was measured. bits_per_weight: what a linear's weight takes, "
-             f"scales included (mixed also holds w8a8's int8 copy).")
+             f"scales included (mixed also holds w8a8's int8 copy); seconds: the row's scoring time on this CPU.")
     scores: dict[str, Score] = {}
     paths: dict[str, str] = {}
 
