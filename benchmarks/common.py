@@ -129,7 +129,9 @@ def environment(device: str | None = None) -> dict[str, Any]:
 
 
 def write_results(name: str, header: Sequence[str], rows: list[Sequence[Any]], meta: dict[str, Any],
-                  out_dir: Path = RESULTS, notes: str = "") -> tuple[Path, Path]:
+                  out_dir: Path = RESULTS, notes: str = "", formats: dict[str, str] | None = None) -> tuple[Path, Path]:
+    """<out_dir>/<name>.json (values as they are) and .md (a table: floats to 3 significant digits, or in
+    the format spec `formats` gives their column)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     js = out_dir / f"{name}.json"
     js.write_text(json.dumps({"meta": meta, "columns": list(header), "rows": [list(r) for r in rows]},
@@ -140,12 +142,15 @@ def write_results(name: str, header: Sequence[str], rows: list[Sequence[Any]], m
     if notes:
         lines += [notes, ""]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+    specs = [(formats or {}).get(h) for h in header]
+    lines += ["| " + " | ".join(_fmt(v, f) for v, f in zip(r, specs)) + " |" for r in rows]
     md.write_text("\n".join(lines) + "\n")
     return js, md
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Any, spec: str | None = None) -> str:
+    if isinstance(v, float) and spec:
+        return format(v, spec)
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)

@@ -6,19 +6,12 @@ from pathlib import Path
 
 import torch
 
-from flashgen.runtime.decoder.engine import Engine
-from flashgen.runtime.decoder.model import Batch, Decoder
+from flashgen.runtime.decoder.model import Decoder
+from flashgen.runtime.decoder.scoring import prompt_logits
 
 
 def prefill_logits(model: Decoder, prompt: list[int], num_blocks: int = 32) -> torch.Tensor:
-    eng = Engine(model, num_blocks=num_blocks)
-    eng.cache.manager.reserve(0, len(prompt))
-    table, bs = eng.cache.manager.tables[0], eng.cache.manager.block_size
-    dev = model.device
-    batch = Batch(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev),
-                  torch.tensor([table[p // bs] * bs + p % bs for p in range(len(prompt))], device=dev), [0],
-                  [len(prompt)], [len(prompt)])
-    return model.forward(batch, eng.cache, last_only=False)
+    return prompt_logits(model, prompt, num_blocks)
 
 
 def write_checkpoint(hf: torch.nn.Module, folder: Path, also: tuple[str, ...] = ()) -> Path:

@@ -6,9 +6,10 @@ record timed behind a producer, as a decode step runs it, where it has any); els
 tuned bucket (the same workload with the smallest tuned row count at or above this one, else the
 largest below, and among those the nearest in the other row dims, such as a decode's context
 length; failing that, the same in the other 16-bit float dtype, then the workload's plain form: a
-fused norm's base GEMM, epilogues left out, which streams the same weights); else the same two steps
-on the records of another device of the same architecture (an H100 served by H200 records: the
-schedules are valid there and rank alike, far better than a default); else the analytic default.
+fused norm's base GEMM, epilogues left out, which streams the same weights). Each step reads the
+call's own device's records, then another device's of the same architecture (an H100 served by H200
+records: the schedules are valid there and rank alike, far better than a default): an exact record
+of a sibling device comes before a bucket of the call's own. Else the analytic default.
 A bucket never crosses a kernel regime: a record tuned at another row count whose schedule would not
 serve the call's rows as it served its own (`ScheduleSpace.why_other_regime`: a one-row GEMV tile for
 16 rows reads the weight 16 times) is skipped, in every form and on every device, and where a form's
@@ -145,6 +146,11 @@ def _distance(dims: Mapping[str, int], wl: Workload) -> float:
     return sum(abs(math.log2(max(1, dims.get(d, 1)) / max(1, wl.dim[d]))) for d in wl.op.row_dims[1:])
 
 
+def _tuned_on(records: Target, target: Target) -> str:
+    """A source's note naming the sibling device whose records served the call, if not the call's own."""
+    return "" if records is target else f", tuned on {records.id}"
+
+
 class Dispatcher:
     def __init__(self, target: Target | str | None = None, db: str | os.PathLike | None = None):
         self._target = get_target(target) if isinstance(target, str) else target
@@ -168,12 +174,18 @@ class Dispatcher:
     def choose(self, wl: Workload, target: Target) -> Decision:
         space = ScheduleSpace(wl, target)
         skipped: list[str] = []  # buckets of another regime passed over, said in the decision
-        for records in serving_devices(target):  # each device's exact record, then its nearest bucket
-            tuned_on = "" if records is target else f", tuned on {records.id}"
-            found = self._exact(wl, records.id, space) or self._bucket(wl, records.id, space, tuned_on, skipped)
+        devices = serving_devices(target)
+        # every device's exact record first, then every device's nearest bucket: a record of this very
+        # workload from a sibling GPU ranks its schedules alike, a bucket of another row count may not
+        for records in devices:
+            found = self._exact(wl, records.id, space)
+            if found is not None:
+                return Decision(wl, target.id, found[1], found[0] + _tuned_on(records, target))
+        for records in devices:
+            found = self._bucket(wl, records.id, space, _tuned_on(records, target), skipped)
             if found is not None:
                 source, schedule = found
-                return Decision(wl, target.id, schedule, source + tuned_on + _notes(skipped))
+                return Decision(wl, target.id, schedule, source + _tuned_on(records, target) + _notes(skipped))
         return Decision(wl, target.id, space.default(), "default" + _notes(skipped))
 
     def _exact(self, wl: Workload, records_id: str, space: ScheduleSpace) -> tuple[str, Schedule] | None:
