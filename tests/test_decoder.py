@@ -292,6 +292,27 @@ def test_mixed_layer_without_w8a8_keeps_no_int8_weight(tmp_path):
         assert torch.equal(apply(x[:m], kept, None, set(), plan), apply(x[:m], kept.choices[mode], None, set()))
 
 
+def test_mixed_plan_takes_no_unmeasured_mode_over_a_measured_one(tmp_path):
+    """A mode known by its roofline alone (w4a8 here: no records) is not chosen while another is known
+    by records, however low its bound; an int8 mode's estimate counts its activation quantization."""
+    from flashgen.runtime.decoder.mixed import ModePlan
+    from flashgen.runtime.decoder.quant_modes import prepare
+    q = prepare(torch.randn(1024, 512, generator=torch.Generator().manual_seed(5)), "mixed")
+    db = tmp_path / "t.db"
+    _mixed_records(db, q, {"w4a16": dict(zip(TUNED_ROWS, (2.0, 10.0, 12.0, 16.0, 25.0, 40.0))),
+                           "w8a8": dict(zip(TUNED_ROWS, (5.0, 6.0, 7.0, 9.0, 14.0, 25.0)))})
+    plan = ModePlan("h200", db, torch.bfloat16)
+    kept = q.settle(plan)
+    assert sorted(kept.choices) == ["w4a16", "w8a8"]
+    chosen = {c.rows: c for c in plan.plans[(1024, 512)]}
+    for c in chosen.values():
+        est = dict(c.estimates)
+        assert not est["w4a8"].measured and est["w4a8"].us < est[c.mode].us  # (the bound is lower, yet not taken)
+    at1 = dict(chosen[1].estimates)["w8a8"]
+    assert at1.source.startswith("records M=1") and "+ dynamic_quant" in at1.source and at1.us > 5.0
+    assert chosen[1].mode == "w4a16" and chosen[16].mode == "w8a8"
+
+
 def test_mixed_plan_bad_inputs_are_one_line_errors(tmp_path):
     from flashgen.runtime.decoder.mixed import ModePlan
     with pytest.raises(FlashgenError) as e:

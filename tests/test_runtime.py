@@ -103,7 +103,8 @@ def test_dispatch_exact_bucket_default(tmp_path, capsys):
 
 def test_dispatch_takes_another_device_of_the_architecture(tmp_path):
     """An H100 with no records of its own runs the schedules tuned on the H200 (same sm_90 binaries),
-    said so in the decision; its own records, exact or a bucket, come first."""
+    said so in the decision; a record of the very workload comes first, the H100's own or the H200's,
+    then the H100's own buckets before the H200's."""
     h100 = get_target("h100")
     db_path = tmp_path / "t.db"
     s64 = {"block_r": 4, "block_c": 1024, "num_warps": 4}
@@ -121,7 +122,9 @@ def test_dispatch_takes_another_device_of_the_architecture(tmp_path):
                       workload=flashgen.workload("rmsnorm", M=32, N=1000, dtype="bf16").to_json(),
                       target_key=h100.id, schedule=own, status="ok", latency_us=2.0, device="NVIDIA H100 80GB HBM3"))
     d = Dispatcher(h100, db_path)
-    assert (d.choose(wl, h100).source, d.choose(wl, h100).schedule) == ("bucket M=32", own)  # its own bucket first
+    assert (d.choose(wl, h100).source, d.choose(wl, h100).schedule) == ("exact, tuned on cuda:sm_90/h200", s64)
+    m48 = flashgen.workload("rmsnorm", M=48, N=1000, dtype="bf16")
+    assert (d.choose(m48, h100).source, d.choose(m48, h100).schedule) == ("bucket M=32", own)  # its own bucket first
     assert d.choose(wl, get_target("h200")).source == "exact"  # the H200 keeps its own
 
 
@@ -346,16 +349,17 @@ def test_mixed_estimates_read_the_database_once_per_state(tmp_path, monkeypatch)
     s8 = ScheduleSpace(w8, h200).default()  # served: valid today
     with Database(db_path) as db:
         _record(db, w8, s8, 14.0)
+    # (M=3 looks for an exact record on both devices of the architecture before the H200's bucket)
     assert [estimate(w8.with_dims(M=m), h200, db_path).us for m in (3, 16, 3, 16)] == [14.0] * 4
-    assert len(reads) == 1
+    assert len(reads) == 2
     d = Dispatcher(h200, db_path)
-    for _ in range(2):  # a bucket lookup: the H200's records as read above, then once the H100's (none fit)
+    for _ in range(2):  # a bucket lookup: both devices' records as read above
         d.choose(flashgen.workload("rmsnorm", M=40, N=1000, dtype="bf16"), h200)
         assert len(reads) == 2
     with Database(db_path) as db:
         _record(db, w8, {**s8, "num_stages": 3 if s8["num_stages"] != 3 else 2}, 7.0)
     assert [estimate(w8.with_dims(M=m), h200, db_path).us for m in (3, 16)] == [7.0] * 2
-    assert len(reads) == 3
+    assert len(reads) == 4
 
 
 def test_warm_start_compiles_nothing(monkeypatch):

@@ -317,7 +317,8 @@ def test_shipped_gemv_records_never_serve_several_rows(tmp_path, capsys):
 
 def test_an_h100_serves_its_own_shipped_records_and_an_h200_the_h200s(tmp_path):
     """Each of the H100's shipped W4A16 decode GEMMs is served on an H100 from its own record, exact, not
-    from the H200's; the H200 still serves Llama-3-8B's qkv GEMM at 16 rows from its own records."""
+    from the H200's; an H200 serves Llama-3-8B's qkv GEMM at 16 rows from the H100's exact record before
+    its own fp16 bucket (a record of the very workload first, whichever GPU of the architecture)."""
     from flashgen.runtime.serving.dispatch import Dispatcher
     shipped = shipped_database()
     h100, h200 = get_target("h100"), get_target("h200")
@@ -333,4 +334,7 @@ def test_an_h100_serves_its_own_shipped_records_and_an_h200_the_h200s(tmp_path):
     mine = shipped.best(workload("gemm_w4a16", M=16, N=6144, K=4096, G=128, dtype="fp16").key, h200.id)
     assert theirs is not None and mine is not None and theirs.schedule != mine.schedule
     d = Dispatcher(h200, tmp_path / "none.db").choose(wl, h200)
-    assert d.source.startswith("bucket M=16, tuned in fp16 (") and d.schedule == mine.schedule, d
+    assert d.source == "exact (timed behind rmsnorm) from shipped records, tuned on cuda:sm_90/h100", d
+    assert d.schedule == theirs.schedule
+    d = Dispatcher(h200, tmp_path / "none.db").choose(wl.with_dims(M=12), h200)  # no exact record: its own bucket
+    assert d.source.startswith("bucket M=16, tuned in fp16") and d.schedule == mine.schedule, d

@@ -47,11 +47,16 @@ class Recorder:
         return self.calls[at - 1] if at else None
 
 
-def gemm_workload(q: Any, rows: int, dtype: torch.dtype) -> Workload:
-    """The GEMM a plain call of `rows` rows (no norm, gate, bias or residual) launches in `q`'s mode:
-    the last contraction recorded."""
+def call_workloads(q: Any, rows: int, dtype: torch.dtype) -> list[Workload]:
+    """The kernels a plain call of `rows` rows (no norm, gate, bias or residual) launches in `q`'s mode,
+    in launch order: the GEMM, and before it the int8 modes' activation quantization."""
     from flashgen.runtime.decoder.linear import apply  # (linear imports the modes this module serves)
 
     rec = Recorder()
     apply(torch.empty(rows, q.shape[1], dtype=dtype, device="meta"), q, None, set(), ops=rec)
-    return next(wl for wl in reversed(rec.calls) if wl.op.kclass == "contraction")
+    return rec.calls
+
+
+def gemm_workload(q: Any, rows: int, dtype: torch.dtype) -> Workload:
+    """The GEMM of such a call (`call_workloads`): the last contraction launched."""
+    return next(wl for wl in reversed(call_workloads(q, rows, dtype)) if wl.op.kclass == "contraction")

@@ -7,11 +7,14 @@ serve it on the running GPU, and picks the fastest. The estimate comes from the 
 serve the call with (runtime/serving/dispatch.py `tuned_forms`: the target's records, then another
 device's of its architecture; the workload's own form, the other 16-bit dtype's, the plain form's),
 only those whose schedules serve that row count in their own regime (`serving`: never a one-row GEMV
-record for 16 rows), their latencies interpolated to the call's rows (`latency_at`). Where no such
-record exists, the GEMM's roofline on the target stands for it (flashgen/roofline.py `contraction_us`:
-4-bit weights stream the fewest bytes at small M, int8 tensor cores run twice the 16-bit rate at large
-M), scaled by how far the modes known by records at that row count are from theirs (`comparable`). A
-mode's activation quantization (the int8 modes' rmsnorm_quant or dynamic_quant) is not counted.
+record for 16 rows), their latencies interpolated to the call's rows (`latency_at`). A mode with no
+such record is not chosen while another mode has one (`pick`): a roofline is a bound no kernel of a
+new form is known to approach (the H100's W4A8 `lanes` tiles ran at 0.14-0.62 of theirs, the
+W4A16 GEMVs at 0.4-0.9), and a mixed decoder that followed one ran 0.81x its own W4A16 at batch 1
+(benchmarks/results/model_quant_load.md). Where no mode is measured, the GEMMs' rooflines on the
+target decide (flashgen/roofline.py `contraction_us`: 4-bit weights stream the fewest bytes at small
+M, int8 tensor cores run twice the 16-bit rate at large M). A mode's activation quantization (the int8
+modes' rmsnorm_quant or dynamic_quant) is not counted.
 
 A call of rows between two planned counts takes the next planned count up, past the largest the
 largest's mode. A mixed linear keeps only the weights of the modes its shape's plan picks at some
@@ -28,8 +31,8 @@ import torch
 from flashgen.db.shipped import serving_devices
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
-from flashgen.roofline import contraction_us
-from flashgen.runtime.decoder.calls import gemm_workload
+from flashgen.roofline import contraction_us, roofline_us
+from flashgen.runtime.decoder.calls import call_workloads
 from flashgen.runtime.serving.dispatch import serving, tuned_forms
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
@@ -69,36 +72,49 @@ ROOFLINE = "roofline"
 class Estimate:
     """A mode's GEMM time at a row count, where it comes from, and the GEMM's roofline."""
     us: float
-    source: str  # "records M=1,16, tuned in fp16", "roofline" or "roofline x1.25"
+    source: str  # "records M=1,16, tuned in fp16" or "roofline"
     roofline_us: float
+
+    @property
+    def measured(self) -> bool:
+        """Whether records, not the roofline alone, give the GEMM's time."""
+        return not self.source.startswith(ROOFLINE)
 
 
 def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) -> Estimate:
-    """`wl`'s time as dispatch would serve it: from the first form (on the first device) holding records
-    that serve its rows in their regime, interpolated to its rows; else its roofline."""
+    """`wl`'s time as dispatch would serve it (`Dispatcher.choose`'s order): a record of exactly its
+    rows on any serving device, else the first form (on the first device) holding records that serve
+    its rows in their regime, interpolated to its rows; else its roofline."""
     space, rows = ScheduleSpace(wl, target), wl.dim[wl.op.row_dims[0]]
-    for records in serving_devices(target):
-        for note, tuned in tuned_forms(wl, db_path, records.id, space):
-            served: dict[int, float] = {}
-            for size, _, rec in serving(tuned, rows, space):
-                served[size] = min(served.get(size, rec.latency_us), rec.latency_us)
-            if served:
-                on = "" if records is target else f", tuned on {records.id}"
-                return Estimate(latency_at(served, rows), f"records M={','.join(map(str, sorted(served)))}{note}{on}",
-                                contraction_us(wl, target))
-    return Estimate(contraction_us(wl, target), ROOFLINE, contraction_us(wl, target))
+    bound = contraction_us(wl, target) if wl.op.kclass == "contraction" else roofline_us(wl, target)
+    devices = serving_devices(target)
+    for own_rows_only in (True, False):
+        for records in devices:
+            for note, tuned in tuned_forms(wl, db_path, records.id, space):
+                served: dict[int, float] = {}
+                for size, _, rec in serving(tuned, rows, space):
+                    if not own_rows_only or (size == rows and not note):
+                        served[size] = min(served.get(size, rec.latency_us), rec.latency_us)
+                if served:
+                    on = "" if records is target else f", tuned on {records.id}"
+                    return Estimate(latency_at(served, rows), f"records M={','.join(map(str, sorted(served)))}{note}{on}",
+                                    bound)
+    return Estimate(bound, ROOFLINE, bound)
 
 
-def comparable(estimates: tuple[tuple[str, Estimate], ...]) -> tuple[tuple[str, Estimate], ...]:
-    """The estimates of one row count on one footing: a mode known by its roofline alone is taken to
-    reach it as the modes known by records reach theirs (their mean ratio of time to roofline), so that
-    a lower bound is never compared with a measured time."""
-    ratios = [e.us / e.roofline_us for _, e in estimates if e.source != ROOFLINE]
-    if not ratios:
-        return estimates
-    scale = sum(ratios) / len(ratios)
-    return tuple((mode, e if e.source != ROOFLINE else Estimate(e.roofline_us * scale, f"{ROOFLINE} x{scale:.2f}",
-                                                                 e.roofline_us)) for mode, e in estimates)
+def call_estimate(calls: list[Workload], target: Target, db_path: str | os.PathLike | None) -> Estimate:
+    """A call's time: its GEMM's estimate plus those of the kernels before it (an int8 mode's activation
+    quantization, an extra launch that W4A16 does not make); known by records where its GEMM is."""
+    parts = [estimate(wl, target, db_path) for wl in calls]
+    gemm = parts[-1]
+    extra = "".join(f" + {wl.op_name} {e.us:.1f} us" for wl, e in zip(calls[:-1], parts[:-1]))
+    return Estimate(sum(e.us for e in parts), gemm.source + extra, sum(e.roofline_us for e in parts))
+
+
+def pick(estimates: tuple[tuple[str, Estimate], ...]) -> str:
+    """The fastest mode among those known by records, or among all where none is (rooflines alone)."""
+    measured = [(mode, e) for mode, e in estimates if e.measured]
+    return min(measured or estimates, key=lambda me: me[1].us)[0]
 
 
 @dataclass(frozen=True)
@@ -126,9 +142,9 @@ class ModePlan:
         if shape not in self.plans:
             out = []
             for rows in planned_rows():
-                est = comparable(tuple((mode, estimate(gemm_workload(q, rows, self.dtype), self.target, self.db_path))
-                                       for mode, q in choices.items()))
-                out.append(Choice(rows, min(est, key=lambda e: e[1].us)[0], est))
+                est = tuple((mode, call_estimate(call_workloads(q, rows, self.dtype), self.target, self.db_path))
+                            for mode, q in choices.items())
+                out.append(Choice(rows, pick(est), est))
             self.plans[shape] = tuple(out)
         return {c.mode for c in self.plans[shape]}
 
