@@ -1,7 +1,7 @@
 """Decode tokens/s against batch, one line per quant mode, from a benchmarks/model.py result (JSON):
 where each mode wins, and whether `mixed` follows the best of them.
 
-    python benchmarks/studies/modes_plot.py benchmarks/results/model_w4a8_mixed.json [--out PNG]
+    python benchmarks/studies/modes_plot.py RESULT.json [--out PNG]   # a benchmarks/model.py --name RESULT run
 """
 from __future__ import annotations
 
