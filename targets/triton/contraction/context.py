@@ -40,3 +40,19 @@ class Tile:
         return its name, for the kernel to call."""
         self.helpers.setdefault(name, source)
         return name
+
+    def open_transposed(self, acc_dtype: str) -> str | None:
+        """Open a transposed tile's k loop (acc^T [block_n, block_m] = W x^T, the weight the matrix
+        instruction's register operand): its row and column indices and masks, the `acc_dtype`
+        accumulator and the loop header; the column mask's name where columns have a tail, else None."""
+        em, top = self.em, self.top
+        rows, cols = em.emit(em.op.domain[0], top), em.emit(em.op.domain[1], top)
+        cmask = "cmask_t" if top.axes["c"][1] else None
+        top.line("r_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
+        top.line(f"rmask_t = r_t < {rows}")
+        top.line("c_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]")
+        if cmask:
+            top.line(f"cmask_t = c_t < {cols}")
+        top.line(f"{self.acc}_t = tl.zeros([BLOCK_N, BLOCK_M], dtype={acc_dtype})")
+        top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
+        return cmask

@@ -52,16 +52,8 @@ def mma_int4(t: Tile) -> None:
     times the segment's sum of x."""
     em, con, top, body, s, kmask, acc = t.em, t.con, t.top, t.body, t.schedule, t.kmask, t.acc
     word, zero, scale = t.affine
-    rows, cols = em.emit(em.op.domain[0], top), em.emit(em.op.domain[1], top)
     name = word.tensor
-    cmask = "cmask_t" if top.axes["c"][1] else None
-    top.line("r_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
-    top.line(f"rmask_t = r_t < {rows}")
-    top.line("c_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]")
-    if cmask:
-        top.line(f"cmask_t = c_t < {cols}")
-    top.line(f"{acc}_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)")
-    top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
+    cmask = t.open_transposed("tl.float32")
     k_extent = em.emit(con.extent, body)
     offset = None if zero == E.Const(8) else zero
     oscale = bool(variant(s).option("operand_scale"))  # the scale multiplies the operand: no second accumulator

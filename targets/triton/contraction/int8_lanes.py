@@ -46,16 +46,8 @@ def mma_lanes(t: Tile, lanes: tuple[E.Load, E.Load | None], segment: int) -> Non
     em, con, top, body, kmask, acc = t.em, t.con, t.top, t.body, t.kmask, t.acc
     assert not em.row_pass, "gemm_w4a8 takes no fused norm"
     word, scale = lanes
-    rows, cols = em.emit(em.op.domain[0], top), em.emit(em.op.domain[1], top)
     name = word.tensor
-    cmask = "cmask_t" if top.axes["c"][1] else None
-    top.line("r_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")
-    top.line(f"rmask_t = r_t < {rows}")
-    top.line("c_t = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]")
-    if cmask:
-        top.line(f"cmask_t = c_t < {cols}")
-    top.line(f"{acc}_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)")
-    top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
+    cmask = t.open_transposed("tl.int32")
     k_extent = em.emit(con.extent, body)
     for q in range(t.schedule["block_k"] // segment):
         body.line(f"kw{q} = k0 // 8 + {segment // 8 * q} + tl.arange(0, {segment // 8})[None, :]")
