@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -270,14 +271,13 @@ class _ModelPlan:
     """`tune --model`: the traced plan less the lines tuned already, each line's trials left, its
     progress line and the budget, and the steps' estimates before and after
     (runtime/decoder/model_tune.py)."""
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, args: argparse.Namespace, target) -> None:
-        import time
-
         from flashgen.db import Database
         from flashgen.runtime.decoder.model_tune import Estimates, plan_lines, recorded, steps
 
-        self.args, self.target, self.t0, self.clock = args, target, time.monotonic(), time.monotonic
+        self.args, self.target, self.t0 = args, target, self.clock()
         config = _model_config(args.model)
         with Database(args.db) as db:
             self.db_path = db.path
