@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -160,6 +161,37 @@ def _tune_plan(args: argparse.Namespace) -> list[tuple]:
     return [(wl, producer) for wl, _ in plan]
 
 
+def _check_model_args(args: argparse.Namespace) -> None:
+    """--model with its options, or the options without --model, refused in one line before any import."""
+    if args.model is None:
+        given = [o for o, v in (("--budget", args.budget), ("--quant", args.quant != ["bf16"]),
+                                ("--batches", args.batches != [1, 16, 64, 256])) if v]
+        if given:
+            raise FlashgenError(f"{given[0]} goes with --model")
+        return
+    if args.workloads is not None or args.op or args.dim or args.attr or args.dtype is not None or args.behind:
+        raise FlashgenError("give --model, --workloads or an op, not more than one (--model finds each workload's producer)")
+    if args.fix:
+        raise FlashgenError("--fix pins a knob of one kernel class; --model tunes every class its steps launch")
+    if args.budget is not None and (args.gpus or args.ray):
+        raise FlashgenError("--budget times the tunes of this process; with --gpus or --ray leave it out")
+    if args.model not in BENCH_CONFIGS:
+        from pathlib import Path
+
+        if not Path(args.model).is_dir():
+            raise FlashgenError(f"--model {args.model}: no such folder, nor one of {', '.join(BENCH_CONFIGS)}")
+        if not (Path(args.model) / "config.json").is_file():
+            raise FlashgenError(f"--model {args.model}: the folder holds no config.json")
+
+
+def _model_config(name: str):
+    """A bench config by name, or a model folder's config.json (checked as the decoder loads it)."""
+    from flashgen.runtime.checkpoints.model_config import ModelConfig
+    from flashgen.runtime.decoder.bench import CONFIGS
+
+    return CONFIGS[name] if name in BENCH_CONFIGS else ModelConfig.from_folder(name)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
     from flashgen.db import Database
@@ -172,6 +204,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plot:  # before tuning: a missing extra or a bad path must not waste the tune
         require("matplotlib", "--plot")
         _check_plot_path(args.plot)
+    _check_model_args(args)
     target = resolve_target(args.target, args.targets_dir)
     if args.gpus and args.ray:
         raise FlashgenError("give --gpus (this machine's GPUs) or --ray (a cluster's), not both")
@@ -179,7 +212,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise FlashgenError(f"--{'gpus' if args.gpus else 'ray'} spreads a GPU target's tuning over GPUs; "
                             f"{target.id} measures on this CPU: leave it out")
     slots = _gpu_slots(args.gpus) if args.gpus else None
-    plan = _tune_plan(args)
+    model = _ModelPlan(args, target) if args.model else None
+    plan = model.plan if model else _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
     for wl, producer in plan:  # every check before any tuning
         check_supported(wl, target)
@@ -206,21 +240,95 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}", flush=True)
 
     options = TuneOptions(args.trials, args.strategy, args.seed, fixed, args.retry_failed)
-    if args.ray:
-        fan_out_ray(plan, target, args.db, options, args.ray, report)
-    elif slots is not None:
-        fan_out(plan, target, args.db, options, slots, report)
-    else:
-        with Database(args.db) as db:
-            for i, (wl, producer) in enumerate(plan):
-                # the producer's schedule as the database has it now: earlier lines may have tuned it
-                report(i, tune(options.task(wl, target, with_schedule(producer, target, db)), db, progress=sys.stderr))
+    try:
+        if args.ray:
+            fan_out_ray(plan, target, args.db, options, args.ray, report)
+        elif slots is not None:
+            fan_out(plan, target, args.db, options, slots, report)
+        else:
+            with Database(args.db) as db:
+                for i, (wl, producer) in enumerate(plan):
+                    if model and not model.start(i):
+                        break
+                    task = replace(options, trials=model.trials[i]) if model else options
+                    # the producer's schedule as the database has it now: earlier lines may have tuned it
+                    report(i, tune(task.task(wl, target, with_schedule(producer, target, db)), db, progress=sys.stderr))
+    except KeyboardInterrupt:  # (the tunes record as they measure: say where to resume)
+        if model:
+            print(model.interrupted(), file=sys.stderr)
+        raise
+    if model:
+        model.finish()
     if args.plot:
         plot_history([results[i] for i in sorted(results)], args.plot)
         print(f"wrote {args.plot}")
     if failed:
         raise FlashgenError(f"{len(failed)} of {len(plan)} workloads were not tuned; the first: {failed[0]}")
     return 0
+
+
+class _ModelPlan:
+    """`tune --model`: the traced plan less the lines tuned already, each line's trials left, its
+    progress line and the budget, and the steps' estimates before and after
+    (runtime/decoder/model_tune.py)."""
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self, args: argparse.Namespace, target) -> None:
+        from flashgen.db import Database
+        from flashgen.runtime.decoder.model_tune import Estimates, plan_lines, recorded, steps
+
+        self.args, self.target, self.t0 = args, target, self.clock()
+        config = _model_config(args.model)
+        with Database(args.db) as db:
+            self.db_path = db.path
+            self.before = steps(config, args.quant, args.batches, target, self.db_path)
+            self.estimates = Estimates(target, self.db_path)
+            lines, skipped = plan_lines(self.before, target, self.estimates)
+            for note in skipped:
+                print(note)
+            self.lines, self.trials = [], []
+            for line in lines:
+                have = recorded(db, line, target)
+                if have >= args.trials:
+                    print(f"{_line_name(line)}: {line.share:.1%} of the steps' time; tuned already ({have} records)")
+                else:
+                    self.lines.append(line)
+                    self.trials.append(args.trials - have)
+        self.plan = [(line.workload, line.producer) for line in self.lines]
+        self.started = 0
+        print(f"{args.model}: {len(lines)} workloads over {len(self.before)} decode steps; {len(self.plan)} to tune",
+              flush=True)
+
+    def start(self, i: int) -> bool:
+        """Whether line i may start (the budget); prints its progress line."""
+        spent = self.clock() - self.t0
+        if self.args.budget is not None and spent >= self.args.budget * 60:
+            left = self.lines[i:]
+            print(f"budget of {self.args.budget:g} min spent: {len(left)} workloads left untuned "
+                  f"({sum(ln.share for ln in left):.1%} of the steps' time); run again to go on", flush=True)
+            return False
+        self.started = i + 1
+        line = self.lines[i]
+        print(f"[{i + 1}/{len(self.lines)}] {_line_name(line)}: {line.share:.1%} of the steps' time, "
+              f"{line.count} launches", flush=True)
+        return True
+
+    def finish(self) -> None:
+        """The table of each step's estimate before and after, from the database's records."""
+        from flashgen.runtime.decoder.model_tune import Estimates, steps, table
+        from flashgen.table import print_table
+
+        after = steps(_model_config(self.args.model), self.args.quant, self.args.batches, self.target, self.db_path)
+        print_table(["mode", "batch", "step us before", "after", "speedup"],
+                    table(self.before, after, self.estimates, Estimates(self.target, self.db_path)))
+
+    def interrupted(self) -> str:
+        return (f"stopped during line {self.started} of {len(self.lines)}: every measurement so far is recorded in "
+                f"{self.db_path}; run the same command again to resume")
+
+
+def _line_name(line) -> str:
+    return f"{line.workload}" + (f" behind {line.producer.op_name}" if line.producer is not None else "")
 
 
 def _gpu_slots(spec: str) -> list[str]:
@@ -282,6 +390,27 @@ def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], must: str) -
 # Bounds of integer options, checked as they are parsed (a huge value otherwise fails deep inside a library).
 MAX_TRIALS = 1_000_000  # past the valid points of any space (the largest hold about 10^5): more is a typo
 _SEED = _checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1")  # torch's generators take 64 bits
+# (named here, not imported: a mistake is refused before torch loads; tests check them against the
+# decoder's MODES and bench CONFIGS)
+QUANT_MODES = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed")
+BENCH_CONFIGS = ("llama3-8b", "mixtral-2l", "smollm2-135m", "tiny")
+
+
+def _quant_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m not in QUANT_MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown quant mode {bad[0]!r}; valid: {', '.join(QUANT_MODES)}")
+    return list(dict.fromkeys(modes))
+
+
+def _batches(text: str) -> list[int]:
+    parts = [b.strip() for b in text.split(",")]
+    if not all(b.isdigit() and int(b) >= 1 for b in parts):
+        raise argparse.ArgumentTypeError(f"expected batch sizes of at least 1, comma-separated, got {text!r}")
+    return sorted({int(b) for b in parts})
+
+
 _NONEMPTY = _checked(str, lambda v: bool(v.strip()), "a non-empty value")  # "" would read as "not given"
 
 
@@ -506,6 +635,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--workloads", type=_NONEMPTY,
                    help="a JSON-lines file of workloads ({op, dims, attrs} per line, no other key; a line's "
                         "\"behind\": {op, dims, attrs} times it behind that producer, as --behind)")
+    t.add_argument("--model", metavar="FOLDER|CONFIG",
+                   help="tune every kernel the decoder's decode steps launch for this model (a folder with "
+                        "config.json, or " + ", ".join(BENCH_CONFIGS) + "), in order of its share of the steps' time")
+    t.add_argument("--quant", type=_quant_modes, default=["bf16"], metavar="MODES",
+                   help=f"with --model: quant modes, comma-separated ({', '.join(QUANT_MODES)}; default bf16)")
+    t.add_argument("--batches", type=_batches, default=[1, 16, 64, 256], metavar="B,B,...",
+                   help="with --model: decode batch sizes, comma-separated (default 1,16,64,256)")
+    t.add_argument("--budget", type=_checked(float, lambda v: 0 < v < math.inf, "a positive number of minutes"),
+                   metavar="MINUTES", help="with --model: start no workload's tune after this much wall time "
+                                           "(default: tune them all)")
     t.add_argument("--target", required=True)
     t.add_argument("--trials", type=_checked(int, lambda v: 1 <= v <= MAX_TRIALS, f"an integer in 1..{MAX_TRIALS}"),
                    default=64, help=f"new measurements per workload (default 64, at most {MAX_TRIALS})")
@@ -582,9 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "batches 1,8, a 64-token prompt and 32 new tokens (the 8B model's float32 "
                                     "weights alone are 32 GB). A run that would not fit in free memory is refused "
                                     "first, with its estimate.")
-    bm.add_argument("--config", help="llama3-8b, mixtral-2l, smollm2-135m or tiny (default: llama3-8b on a GPU, else smollm2-135m)")
+    bm.add_argument("--config", help=f"{', '.join(BENCH_CONFIGS)} (default: llama3-8b on a GPU, else smollm2-135m)")
     bm.add_argument("--batch", help="batch sizes, comma-separated (default: 1,16,64 on a GPU, else 1,8)")
-    bm.add_argument("--quant", default="bf16", choices=("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed"))
+    bm.add_argument("--quant", default="bf16", choices=QUANT_MODES)
     bm.add_argument("--prompt-len", type=_checked(int, at_least(1), "an integer of at least 1"),
                     help="prompt tokens (default: 2000 on a GPU, else 64)")
     bm.add_argument("--new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"),

@@ -87,9 +87,10 @@ def empty_outputs(op: Op, tensors: Mapping[str, torch.Tensor], attrs: Mapping[st
                   dims: Mapping[str, int]) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
     """The op's outputs for a call, uninitialized, on the first input's device: shapes and dtypes as
     the kernel would write them (the fake implementation)."""
-    bound = bind_shapes(op.name, tensors, dims)
     first = next(iter(tensors.values()))
     full = {**{a: v[0] for a, v in op.attrs.items()}, "dtype": dtypes.of_torch(first.dtype), **attrs}
+    # (a dim an attr sets, moe_route's K by its topk, shapes outputs that no input shows)
+    bound = {**bind_shapes(op.name, tensors, dims), **{d: int(full[a]) for d, a in op.attr_dims.items()}}
     if "dtype" not in op.attrs:
         full.pop("dtype")
     vals = tuple(first.new_empty(tuple(eval_int(e, bound) for e in t.shape), dtype=dtypes.TORCH[op.dtype_of(t.name, full)])
