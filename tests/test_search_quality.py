@@ -87,3 +87,81 @@ def test_a_contraction_replay_visits_only_the_recorded_schedules(monkeypatch, tm
     rows = [r for r in out["search"]["rows"] if r[0].startswith("gemm")]
     assert len(rows) == 2 and all(20 <= r[1] <= 21 for r in rows)  # the records, and the default if unrecorded
     assert "best recorded" in out["ground_truth"]
+
+
+def test_transfer_scores_known_by_hand():
+    import transfer
+    lats = [1.0, 2.0, 4.0]
+    assert transfer.topk([3, 2, 1], lats, 1) == 1.0 and transfer.topk([1, 2, 3], lats, 1) == 0.25
+    assert transfer.topk([1, 2, 3], lats, 2) == 0.5
+    assert transfer.random_topk(lats, 1) == pytest.approx((1 + 1 / 2 + 1 / 4) / 3)
+    assert transfer.random_topk(lats, 2) == pytest.approx((1 + 1 + 1 / 2) / 3)  # pairs {1,2} {1,4} {2,4}
+    assert transfer.random_topk(lats, 5) == 1.0
+    assert transfer.spearman([3, 2, 1], [-x for x in lats]) == pytest.approx(1.0)
+    assert transfer.spearman([1, 2, 3], [-x for x in lats]) == pytest.approx(-1.0)
+    assert transfer.spearman([1, 1, 2, 3], [4, 3, 2, 1]) == pytest.approx(-0.9486832980505138)  # tied ranks 0.5, 0.5
+
+
+def test_device_features_differ_between_h100_and_h200():
+    """The descriptors give the two the same SMs, clocks and peak rates, and other bandwidths: every
+    class's features carry the bandwidth, so a model can tell the devices apart."""
+    import numpy as np
+
+    from flashgen.schedules.features import feature_matrix, feature_names
+    assert H100.sm_count == H200.sm_count and H100.peak_tflops == H200.peak_tflops
+    assert H100.copy_gbs != H200.copy_gbs
+    for wl in (workload("gemm", M=16, N=4096, K=4096, dtype="bf16"), workload("rmsnorm", M=16, N=4096, dtype="bf16"),
+               workload("silu_mul", M=16, N=4096, dtype="bf16")):
+        space = ScheduleSpace(wl, H200)
+        s = [space.default()]
+        names = feature_names(wl.op.kclass)
+        a, b = feature_matrix(wl, s, H100)[0], feature_matrix(wl, s, H200)[0]
+        differ = {n for n, x, y in zip(names, a, b) if x != y}
+        assert "log2_copy_gbs" in differ and "sm_count" not in differ, (wl.op.kclass, differ)
+        assert a[names.index("log2_copy_gbs")] == pytest.approx(np.log2(H100.copy_gbs))
+
+
+def _gemm_samples(rng):
+    """One GEMM's schedules on both devices, ranked in opposite orders on the two."""
+    wl = workload("gemm", M=16, N=4096, K=4096, dtype="bf16")
+    space = ScheduleSpace(wl, H200)
+    picked = []
+    while len(picked) < 24:
+        s = space.sample(rng)
+        if space.is_valid(s) and s not in picked:
+            picked.append(s)
+    return wl, picked
+
+
+def test_a_model_trained_on_mixed_devices_ranks_each_devices_own_order():
+    from flashgen.schedules.cost_model import XGBCostModel
+    import transfer
+    wl, picked = _gemm_samples(random.Random(2))
+    samples = [(wl, s, t, 10.0 + (i if t is H200 else len(picked) - i)) for t in (H100, H200) for i, s in enumerate(picked)]
+    model = XGBCostModel("rank", num_rounds=60).fit(samples)
+    for t in (H100, H200):
+        lats = [lat for w, s, tt, lat in samples if tt is t]
+        assert transfer.spearman(model.score(wl, picked, t), [-x for x in lats]) > 0.9
+
+
+def test_transfer_ranks_another_devices_records(monkeypatch, tmp_path):
+    """benchmarks/transfer.py trains on the H200's records only and scores the H100's groups (timed behind a
+    producer) for the model, the prior and a random order."""
+    import transfer
+    rng = random.Random(4)
+    wl, picked = _gemm_samples(rng)
+    other = workload("gemm", M=16, N=6144, K=4096, dtype="bf16")
+    train = [_line(wl, s, 10.0 + i) for i, s in enumerate(picked)] + [_line(other, s, 20.0 + i) for i, s in enumerate(picked)]
+    behind = workload("rmsnorm", M=16, N=4096, dtype="bf16").to_json()
+    test = [_line(wl, s, 5.0 + i, H100, timing="behind", behind=behind, behind_schedule={}) for i, s in enumerate(picked[:10])]
+    (tmp_path / "train.jsonl").write_text("".join(train))
+    (tmp_path / "test.jsonl").write_text("".join(test + [_line(wl, picked[0], 1.0, H100)]))  # a lone group: not scored
+    transfer.main(["--train", str(tmp_path / "train.jsonl"), "--test", str(tmp_path / "test.jsonl"),
+                   "--out-dir", str(tmp_path), "--name", "tr"])
+    out = json.loads((tmp_path / "tr.json").read_text())
+    rows = {r[0]: r[1:] for r in out["rows"]}
+    assert set(rows) == {"rank model (cuda:sm_90/h200)", "rank model, the test's workloads held out", "analytic prior",
+                         "random order"}
+    assert rows["random order"][:2] == pytest.approx([transfer.random_topk([5.0 + i for i in range(10)], k) for k in (1, 5)])
+    assert rows["rank model (cuda:sm_90/h200)"][2] > 0.9  # the H200's order of this GEMM is the H100's here
+    assert "1 groups" in (tmp_path / "tr.md").read_text()
