@@ -41,6 +41,7 @@ from flashgen.workload import Workload, dequant_forms, other_half, workload
 RETRIED = ("timeout", "crash")  # verdicts a loaded machine can give a good schedule
 DENSE_SEEDS = 3  # the dense form's fastest records tried on a weight dequantized first
 ALONE_SEEDS = 6  # a tune behind a producer first times the fastest schedules timed alone
+BATCH = 16  # schedules proposed, built and measured per round: the search learns between rounds only
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def with_schedule(producer: Workload | None, target: Target, db: Database) -> tu
     return producer, best.schedule if best is not None else ScheduleSpace(producer, target).default()
 
 
-def tune(task: TuneTask, db: Database, *, batch: int = 16, builder: Builder | None = None,
+def tune(task: TuneTask, db: Database, *, batch: int = BATCH, builder: Builder | None = None,
          runner: Runner | None = None, device_name: str | None = None, progress: TextIO | None = None) -> TuneResult:
     """Measure up to `task.trials` new schedules of its workload on its target, recording each in `db`
     (`TuneTask` says what is searched and how); `builder` and `runner` may be shared between tunes, a
@@ -238,10 +239,13 @@ def tune(task: TuneTask, db: Database, *, batch: int = 16, builder: Builder | No
     try:
         while len(history) < total:
             want = min(batch, total - len(history))
-            cands = pending + strat.propose(max(0, want - len(pending)))
-            pending = []
             keys = set(known) | taken
-            cands = [s for s in cands if (k := schedule_key(space.complete(s))) not in keys and not keys.add(k)][:want]
+            fresh = lambda ss: [s for s in ss if (k := schedule_key(space.complete(s))) not in keys and not keys.add(k)]  # noqa: E731
+            cands = fresh(pending)[:want]
+            pending = []
+            # (topped up until the batch is full: the strategy does not know the seeds, and may propose one)
+            while len(cands) < want and (more := strat.propose(want - len(cands))):
+                cands += fresh(more)
             if not cands:
                 break
             granted = db.claim(wl.key, target.id, context, [schedule_key(space.complete(s)) for s in cands])

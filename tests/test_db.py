@@ -613,3 +613,29 @@ def test_compile_serves_the_best_record_whose_schedule_is_still_valid(tmp_path):
         db.import_jsonl(tmp_path / "in.jsonl")
     schedule, source = choose_schedule(wl, get_target("cpu"), path, None)
     assert schedule == {"block_r": 2, "block_c": 64, "num_warps": 1} and "database best" in source
+
+
+def test_importing_one_devices_records_never_overwrites_anothers(tmp_path):
+    """An H100 log holding the very records of an H200 log but for their device: both stay, each device's
+    best is its own, and importing either again adds nothing."""
+    from flashgen.workload import workload
+    wl = workload("gemm", M=16, N=4096, K=4096, dtype="bf16")
+    s1 = {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 1}
+    s2 = {**s1, "block_n": 128}
+    made = "2026-12-01T00:00:00+00:00"
+    h200 = [Record(workload_key=wl.key, workload=wl.to_json(), target_key="cuda:sm_90/h200", schedule=s, status="ok",
+                   latency_us=lat, device="NVIDIA H200", created_at=made) for s, lat in ((s1, 5.0), (s2, 7.0))]
+    h100 = [dataclasses.replace(r, target_key="cuda:sm_90/h100", device="NVIDIA H100 80GB HBM3",
+                                latency_us=12.0 - r.latency_us) for r in h200]
+    logs = {}
+    for name, recs in (("h200", h200), ("h100", h100)):
+        logs[name] = tmp_path / f"{name}.jsonl"
+        logs[name].write_text("".join(json.dumps(r.to_json()) + "\n" for r in recs))
+    with Database(tmp_path / "db.sqlite") as db:
+        assert db.import_jsonl(logs["h200"]) == (2, 0)
+        assert db.import_jsonl(logs["h100"]) == (2, 0)
+        assert db.import_jsonl(logs["h200"]) == (0, 2) and db.import_jsonl(logs["h100"]) == (0, 2)
+        assert sorted(r.latency_us for r in db.records(wl.key, "cuda:sm_90/h200")) == [5.0, 7.0]
+        assert sorted(r.latency_us for r in db.records(wl.key, "cuda:sm_90/h100")) == [5.0, 7.0]
+        assert db.best(wl.key, "cuda:sm_90/h200").schedule == s1 and db.best(wl.key, "cuda:sm_90/h100").schedule == s2
+        assert {r.device for r in db.records(wl.key, "cuda:sm_90/h100")} == {"NVIDIA H100 80GB HBM3"}

@@ -215,3 +215,76 @@ def test_make_strategy_names():
         make_strategy("beam", space)
     with pytest.raises(FlashgenError, match="epsilon"):
         Evolutionary(space, epsilon=1.5)
+
+
+def _replay_db(tmp_path, name):
+    from flashgen.db import Database
+    return Database(tmp_path / f"{name}.db")
+
+
+def test_replayed_tune_counts_the_default_first_and_the_tuners_batches(tmp_path):
+    """The tuner's loop, replayed: the analytic default is measured first, then full batches of
+    tuner.BATCH; a tune pays to the end of the batch that found the best."""
+    from flashgen.schedules.replay import replay_tune
+    from flashgen.schedules.tuner import BATCH
+    wl = workload("rmsnorm", M=32, N=4096, dtype="bf16")
+    space = ScheduleSpace(wl, H200)
+    valid = list(space)
+    default = space.pinned_default()
+    # exhaustive tunes in the prior's order; the tuner puts the default first
+    prior = AnalyticPrior().score(wl, valid, H200)
+    order = [default] + [valid[i] for i in np.argsort(-prior, kind="stable") if valid[i] != default]
+    assert len(order) >= 3 * BATCH
+
+    table = {schedule_key(s): 10.0 for s in valid}
+    table[schedule_key(default)] = 1.0  # the default is the best: one measurement, one batch paid
+    for strategy in ("random", "evolutionary", "exhaustive"):
+        run = replay_tune(space, _replay_db(tmp_path, f"a-{strategy}"), table, strategy, seed=3, until=1.03)
+        assert run.latencies[0] == 1.0 and run.batches == [BATCH]
+        assert measurements_to_within(run.latencies, 1.0) == 1 and run.paid_to_within(1.0) == BATCH
+
+    best = order[BATCH + 4]  # the fifth schedule of the second batch
+    table = {**{k: 10.0 for k in table}, schedule_key(best): 1.0}
+    run = replay_tune(space, _replay_db(tmp_path, "b"), table, "exhaustive", until=1.03)
+    assert run.batches == [BATCH, BATCH]
+    assert measurements_to_within(run.latencies, 1.0) == BATCH + 5 and run.paid_to_within(1.0) == 2 * BATCH
+    # never within reach: every schedule measured once, counted as the space + 1
+    run = replay_tune(space, _replay_db(tmp_path, "c"), {k: 10.0 for k in table}, "random", until=1.03)
+    assert len(run.latencies) == len(valid) and run.paid_to_within(1.0) == len(valid) + 1
+
+
+def test_a_tune_fills_its_first_batch_when_the_strategy_proposes_the_default(tmp_path):
+    """The strategy does not know the default is pending: where it proposes it too, the batch is topped
+    up rather than measured one short."""
+    from flashgen.schedules.replay import replay_tune
+    from flashgen.schedules.tuner import BATCH
+    wl = workload("rmsnorm", M=32, N=4096, dtype="bf16")
+    space = ScheduleSpace(wl, H200)
+    valid = list(space)
+    prior = AnalyticPrior().score(wl, valid, H200)
+    top = [schedule_key(valid[i]) for i in np.argsort(-prior, kind="stable")[:BATCH]]
+    assert schedule_key(space.pinned_default()) in top  # the prior's first batch holds the default
+    run = replay_tune(space, _replay_db(tmp_path, "x"), {schedule_key(s): 5.0 for s in valid}, "exhaustive")
+    assert run.batches[0] == BATCH and len(run.latencies) == len(valid)
+
+
+def test_recorded_space_holds_the_records_and_the_default_only():
+    """A GEMM space cut down to its records: validity, iteration, size and samples touch them alone."""
+    import random as _random
+
+    from flashgen.schedules.replay import RecordedSpace
+    from flashgen.targets import get_target
+    full = ScheduleSpace(workload("gemm", M=16, N=4096, K=4096, dtype="bf16"), get_target("h200"))
+    rng = _random.Random(0)
+    picked = []
+    while len(picked) < 12:
+        s = full.sample(rng)
+        if full.is_valid(s) and s not in picked:
+            picked.append(s)
+    space = RecordedSpace.of(full, picked + [{"block_m": 3}])  # an invalid record is left out
+    keys = {schedule_key(s) for s in picked} | {schedule_key(full.pinned_default())}
+    assert {schedule_key(s) for s in space} == keys and space.raw_size() == len(keys)
+    assert space.is_valid(picked[0]) and space.pinned_default() == full.pinned_default()
+    other = next(s for s in (full.sample(rng) for _ in range(1000)) if full.is_valid(s) and schedule_key(s) not in keys)
+    assert space.why_invalid(other) == "not one of the recorded schedules"
+    assert all(schedule_key(space.sample(rng)) in keys for _ in range(20))
