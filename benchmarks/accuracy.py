@@ -310,10 +310,11 @@ def run(args: argparse.Namespace) -> None:
              f"each quant mode with bf16 activations, computed on the CPU as the mode's GPU kernels compute "
              f"(runtime/decoder/quant_modes.py); linears_as: the modes its linears computed in (mixed takes one per "
              f"call by its row count: a window's {args.window}-row prefill). Quantization is RTN at load (round to "
-             f"nearest, symmetric; 4-bit weights in groups of 128 along K where K is a multiple of 128, else per "
-             f"channel: here {int4_groups(config)}): no GPTQ or AWQ checkpoint of this model could be made here "
-             f"without a GPTQ/AWQ tool, so RTN alone was measured. bits_per_weight: what a linear's weight takes, "
-             f"scales included (mixed also holds w8a8's int8 copy); seconds: the row's scoring time on this CPU.")
+             f"nearest, symmetric; 4-bit weights in groups of 128, 64 or 32 along K, the largest that divides K, "
+             f"else per channel: here {int4_groups(config)}): no GPTQ or AWQ checkpoint of this model could be made "
+             f"here without a GPTQ/AWQ tool, so RTN alone was measured. bits_per_weight: what a linear's weight takes, "
+             f"scales included, in groups of 128 (mixed also holds w8a8's int8 copy); seconds: the row's scoring "
+             f"time on this CPU.")
     scores: dict[str, Score] = {}
     paths: dict[str, str] = {}
 

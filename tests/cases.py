@@ -1,7 +1,8 @@
 """Workload cases shared by the numerics tests (interpreter, cpu, gpu): odd shapes, every op."""
 from __future__ import annotations
 
-from flashgen.workload import Workload, workload
+from flashgen.schedules.space import ScheduleSpace
+from flashgen.workload import Schedule, Workload, workload
 
 ROW_OPS = ("rmsnorm", "layernorm", "add_rmsnorm", "softmax", "silu_mul")
 QUANT_OPS = ("dynamic_quant", "rmsnorm_quant")
@@ -46,3 +47,19 @@ def numerics_cases(Ms=(1, 3, 17), Ns=(1, 127, 5120, 11008), dtypes=("fp32", "fp1
 
 def case_id(wl: Workload) -> str:
     return str(wl).replace(" ", ",")
+
+
+# The int4 ops of a decoder linear whose K is no multiple of 128 (SmolLM2's hidden size, 576 = 4.5 x 128),
+# with the groups the decoder gives it (runtime/decoder/quant_modes.py `_group`).
+INT4_K576_OPS = (("gemm_w4a16", {}), ("gemm_w4a16", {"zp": "asym"}), ("gemm_w4a8", {"pack": "k128"}),
+                 ("gemm_w4a8", {"pack": "lanes"}), ("rmsnorm_gemm_w4a16", {}), ("silu_mul_gemm_w4a16", {}))
+
+
+def form_schedules(space: ScheduleSpace) -> dict[str, Schedule]:
+    """One valid schedule of each generator form `space` offers: its default moved to the form, else
+    (where that breaks a rule) the form's first valid point."""
+    out = {}
+    for form in space.forms():
+        s = space.with_knob(space.default(), "variant", form)
+        out[form] = s if space.is_valid(s) else next(p for p in space if p["variant"] == form)
+    return out

@@ -7,7 +7,7 @@ import torch
 import flashgen
 from flashgen.check import check, poisoned
 from flashgen.schedules.space import ScheduleSpace
-from tests.cases import case_id, numerics_cases
+from tests.cases import INT4_K576_OPS, case_id, form_schedules, numerics_cases
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -238,6 +238,23 @@ def test_int4_ptx_unpack_on_gpu(wl, block_k, oscale):
     kernel = flashgen.compile(wl, TARGET, schedule=s)
     for c in check(wl, _run(kernel), 15, DEVICE):
         assert c.ok, (c, s)
+
+
+K576_CASES = [flashgen.workload(op, M=m, N=330, K=576, G=g, dtype=dt, **kw)
+              for op, kw in INT4_K576_OPS for g in (64, 32) for m, dt in ((1, "bf16"), (5, "fp16"), (16, "bf16"), (600, "bf16"))]
+
+
+@pytest.mark.parametrize("wl", K576_CASES, ids=case_id)
+def test_int4_groups_of_k576_on_gpu(wl):
+    """K = 576 (4.5 blocks of 128 k) in groups of 64 and 32, as the decoder quantizes such a linear:
+    one schedule of every form the space offers (PTX-unpacked matrix tiles, lanes tiles, a weight
+    dequantized first, Gluon tiles on it), the default among them, against the float64 reference."""
+    space = ScheduleSpace(wl, TARGET)
+    default = space.default()
+    for s in [default] + [s for s in form_schedules(space).values() if s != default]:
+        kernel = flashgen.compile(wl, TARGET, schedule=s)
+        for c in check(wl, _run(kernel), 576, DEVICE):
+            assert c.ok, (c, s)
 
 
 SPLIT_CASES = [(flashgen.workload(op, M=m, N=330, K=2048, dtype="bf16", **kw), bm, split)

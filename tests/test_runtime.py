@@ -259,11 +259,12 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     assert 1e-4 < rel(out, apply(x, prepare(w, "w8a16"), b, set())) < 2e-2  # the activations' rounding
     assert fallbacks == {"w8a8 linear (torch on int8 product of per-token int8 activations on cpu)"}
 
-    # w4a8 (K=96: per channel; K=256: groups of 128) as gemm_w4a8 computes: an int8 operand (u - 8) * s_group
-    for k in (96, 256):
+    # w4a8 (K=80: per channel; K=96: groups of 32; K=256: groups of 128) as gemm_w4a8 computes: an int8
+    # operand (u - 8) * s_group
+    for k, group in ((80, None), (96, 32), (256, 128)):
         wk, xk = torch.randn(40, k, generator=g), torch.randn(5, k, generator=g) * 3
         q4 = prepare(wk, "w4a8")
-        qa = quantize_w4a8(wk, 128 if k == 256 else None)
+        qa = quantize_w4a8(wk, group)
         xq, xs = quantize_ref(xk.double(), "int8")
         y4 = apply(xk, q4, b, fallbacks)
         assert rel(y4, (xq * xs[:, None]) @ qa.dequantize().T + b.double()) < 1e-6
@@ -286,8 +287,9 @@ def test_cpu_int8_modes_quantize_activations_and_mixed_picks_per_call():
     modes = {5: "w8a8", 1: "w4a16", 3: "w4a8"}
     chooser = lambda n, k, m: picks.append((n, k, m)) or modes[m]  # noqa: E731
     assert torch.equal(apply(x, qm, b, mixed, chooser), out)
-    # both 4-bit modes share one weight, w4a8's: w4a16 multiplies it dequantized, w4a8 as its GEMM does
-    qa = quantize_w4a8(w, None)
+    # both 4-bit modes share one weight, w4a8's (K=96: groups of 32): w4a16 multiplies it dequantized, w4a8
+    # as its GEMM does
+    qa = quantize_w4a8(w, 32)
     assert rel(apply(x[:1], qm, b, mixed, chooser), x[:1].double() @ qa.dequantize().T + b.double()) < 1e-6
     assert torch.equal(apply(x[:3], qm, b, mixed, chooser), apply(x[:3], prepare(w, "w4a8"), b, set()))
     # (the same codes, each 4-bit linear's in the layout its GEMM reads)

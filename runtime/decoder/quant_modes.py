@@ -4,10 +4,11 @@ checkpoint dialect's loader building the object from stored codes) and how a cal
 norm and the gate that feed a linear, the residual it adds); nothing else asks which mode a layer is in.
 
 Modes: bf16 (the weight as is), w8a16 and w4a16 (weight-only int8 / int4, RTN-quantized at load, int4
-in groups of 128 along K where K allows, else per channel), w8a8 (int8 weights and per-token dynamically
-quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with integer group scales on int8 tensor
-cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), fp8 (e4m3 weights with per-channel
-scales and per-token dynamically quantized e4m3 activations: gemm_fp8, sm_90), and mixed, which prepares
+in groups of 128, 64 or 32 along K, the largest K allows, else per channel: `_group`), w8a8 (int8
+weights and per-token dynamically quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with
+integer group scales on int8 tensor cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), fp8
+(e4m3 weights with per-channel scales and per-token dynamically quantized e4m3 activations: gemm_fp8,
+sm_90), and mixed, which prepares
 a w4a16, a w8a8 and a w4a8 linear, keeps those its layer shape's plan picks for some row count
 (runtime/decoder/mixed.py `ModePlan`, `settle`) and lets each call take the one planned for its row
 count; its two 4-bit linears hold the same codes, each packed in the layout its GEMM reads (w4a16's
@@ -56,9 +57,17 @@ def _on_cpu(w: torch.Tensor) -> bool:
     return w.device.type != "cuda"
 
 
+INT4_GROUPS = (INT4_GROUP, 64, 32)  # a 4-bit weight's groups along K, the largest K allows first
+
+
 def _group(k: int) -> int:
-    """A 4-bit weight's group along K: 128 where K allows, else the whole row (per channel)."""
-    return INT4_GROUP if k % INT4_GROUP == 0 else k
+    """A 4-bit weight's group along K: the largest of INT4_GROUPS that divides K, else the whole row (per
+    channel), so that a row's outliers set the step of its group, not of the whole row: SmolLM2's hidden
+    size 576 (4.5 x 128) takes groups of 64, which took its W4A16 perplexity from +89% to +60% of bf16's
+    (docs/results.md). Every int4 GEMM takes groups of 32 and 64; the forms that need a block of 128 k
+    per scale (PTX-unpacked GEMV tiles, operand scaling, Gluon int4 tiles) are outside such a
+    workload's ScheduleSpace."""
+    return next((g for g in INT4_GROUPS if k % g == 0), k)
 
 
 @dataclass
