@@ -430,14 +430,19 @@ def test_generated_experts_compute_as_the_modes_dense_linears(mixtral_128, quant
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("quant", ["w8a8", "w4a8", "mixed"])
-def test_int8_experts_on_gpu(mixtral_128, quant):
+def test_int8_experts_on_gpu(mixtral_128, quant, monkeypatch):
     """On a GPU, w8a8 and w4a8 experts (and mixed's) run as the generated grouped GEMMs (no torch
     expert loop), decode steps captured in CUDA graphs giving the tokens eager steps give, and the
     logits of a prompt (ids routing) and of a 70-token one (sorted routing) track the CPU decoder's
-    of the same mode (its torch experts on each expert's dense linears)."""
+    of the same mode (its torch experts on each expert's dense linears). A mixed CPU decoder plans its
+    modes as the GPU's does (for the GPU's target), so that each call computes in the same mode."""
+    from flashgen.runtime.serving.torch_ops import dispatcher
     c = ModelConfig.from_folder(mixtral_128)
     model = Decoder(c, load_weights(mixtral_128), "cuda", torch.bfloat16, quant=quant)
-    cpu = Decoder(c, load_weights(mixtral_128), quant=quant)
+    with monkeypatch.context() as m:
+        m.setattr(dispatcher(), "target_for", lambda device: model.chooser.target)
+        cpu = Decoder(c, load_weights(mixtral_128), quant=quant)
+    assert cpu.chooser.plans == model.chooser.plans
     for prompt in (PROMPTS[1], (PROMPTS[1] * 4)[:70]):
         ref = prefill_logits(cpu, prompt)
         got = prefill_logits(model, prompt).float().cpu()
