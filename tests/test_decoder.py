@@ -221,9 +221,11 @@ def test_quantized_modes_track_the_float_model(checkpoint, quant, tol):
 TUNED_ROWS = (1, 16, 32, 64, 128, 256)  # records at 1 and at the rows of benchmarks/workloads/decode_rows.jsonl
 
 
-def _mixed_records(db_path, linear, latencies: dict[str, dict[int, float]]) -> None:
-    """Records of each mode's GEMM of `linear` (a prepared mixed linear) at the given rows, with the
-    H200's default schedule of each workload (valid there, in the regime of its own rows)."""
+def _mixed_records(db_path, linear, latencies: dict[str, dict[int, float]], form=None) -> None:
+    """Records of each mode's GEMM of `linear` (a prepared mixed linear) at the given rows, called in
+    `form` (plain by default), with the H200's default schedule of each workload (valid there, in the
+    regime of its own rows)."""
+    from flashgen.runtime.decoder.linear import PLAIN
     from flashgen.db import Database, Record
     from flashgen.runtime.decoder.calls import gemm_workload
     from flashgen.schedules.space import ScheduleSpace
@@ -232,7 +234,7 @@ def _mixed_records(db_path, linear, latencies: dict[str, dict[int, float]]) -> N
     with Database(db_path) as d:
         for mode, at in latencies.items():
             for m, us in at.items():
-                wl = gemm_workload(linear.choices[mode], m, torch.bfloat16)
+                wl = gemm_workload(linear.choices[mode], m, torch.bfloat16, form or PLAIN)
                 d.add(Record(workload_key=wl.key, workload=wl.to_json(), target_key=h200.id,
                              schedule=ScheduleSpace(wl, h200).default(), status="ok", latency_us=us, device="NVIDIA H200"))
 
@@ -311,6 +313,37 @@ def test_mixed_plan_takes_no_unmeasured_mode_over_a_measured_one(tmp_path):
     at1 = dict(chosen[1].estimates)["w8a8"]
     assert at1.source.startswith("records M=1") and "+ dynamic_quant" in at1.source and at1.us > 5.0
     assert chosen[1].mode == "w4a16" and chosen[16].mode == "w8a8"
+
+
+def test_mixed_plan_estimates_the_decoders_call_and_scales_another_gpus_records(tmp_path):
+    """The plan estimates a call as the decoder makes it: o's residual epilogue is the GEMM's workload
+    (its record serves, not the plain form's), the norm before qkv runs apart in w4a16 and fused with
+    the quantization in w8a8; an H200 record stands for an H100 call times the ratio of their bounds."""
+    from flashgen.roofline import contraction_us
+    from flashgen.runtime.decoder.calls import gemm_workload
+    from flashgen.runtime.decoder.linear import CallForm
+    from flashgen.runtime.decoder.mixed import ModePlan
+    from flashgen.runtime.decoder.quant_modes import prepare
+    from flashgen.targets import get_target
+    g = torch.Generator().manual_seed(6)
+    o, qkv = prepare(torch.randn(1024, 512, generator=g), "mixed"), prepare(torch.randn(768, 512, generator=g), "mixed")
+    db = tmp_path / "t.db"
+    residual, norm = CallForm(residual=True), CallForm(norm=True)
+    _mixed_records(db, o, {"w4a16": {16: 8.0}, "w8a8": {16: 6.0}}, residual)
+    _mixed_records(db, o, {"w4a16": {16: 1.0}, "w8a8": {16: 1.0}})  # (the plain form's: not what o runs)
+    plan = ModePlan("h100", db, torch.bfloat16)
+    o.settle(plan, residual)
+    est = dict(next(c for c in plan.plans[(1024, 512)] if c.rows == 16).estimates)
+    wl = gemm_workload(o.choices["w4a16"], 16, torch.bfloat16, residual)
+    assert wl.attr["with_residual"] == "yes"
+    ratio = contraction_us(wl, get_target("h100")) / contraction_us(wl, get_target("h200"))
+    assert ratio > 1.1  # (the H100 streams the weight more slowly)
+    assert est["w4a16"].us == pytest.approx(8.0 * ratio) and "tuned on cuda:sm_90/h200 (x" in est["w4a16"].source
+    assert est["w8a8"].source.startswith("records M=16,") and "+ dynamic_quant" in est["w8a8"].source
+    plan.plan(qkv.choices, norm)
+    est = dict(plan.plans[(768, 512)][0].estimates)
+    assert "+ rmsnorm " in est["w4a16"].source and "+ rmsnorm_quant " in est["w8a8"].source
+    assert "dynamic_quant" not in est["w8a8"].source
 
 
 def test_mixed_plan_bad_inputs_are_one_line_errors(tmp_path):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from flashgen.oplib import get_op
+from flashgen.runtime.decoder.linear import PLAIN, CallForm, apply
 from flashgen.runtime.serving.torch_ops import dispatcher, empty_outputs, split_call
 from flashgen.workload import Workload
 
@@ -47,16 +48,19 @@ class Recorder:
         return self.calls[at - 1] if at else None
 
 
-def call_workloads(q: Any, rows: int, dtype: torch.dtype) -> list[Workload]:
-    """The kernels a plain call of `rows` rows (no norm, gate, bias or residual) launches in `q`'s mode,
-    in launch order: the GEMM, and before it the int8 modes' activation quantization."""
-    from flashgen.runtime.decoder.linear import apply  # (linear imports the modes this module serves)
-
+def call_workloads(q: Any, rows: int, dtype: torch.dtype, form: CallForm = PLAIN) -> list[Workload]:
+    """The kernels a call of `rows` rows in `form` (runtime/decoder/linear.py `CallForm`: plain by
+    default, no norm, gate, bias or residual) launches in `q`'s mode, in launch order: the GEMM, and
+    before it the norm or gate it does not fuse, or the int8 modes' activation quantization."""
+    n, k = q.shape
+    meta = lambda *shape: torch.empty(*shape, dtype=dtype, device="meta")
     rec = Recorder()
-    apply(torch.empty(rows, q.shape[1], dtype=dtype, device="meta"), q, None, set(), ops=rec)
+    apply(meta(rows, 2 * k if form.gated else k), q, meta(n) if form.bias else None, set(),
+          norm=meta(k) if form.norm else None, gated=form.gated, residual=meta(rows, n) if form.residual else None,
+          ops=rec)
     return rec.calls
 
 
-def gemm_workload(q: Any, rows: int, dtype: torch.dtype) -> Workload:
+def gemm_workload(q: Any, rows: int, dtype: torch.dtype, form: CallForm = PLAIN) -> Workload:
     """The GEMM of such a call (`call_workloads`): the last contraction launched."""
-    return next(wl for wl in reversed(call_workloads(q, rows, dtype)) if wl.op.kclass == "contraction")
+    return next(wl for wl in reversed(call_workloads(q, rows, dtype, form)) if wl.op.kclass == "contraction")

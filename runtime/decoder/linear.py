@@ -17,6 +17,7 @@ serve, else the roofline).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,20 @@ import torch
 from flashgen.runtime.decoder.quant_modes import QuantLinear
 
 FUSED_MAX_ROWS = 1
+
+
+@dataclass(frozen=True)
+class CallForm:
+    """What a decoder linear's every call brings with it (the arguments of `apply` beside x): the mixed
+    mode estimates a mode's call as the decoder makes it, so that the norm a 16-bit mode runs apart
+    and an int8 mode fuses with its quantization, and a residual epilogue, are counted where they run."""
+    norm: bool = False
+    gated: bool = False
+    residual: bool = False
+    bias: bool = False
+
+
+PLAIN = CallForm()
 
 
 def apply(x: torch.Tensor, q: QuantLinear, bias: torch.Tensor | None, fallbacks: set[str],

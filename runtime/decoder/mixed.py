@@ -2,19 +2,24 @@
 
 For each layer shape N x K and each row count a call may have (the decode buckets 1, 2, 4, ..., 256 of
 runtime/decoder/decode_graphs.py, and prefill's PREFILL_ROWS above them), `ModePlan` estimates each
-candidate mode's GEMM (the workload its `gemm` launches, runtime/decoder/calls.py) as dispatch would
-serve it on the running GPU, and picks the fastest. The estimate comes from the records dispatch would
+candidate mode's call, as the decoder makes it (runtime/decoder/linear.py `CallForm`: the norm before
+qkv and gate_up, the gate before down, the residual o and down add), from the kernels it launches
+(runtime/decoder/calls.py) as dispatch would serve them on the running GPU, and picks the fastest. The estimate comes from the records dispatch would
 serve the call with (runtime/serving/dispatch.py `tuned_forms`: the target's records, then another
 device's of its architecture; the workload's own form, the other 16-bit dtype's, the plain form's),
 only those whose schedules serve that row count in their own regime (`serving`: never a one-row GEMV
-record for 16 rows), their latencies interpolated to the call's rows (`latency_at`). A mode with no
+record for 16 rows), their latencies interpolated to the call's rows (`latency_at`); a record of another device is scaled
+by the ratio of the two devices' bounds for the workload (an H200's record stands for an H100 call at
+the H100's lower bandwidth: unscaled, a mode known only by the other GPU's records looked 1.4x faster
+than one measured on the running GPU). A mode with no
 such record is not chosen while another mode has one (`pick`): a roofline is a bound no kernel of a
 new form is known to approach (the H100's W4A8 `lanes` tiles ran at 0.14-0.62 of theirs, the
 W4A16 GEMVs at 0.4-0.9), and a mixed decoder that followed one ran 0.81x its own W4A16 at batch 1
 (benchmarks/results/model_quant_load.md). Where no mode is measured, the GEMMs' rooflines on the
 target decide (flashgen/roofline.py `contraction_us`: 4-bit weights stream the fewest bytes at small
-M, int8 tensor cores run twice the 16-bit rate at large M). A mode's activation quantization (the int8
-modes' rmsnorm_quant or dynamic_quant) is not counted.
+M, int8 tensor cores run twice the 16-bit rate at large M). Every kernel of a call is counted: a
+16-bit mode's norm or gate, an int8 mode's fused norm-and-quantization (rmsnorm_quant) or
+dynamic_quant.
 
 A call of rows between two planned counts takes the next planned count up, past the largest the
 largest's mode. A mixed linear keeps only the weights of the modes its shape's plan picks at some
@@ -33,6 +38,7 @@ from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
 from flashgen.roofline import contraction_us, roofline_us
 from flashgen.runtime.decoder.calls import call_workloads
+from flashgen.runtime.decoder.linear import PLAIN, CallForm
 from flashgen.runtime.serving.dispatch import serving, tuned_forms
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
@@ -51,15 +57,16 @@ def planned_rows() -> tuple[int, ...]:
     return tuple(buckets(MAX_BATCH)) + tuple(r for r in PREFILL_ROWS if r > MAX_BATCH)
 
 
-def latency_at(measured: Mapping[int, float], m: int) -> float:
-    """A GEMM's latency at M = m from its latencies at measured M: flat below the smallest (the weight's
-    read bounds it), linear between two measured M, and in proportion to M above the largest (as if
-    compute-bound: an upper bound, so that a mode measured at the call's M is preferred to a guess)."""
+def latency_at(measured: Mapping[int, float], m: int, grows: bool = True) -> float:
+    """A kernel's latency at M = m from its latencies at measured M: flat below the smallest (the weight's
+    read bounds a GEMM), linear between two measured M, and above the largest in proportion to M where
+    it `grows` (a GEMM, as if compute-bound: an upper bound, so that a mode measured at the call's M is
+    preferred to a guess), else flat (a norm or gate of a few more rows costs its launch again)."""
     ms = sorted(measured)
     if m <= ms[0]:
         return measured[ms[0]]
     if m >= ms[-1]:
-        return measured[ms[-1]] * m / ms[-1]
+        return measured[ms[-1]] * (m / ms[-1] if grows else 1.0)
     hi = next(x for x in ms if x >= m)
     lo = max(x for x in ms if x < m)
     return measured[lo] + (measured[hi] - measured[lo]) * (m - lo) / (hi - lo)
@@ -86,7 +93,7 @@ def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) ->
     rows on any serving device, else the first form (on the first device) holding records that serve
     its rows in their regime, interpolated to its rows; else its roofline."""
     space, rows = ScheduleSpace(wl, target), wl.dim[wl.op.row_dims[0]]
-    bound = contraction_us(wl, target) if wl.op.kclass == "contraction" else roofline_us(wl, target)
+    bound = _bound(wl, target)
     devices = serving_devices(target)
     for own_rows_only in (True, False):
         for records in devices:
@@ -96,10 +103,19 @@ def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) ->
                     if not own_rows_only or (size == rows and not note):
                         served[size] = min(served.get(size, rec.latency_us), rec.latency_us)
                 if served:
-                    on = "" if records is target else f", tuned on {records.id}"
-                    return Estimate(latency_at(served, rows), f"records M={','.join(map(str, sorted(served)))}{note}{on}",
-                                    bound)
+                    scale, on = 1.0, ""
+                    if records is not target:
+                        scale = bound / _bound(wl, records)
+                        on = f", tuned on {records.id} (x{scale:.2f} for this GPU's bound)"
+                    us = latency_at(served, rows, grows=wl.op.kclass == "contraction") * scale
+                    return Estimate(us,
+                                    f"records M={','.join(map(str, sorted(served)))}{note}{on}", bound)
     return Estimate(bound, ROOFLINE, bound)
+
+
+def _bound(wl: Workload, target: Target) -> float:
+    """`wl`'s lower bound on `target`: a GEMM's at its operands' matrix rate, another kernel's roofline."""
+    return contraction_us(wl, target) if wl.op.kclass == "contraction" else roofline_us(wl, target)
 
 
 def call_estimate(calls: list[Workload], target: Target, db_path: str | os.PathLike | None) -> Estimate:
@@ -136,13 +152,16 @@ class ModePlan:
         self.dtype = dtype if dtypes.of_torch(dtype) in ("bf16", "fp16") else torch.bfloat16
         self.plans: dict[tuple[int, int], tuple[Choice, ...]] = {}
 
-    def plan(self, choices: Mapping[str, QuantLinear]) -> set[str]:
-        """Plans the shape of `choices`' linears (all one shape) if not yet done; the modes it picks."""
+    def plan(self, choices: Mapping[str, QuantLinear], form: CallForm | None = None) -> set[str]:
+        """Plans the shape of `choices`' linears (all one shape), called in `form` (None: plain), if not
+        yet done; the modes it picks. A shape is planned once, in the form of its first linear: in the
+        decoders served, each shape is one linear's (qkv, o, gate_up, down)."""
         shape = next(iter(choices.values())).shape
         if shape not in self.plans:
             out = []
             for rows in planned_rows():
-                est = tuple((mode, call_estimate(call_workloads(q, rows, self.dtype), self.target, self.db_path))
+                est = tuple((mode, call_estimate(call_workloads(q, rows, self.dtype, form or PLAIN), self.target,
+                                                 self.db_path))
                             for mode, q in choices.items())
                 out.append(Choice(rows, pick(est), est))
             self.plans[shape] = tuple(out)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from flashgen.errors import FlashgenError
 from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE, expert_runs, moe_align
 from flashgen.runtime.decoder.kv_cache import PagedKVCache
-from flashgen.runtime.decoder.linear import apply
+from flashgen.runtime.decoder.linear import PLAIN, CallForm, apply
 from flashgen.runtime.decoder.mixed import ModePlan
 from flashgen.runtime.decoder.quant_modes import Bf16Linear, QuantLinear, cpu_weight, quant_mode, torch_linear
 from flashgen.runtime.serving.torch_ops import dispatcher, register_all
@@ -121,7 +121,7 @@ class Decoder:
             else:
                 linears.update(gate_up=[p + "mlp.gate_proj", p + "mlp.up_proj"], down=[p + "mlp.down_proj"])
             for name, parts in linears.items():
-                layer[name] = self._linear_weights(w, parts, name)
+                layer[name] = self._linear_weights(w, parts, name, self._form(name))
             if config.qkv_bias:
                 layer["qkv_bias"] = torch.cat([w[att + n + "_proj.bias"] for n in "qkv"])
             if config.o_bias:
@@ -135,19 +135,27 @@ class Decoder:
         self.cos_sin: torch.Tensor | None = None  # sized by the first cache it serves (`context`)
         self._rope_positions = 0
 
-    def _linear_weights(self, w: dict[str, torch.Tensor], parts: list[str], name: str) -> QuantLinear:
-        """A decoder linear, its checkpoint linears `parts` stacked along N: float weights quantized in
-        the decoder's mode, or a pre-quantized checkpoint's codes repacked (runtime/checkpoints/prequant.py)."""
+    def _form(self, name: str) -> CallForm:
+        """How `forward` calls the dense linear `name`: what comes with x (runtime/decoder/linear.py)."""
+        c = self.c
+        return {"qkv": CallForm(norm=True, bias=c.qkv_bias), "o": CallForm(residual=True, bias=c.o_bias),
+                "gate_up": CallForm(norm=True, bias=c.mlp_bias),
+                "down": CallForm(gated=True, residual=True, bias=c.mlp_bias)}[name]
+
+    def _linear_weights(self, w: dict[str, torch.Tensor], parts: list[str], name: str, form: CallForm) -> QuantLinear:
+        """A decoder linear, its checkpoint linears `parts` stacked along N, called in `form`: float
+        weights quantized in the decoder's mode, or a pre-quantized checkpoint's codes repacked
+        (runtime/checkpoints/prequant.py)."""
         pq = self.c.prequant
         if pq is None:
             return self._prepare(torch.cat([w[x + ".weight"] for x in parts]) if len(parts) > 1
-                                 else w[parts[0] + ".weight"])
+                                 else w[parts[0] + ".weight"], form)
         ints = [read_linear(w, x + ".", pq, *self._features(x), "the checkpoint") for x in parts]
         return quant_linear(ints, pq, self.dtype, f"{parts[0].rsplit('.', 1)[0]}.{name}")
 
-    def _prepare(self, w: torch.Tensor) -> QuantLinear:
-        """A float weight in the decoder's mode, as it will serve (`QuantLinear.settle`)."""
-        return self.mode.prepare(w).settle(self.chooser)
+    def _prepare(self, w: torch.Tensor, form: CallForm = PLAIN) -> QuantLinear:
+        """A float weight in the decoder's mode, as it will serve calls in `form` (`QuantLinear.settle`)."""
+        return self.mode.prepare(w).settle(self.chooser, form)
 
     @property
     def notes(self) -> list[str]:

@@ -98,9 +98,10 @@ class QuantLinear:
         """The linear that computes a call of `rows` rows: itself (mixed picks one of its own)."""
         return self
 
-    def settle(self, plan: Any) -> QuantLinear:
+    def settle(self, plan: Any, form: Any = None) -> QuantLinear:
         """The linear as the decoder keeps it, once `plan` (runtime/decoder/mixed.py `ModePlan`) has
-        decided its modes: itself (mixed keeps only the modes chosen)."""
+        decided its modes for calls in `form` (runtime/decoder/linear.py `CallForm`; None: plain):
+        itself (mixed keeps only the modes chosen)."""
         return self
 
     def gemm(self, ops: Any, x: torch.Tensor, prologue: str, args: dict[str, Any], epi: dict[str, Any]) -> torch.Tensor:
@@ -394,10 +395,10 @@ class MixedLinear(QuantLinear):
                                 f"but it keeps {', '.join(self.choices)} only")
         return self.choices[mode]
 
-    def settle(self, plan):
+    def settle(self, plan, form=None):
         """Only the modes `plan` picks for this shape at some row count: a layer that never runs w8a8
         keeps no int8 weight, one that never runs w4a8 no w4a8 scales (the codes stay w4a16's)."""
-        used = plan.plan(self.choices)
+        used = plan.plan(self.choices, form)
         return MixedLinear(self.shape, {mode: q for mode, q in self.choices.items() if mode in used})
 
     # Experts run its w4a16 linear at every row count (the grouped GEMMs have no chooser): a decode

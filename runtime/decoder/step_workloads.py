@@ -26,7 +26,7 @@ from flashgen.oplib.moe import MOE_GEMM_GATE_UP, MOE_ROUTE
 from flashgen.runtime.checkpoints.model_config import ModelConfig
 from flashgen.runtime.checkpoints.rope_scaling import rope_table
 from flashgen.runtime.decoder.calls import Recorder
-from flashgen.runtime.decoder.linear import apply
+from flashgen.runtime.decoder.linear import PLAIN, CallForm, apply
 from flashgen.runtime.decoder.model import IDS_ROUTING_MAX_TOKENS
 from flashgen.runtime.decoder.moe_experts import run_experts
 from flashgen.runtime.decoder.quant_modes import QuantLinear, quant_mode
@@ -49,10 +49,10 @@ class _Weights:
         self.mode, self.plan, self.dtype = mode, plan, dtype
         self.linears: dict[tuple[int, int], QuantLinear] = {}
 
-    def __call__(self, n: int, k: int) -> QuantLinear:
+    def __call__(self, n: int, k: int, form: CallForm = PLAIN) -> QuantLinear:
         if (n, k) not in self.linears:
             q = self.mode.prepare(_meta(n, k, dtype=self.dtype))
-            self.linears[n, k] = q.settle(self.plan) if self.plan is not None else q
+            self.linears[n, k] = q.settle(self.plan, form) if self.plan is not None else q
         return self.linears[n, k]
 
     def stacked(self, experts: int, n: int, k: int) -> dict[str, torch.Tensor]:
@@ -75,7 +75,8 @@ def decode_step(c: ModelConfig, mode: str, batch: int, plan: Callable | None = N
     positions = slots = _meta(batch, dtype=torch.int64)
 
     def linear(x: torch.Tensor, n: int, bias: bool, **kw) -> torch.Tensor:
-        return apply(x, weights(n, x.shape[1] // (2 if kw.get("gated") else 1)), _meta(n, dtype=dtype) if bias else None,
+        form = CallForm(norm="norm" in kw, gated=kw.get("gated", False), residual="residual" in kw, bias=bias)
+        return apply(x, weights(n, x.shape[1] // (2 if form.gated else 1), form), _meta(n, dtype=dtype) if bias else None,
                      set(), plan, eps=c.rms_norm_eps, ops=rec, **kw)
 
     x = _meta(batch, h, dtype=dtype)
