@@ -16,8 +16,11 @@ from __future__ import annotations
 import math
 
 from flashgen.ir import dtypes
+from flashgen.ir import expr as E
+from flashgen.ir import prologue
 from flashgen.ir.contraction import MMA_MIN_ROWS  # tiles of fewer pairs sum on the ALUs
 from flashgen.ir.op import Contract
+from flashgen.quant import INT4_PERIOD
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Schedule, Workload
 
@@ -112,18 +115,26 @@ def _alu_default(wl: Workload, target: Target, space: dict[str, tuple[int, ...]]
     return None
 
 
+def whole_words_k(wl: Workload) -> int:
+    """The shallowest k step the default takes: whole blocks of INT4_PERIOD k for packed int4 codes,
+    which the tiles then unpack from one [block_k / 8, block_n] words tile (shallower steps, which the
+    space still holds, read a word per code), else 32."""
+    packed = any(prologue.packed_int4(n) for st in wl.op.body(wl.attr) if isinstance(st, Contract) for n in E.walk(st.b))
+    return INT4_PERIOD if packed else 32
+
+
 def default(wl: Workload, target: Target) -> Schedule:
     """Decode: ALU tiles for quantized experts at up to 4 pairs per expert (`_alu_default`), else
     16-pair tiles and columns narrow enough to fill the machine (`decode_block_n`), each k step 16 KB
     of weights or more; more tokens: 64 x 128 tiles (64 x 64 for two Contracts, which hold two
-    accumulators)."""
+    accumulators), k steps of 64 (of whole int4 blocks, `whole_words_k`)."""
     space = knobs(wl, target)
     decode = wl.dim["M"] <= DECODE_MAX_M
     alu = _alu_default(wl, target, space) if decode else None
     if alu is not None:
         return alu
     block_n = decode_block_n(wl, target, space["block_n"]) if decode else 64 if contracts(wl) > 1 else 128
-    block_k = (128 if block_n >= 64 else 256) if decode else 64
+    block_k = max((128 if block_n >= 64 else 256) if decode else 64, whole_words_k(wl))
     mma_k = tuple(b for b in space["block_k"] if b <= MAX_MMA_BLOCK_K)
     for stages in (3, 2, 1):
         s = {"block_m": 16 if decode else min(64, max(space["block_m"])),

@@ -220,6 +220,23 @@ def test_generated_source_reads_like_the_op():
     assert "tl.atomic_add(y_ptr" in generate(down, ScheduleSpace(down, H200).default()).source
 
 
+@pytest.mark.parametrize("weights,m", [("w4a16g128", 1), ("w4a16g128", 16), ("w4a8g128", 1), ("w4a8g128", 256)])
+def test_int4_experts_unpack_whole_word_tiles(weights, m):
+    """The int4 forms' default tiles (ALU at one token, matrix tiles beyond) load each k step's packed
+    words once as a [block_k / 8, block_n] tile per Contract (gate's and up's rows apart) and unpack them
+    in registers, and their group scales once per group, never a word or a scale per element."""
+    wl = flashgen.workload("moe_gemm_gate_up", M=m, N=14336, K=4096, E=8, topk="2", dtype="bf16", weights=weights,
+                           routing="ids")
+    s = ScheduleSpace(wl, H200).default()
+    assert s["block_k"] % 128 == 0, s
+    src = generate(wl, s).source
+    scales = "scales" if weights == "w4a16g128" else "w_group"
+    assert src.count("tl.load(w_packed_ptr") == 2 and src.count(f"tl.load({scales}_ptr") == 2
+    for words in ("words_w_packed", "words_w_packed_1"):
+        assert f"{words} = tl.load(w_packed_ptr" in src and f"tl.reshape({words}, [BLOCK_K // 128, 1, 16, BLOCK_N])" in src
+    assert "kb // 128" not in src and "kb % 128" not in src  # (the per-element word and shift)
+
+
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx942"])
 @pytest.mark.parametrize("weights", ["half", "w8a16", "w4a16g128"])
 def test_aot_compile(target, weights):
@@ -377,19 +394,20 @@ def test_int8_activations(interpreter, wl, block_m):
     """int8 activations per row times int8 codes (w8a8) or 4-bit codes times integer group scales
     (w4a8g128), summed in int32 and scaled after, against the float64 reference on fresh inputs, in
     ALU tiles of 1-2 pairs and 16-pair matrix tiles."""
-    s = {"block_m": block_m, "block_n": 16, "block_k": 64 if block_m < 16 else 32, "num_warps": 4, "num_stages": 2}
+    s = {"block_m": block_m, "block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 2}  # (whole int4 word tiles)
     assert ScheduleSpace(wl, H200).is_valid(s), s
     for c in interpreter.check(wl, s, "h200", seed=[11, 12]):
         assert c.ok, (c, s)
 
 
 @pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
-@pytest.mark.parametrize("weights", ["half", "w4a16g128"])
-def test_alu_tiles(interpreter, op, weights):
-    """ALU tiles of 16-bit activations: 4 pairs per tile over the tail of every k step (K = 384 in
-    steps of 256) and of the columns, the sorted routing, E = 7."""
+@pytest.mark.parametrize("weights,block_m", [("half", 4), ("w4a16g128", 16)])
+def test_alu_tiles(interpreter, op, weights, block_m):
+    """Tiles of 16-bit activations over the tail of every k step (K = 384 in steps of 256: int4 words
+    and group scales masked) and of the columns, the sorted routing, E = 7: ALU tiles of 4 pairs, and
+    int4 codes unpacked from their words tile into a matrix tile's operand."""
     wl = flashgen.workload(op, M=6, N=40, K=384, E=7, topk="2", dtype="fp16", weights=weights, routing="sorted")
-    s = {"block_m": 4, "block_n": 16, "block_k": 256, "num_warps": 8, "num_stages": 2}
+    s = {"block_m": block_m, "block_n": 16, "block_k": 256, "num_warps": 8, "num_stages": 2}
     assert ScheduleSpace(wl, H200).is_valid(s)
     for c in interpreter.check(wl, s, "h200", seed=[21, 22]):
         assert c.ok, c

@@ -31,12 +31,17 @@ def _is(e: E.Expr, op: str) -> bool:
     return isinstance(e, E.Binary) and e.op == op
 
 
-def int4_code(tensor: str) -> E.Expr:
-    """The code at (c, k) of an int4 weight packed by `pack_int4`: word 16*(k // 128) + k % 16,
-    bits 4*((k % 128) // 16) and up."""
+def int4_code(tensor: str, row: tuple[E.Expr, ...] = (E.Index("c"),)) -> E.Expr:
+    """The code at (row, k) of an int4 weight packed by `pack_int4`: word 16*(k // 128) + k % 16,
+    bits 4*((k % 128) // 16) and up. `row` indexes every axis before the words' (a stack of weights,
+    as the moe class's experts [e, c, words], adds its own)."""
     k = E.Index("k")
-    word = E.Load(tensor, (E.Index("c"), k // INT4_PERIOD * RUN + k % RUN))
+    word = E.Load(tensor, (*row, k // INT4_PERIOD * RUN + k % RUN))
     return (word >> (k % INT4_PERIOD // RUN * 4)) & 15
+
+
+def _free_of_k(indices: tuple[E.Expr, ...]) -> bool:
+    return not any(isinstance(n, E.Index) and n.axis in ("k", "k0") for ix in indices for n in E.walk(ix))
 
 
 def int4_lane(tensor: str) -> E.Expr:
@@ -62,14 +67,17 @@ def packed_int4(e: E.Expr) -> E.Load | None:
     """The packed-word Load of an int4 code over (c, k), or None."""
     if not (_is(e, "and") and _is(e.a, "shr") and isinstance(e.a.a, E.Load)):
         return None
-    return e.a.a if e == int4_code(e.a.a.tensor) else None
+    word = e.a.a
+    row = word.indices[:-1]
+    return word if word.mask is None and _free_of_k(row) and e == int4_code(word.tensor, row) else None
 
 
 def group_size(e: E.Load, dims: Mapping[str, int]) -> int | None:
-    """G when `e` loads at [c, k // G] (a per-group scale or zero point), else None."""
-    if len(e.indices) != 2 or e.indices[0] != E.Index("c") or e.mask is not None:
+    """G when `e` loads at [row, k // G] (a per-group scale or zero point; the row's indices free of
+    k), else None."""
+    if len(e.indices) < 2 or not _free_of_k(e.indices[:-1]) or e.mask is not None:
         return None
-    ix = e.indices[1]
+    ix = e.indices[-1]
     if not (_is(ix, "floordiv") and ix.a == E.Index("k")):
         return None
     try:
@@ -82,20 +90,27 @@ def rewrite(e: E.Expr, dims: Mapping[str, int], block_k: int, unpacked: dict[E.L
             grouped: dict[E.Load, str]) -> E.Expr:
     """The prologue with int4 unpacks and group-wise loads replaced by Refs to tile-shaped values
     (named in `unpacked` and `grouped`, to be emitted by the caller) and tile-constant k divisions by
-    divisions of the tile start."""
+    divisions of the tile start. The dicts may be shared by several prologues (the moe class's gate
+    and up rows of one weight): a second load of a tensor is named apart, with a suffix."""
+
+    def name(names: dict[E.Load, str], load: E.Load, base: str) -> str:
+        if load not in names:
+            taken, i = set(names.values()), 0
+            while (base if i == 0 else f"{base}_{i}") in taken:
+                i += 1
+            names[load] = base if i == 0 else f"{base}_{i}"
+        return names[load]
 
     def unpack(n: E.Expr) -> E.Expr:
         word = packed_int4(n)
         if word is not None and block_k % INT4_PERIOD == 0:
-            unpacked.setdefault(word, f"codes_{word.tensor}")
-            return E.Ref(unpacked[word])
+            return E.Ref(name(unpacked, word, f"codes_{word.tensor}"))
         return n
 
     def f(n: E.Expr) -> E.Expr:
         g = group_size(n, dims) if isinstance(n, E.Load) else None
         if g is not None and g < block_k and block_k % g == 0 and g & (g - 1) == 0:
-            grouped.setdefault(n, f"groups_{n.tensor}")
-            return E.Ref(grouped[n])
+            return E.Ref(name(grouped, n, f"groups_{n.tensor}"))
         if _is(n, "floordiv") and n.a == E.Index("k"):
             try:
                 g = eval_int(n.b, dims)

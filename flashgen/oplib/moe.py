@@ -22,9 +22,9 @@ torch = lazy("torch")
 from flashgen.ir import dtypes
 from flashgen.ir.expr import Binary, Dim, Expr, Index, Load, Ref, absolute, exp, sigmoid, where
 from flashgen.ir.op import DTYPE, Attrs, Contract, Let, Op, Reduce, Stmt, Store, TensorSpec
-from flashgen.ir.prologue import RUN
+from flashgen.ir.prologue import int4_code
 from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, quantize_ref, r, randn
-from flashgen.quant import INT4_PERIOD, pack_int4, packed_words, quantize_rtn, quantize_w4a8, unpack_int4
+from flashgen.quant import pack_int4, packed_words, quantize_rtn, quantize_w4a8, unpack_int4
 
 E, K = Dim("E"), Dim("K")
 k = Index("k")
@@ -174,9 +174,7 @@ def _weight(a: Attrs, rows: Expr) -> Expr:
     int8 operand); a per-row scale applies to the accumulator instead (`_scaled`)."""
     w = a["weights"]
     if w in INT4_WEIGHTS:  # pack_int4's interleaved words, symmetric codes (zero point 8)
-        word = Load("w_packed", (e_, rows, k // INT4_PERIOD * RUN + k % RUN))
-        code = (word >> (k % INT4_PERIOD // RUN * 4)) & 15
-        return (code - 8) * Load("scales" if w == "w4a16g128" else "w_group", (e_, rows, k // INT4_GROUP))
+        return (int4_code("w_packed", (e_, rows)) - 8) * Load("scales" if w == "w4a16g128" else "w_group", (e_, rows, k // INT4_GROUP))
     return Load("w" if w == "half" else "w_q", (e_, rows, k))
 
 

@@ -20,10 +20,12 @@ store adds atomically (a token's k expert outputs meet there).
 """
 from __future__ import annotations
 
+from flashgen.ir import prologue
+from flashgen.ir.contraction import MMA_MIN_ROWS
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.oplib.moe import IDS_SCAN
-from flashgen.ir.contraction import MMA_MIN_ROWS
-from flashgen.targets.triton.contraction.context import ACC
+from flashgen.targets.triton.contraction.context import ACC, Tile
+from flashgen.targets.triton.contraction.operands import unpacked_values
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, grid_dependency, kernel_args, module_header
 from flashgen.workload import Schedule, Workload
 
@@ -74,10 +76,26 @@ def _pairs_from_ids(top: Scope) -> None:
     top.line("rmask = jj < cnt")
 
 
-def _mma_k_loop(em: Emitter, blk: Scope, contracts: list[Contract], accs: dict[str, str], cmask: str | None,
-                kmask: bool) -> None:
+def _weight_tiles(em: Emitter, wl: Workload, s: Schedule, top: Scope, body: Scope, contracts: list[Contract],
+                  accs: dict[str, str], kmask: bool) -> dict[str, Tile]:
+    """Each Contract's k step as the contraction class's Tile, whose helpers make its weight prologue
+    tile-shaped (flashgen/ir/prologue.py): int4 codes, where the k step holds whole blocks of them,
+    loaded as [block_k / 8, block_n] words once and unpacked by shifts in registers; a group scale
+    loaded once per group (a row of the tile, or the step's one row). The rewrite's names are shared,
+    so that gate's and up's rows of one weight get names of their own."""
+    unpacked: dict = {}
+    grouped: dict = {}
+    return {con.name: Tile(em, con, em.lets, s, top, body, kmask, accs[con.name], con.operand_dtype(em.attrs),
+                           prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped), None, 0, 0,
+                           unpacked, grouped)
+            for con in contracts}
+
+
+def _mma_k_loop(em: Emitter, wl: Workload, s: Schedule, blk: Scope, contracts: list[Contract],
+                accs: dict[str, str], cmask: str | None, kmask: bool) -> None:
     """The k loop of a tile of block_m >= 16 pairs: A and weight tiles cast to the operand dtype, one
-    `tl.dot` per Contract into its fp32 (int32 for int8 operands) accumulator."""
+    `tl.dot` per Contract into its fp32 (int32 for int8 operands) accumulator; int4 codes unpacked
+    from their words tile (`unpacked_values`)."""
     blk.line(f"for k0 in range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K):")
     loop = blk.child(blk.indent + "    ", {}, fresh=True)
     loop.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
@@ -89,24 +107,27 @@ def _mma_k_loop(em: Emitter, blk: Scope, contracts: list[Contract], accs: dict[s
     e_axis = ("e", None)
     a_scope = loop.child(axes={"r": ("r", "rmask"), "k": ("ka", "kmask_a" if kmask else None), "e": e_axis},
                          fresh=True)
-    b_scope = loop.child(axes={"c": ("c", cmask),
-                               "k": ("kb", "kmask_b" if kmask else None), "e": e_axis}, fresh=True)
+    b_scope = loop.child(axes={"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None), "e": e_axis,
+                               "k0": ("k0", None)}, fresh=True)
+    tiles = _weight_tiles(em, wl, s, blk, b_scope, contracts, accs, kmask)
+    unpacked_values(tiles[contracts[0].name], b_scope)  # (every Contract's: the rewrite's names are shared)
     for con in contracts:
         operand = con.operand_dtype(em.attrs)
         a = em.operand(con.a, a_scope, operand)
-        b = em.operand(con.b, b_scope, operand)
+        b = em.operand(tiles[con.name].b_expr, b_scope, operand)
         loop.line(f"{accs[con.name]} = tl.dot({a}, {b}, {accs[con.name]}, out_dtype={ACC[con.acc]})")
 
 
-def _alu_k_loop(em: Emitter, blk: Scope, contracts: list[Contract], accs: dict[str, str], s: Schedule,
-                cmask: str | None, kmask: bool) -> None:
+def _alu_k_loop(em: Emitter, wl: Workload, s: Schedule, blk: Scope, contracts: list[Contract],
+                accs: dict[str, str], cmask: str | None, kmask: bool) -> None:
     """The k loop of a tile of fewer pairs than a matrix instruction takes (decode: one or a few pairs
     per expert), on the ALUs, as the contraction class's GEMV tiles: each step's weight tile
-    [block_k, block_n] is dequantized once (rounded to the operand dtype, as the reference does) and
-    multiplied, in the layout it was loaded in, by each pair's column of activations, into a tile of
-    partial sums per pair, summed over k once after the loop. No operand layout for a 16-row
-    instruction of which one row is used, no shared-memory round trip; deep k steps keep kilobytes of
-    weights in flight (`tl.range` pipelines the plain loads)."""
+    [block_k, block_n] is dequantized once (int4 codes unpacked from their words tile, `unpacked_values`;
+    rounded to the operand dtype, as the reference does) and multiplied, in the layout it was loaded
+    in, by each pair's column of activations, into a tile of partial sums per pair, summed over k once
+    after the loop. No operand layout for a 16-row instruction of which one row is used, no
+    shared-memory round trip; deep k steps keep kilobytes of weights in flight (`tl.range` pipelines
+    the plain loads)."""
     bm = s["block_m"]
     blk.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
     for i in range(bm):  # each pair of the tile as scalars: its index and whether it is served
@@ -120,12 +141,13 @@ def _alu_k_loop(em: Emitter, blk: Scope, contracts: list[Contract], accs: dict[s
     if kmask:
         loop.line(f"kmask_b = kb < {em.emit(contracts[0].extent, loop)}")
     k_axis, e_axis = ("kb", "kmask_b" if kmask else None), ("e", None)
-    b_scope = loop.child(axes={"c": ("c", cmask),
-                               "k": k_axis, "e": e_axis}, fresh=True)
+    b_scope = loop.child(axes={"c": ("c", cmask), "k": k_axis, "e": e_axis, "k0": ("k0", None)}, fresh=True)
     rows = [loop.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": k_axis, "e": e_axis}, fresh=True) for i in range(bm)]
+    tiles = _weight_tiles(em, wl, s, blk, b_scope, contracts, accs, kmask)
+    unpacked_values(tiles[contracts[0].name], b_scope)  # (every Contract's: the rewrite's names are shared)
     for con in contracts:
         operand, acc_t = con.operand_dtype(em.attrs), ACC[con.acc]
-        w = em.temp(loop, f"{em.operand(con.b, b_scope, operand)}.to({acc_t})")
+        w = em.temp(loop, f"{em.operand(tiles[con.name].b_expr, b_scope, operand)}.to({acc_t})")
         for i, row in enumerate(rows):
             loop.line(f"part{i}_{con.name} += {em.operand(con.a, row, operand)}.to({acc_t}) * {w}")
     for i in range(bm):
@@ -172,10 +194,8 @@ def generate_moe(wl: Workload, s: Schedule) -> KernelSource:
     accs = {con.name: f"acc_{con.name}" for con in contracts}
     for con in contracts:
         blk.line(f"{accs[con.name]} = tl.zeros([BLOCK_M, BLOCK_N], dtype={ACC[con.acc]})")
-    if s["block_m"] < MMA_MIN_ROWS:
-        _alu_k_loop(em, blk, contracts, accs, s, cmask, kmask)
-    else:
-        _mma_k_loop(em, blk, contracts, accs, cmask, kmask)
+    k_loop = _alu_k_loop if s["block_m"] < MMA_MIN_ROWS else _mma_k_loop
+    k_loop(em, wl, s, blk, contracts, accs, cmask, kmask)
     em.named.update(accs)
     out_cmask = cmask
     if out_cmask is None and s["block_m"] < MMA_MIN_ROWS:

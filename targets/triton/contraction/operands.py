@@ -18,22 +18,24 @@ def operand_tile(t: Tile, e: E.Expr, scope: Scope) -> str:
     return t.em.operand(e, scope, t.operand)
 
 
-def load_words(t: Tile, scope: Scope, word: E.Load) -> str:
-    """Load the tile's packed words once, [block_k / 8, block_n]."""
+def load_words(t: Tile, scope: Scope, word: E.Load, var: str | None = None) -> str:
+    """Load the tile's packed words once, [block_k / 8, block_n], at the row indices of `word` (the
+    scope's columns, and an expert's index for the moe class's stacked weights), into `var`
+    (`words_<tensor>` unless given)."""
     em, name = t.em, word.tensor
+    var = var or f"words_{name}"
     scope.line(f"kw_{name} = k0 // 8 + tl.arange(0, BLOCK_K // 8)[:, None]")
-    bound = f"(kw_{name} < {em.emit(em.op.tensors[name].shape[1], scope)})" if t.kmask else None
-    mask = " & ".join(m for m in (scope.axes["c"][1], bound) if m)
-    load = f"tl.load({name}_ptr + c.to(tl.int64) * {name}_s0 + kw_{name}" + (f", mask={mask}, other=0)" if mask else ")")
-    scope.line(f"words_{name} = {load}")
-    return f"words_{name}"
+    bound = f"(kw_{name} < {em.emit(em.op.tensors[name].shape[-1], scope)})" if t.kmask else None
+    tile = E.Load(name, (*word.indices[:-1], E.Index("kw")))
+    scope.line(f"{var} = {em.load(tile, scope.child(axes={**scope.axes, 'kw': (f'kw_{name}', bound)}, fresh=True))}")
+    return var
 
 
 def _unpack_int4(t: Tile, scope: Scope, word: E.Load, var: str) -> None:
     """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile in k order:
     int32 for an integer operand (the codes stay exact through its integer prologue), else fp32
     values (they only ever meet the float dequantization arithmetic)."""
-    words = load_words(t, scope, word)
+    words = load_words(t, scope, word, "words" + var.removeprefix("codes"))
     split = (f"(tl.reshape({words}, [BLOCK_K // {INT4_PERIOD}, 1, {RUN}, BLOCK_N]) "
              f">> (tl.arange(0, 8) * 4)[None, :, None, None]) & 15")
     if not dtypes.is_float(t.operand):
@@ -47,9 +49,9 @@ def _unpack_int4(t: Tile, scope: Scope, word: E.Load, var: str) -> None:
 
 
 def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.Expr | None) -> None:
-    """Load the tile's block_k / G group rows of a [c, k // G] tensor once and repeat each G times:
+    """Load the tile's block_k / G group rows of a [row, k // G] tensor once and repeat each G times:
     the load runs with k standing for the first k of each group."""
-    g = em.emit(load.indices[1].b, scope)
+    g = em.emit(load.indices[-1].b, scope)
     kg = f"kg_{load.tensor}"
     scope.line(f"{kg} = k0 + (tl.arange(0, BLOCK_K // {g}) * {g})[:, None]")
     mask = f"{kg}_mask" if k_extent is not None else None
@@ -62,11 +64,16 @@ def _group_rows(em: Emitter, scope: Scope, load: E.Load, var: str, k_extent: E.E
 
 
 def b_tile_values(t: Tile, b_scope: Scope) -> None:
-    """A k step's [block_k, block_n] indices of the weight tile, its unpacked int4 codes and its
-    group rows (what the rewritten prologue refers to)."""
+    """A k step's [block_k, block_n] indices of the weight tile, then `unpacked_values`."""
     b_scope.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
     if t.kmask:
         b_scope.line(f"kmask_b = kb < {t.em.emit(t.con.extent, b_scope)}")
+    unpacked_values(t, b_scope)
+
+
+def unpacked_values(t: Tile, b_scope: Scope) -> None:
+    """A k step's unpacked int4 codes and group rows of the weight tile, [block_k, block_n] each
+    (what the rewritten prologue refers to: `t.unpacked`, `t.grouped`)."""
     for word, var in t.unpacked.items():
         _unpack_int4(t, b_scope, word, var)
     for load, var in t.grouped.items():
