@@ -485,17 +485,10 @@ def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, i
     cap on prompt + new tokens where neither --max-new-tokens nor the file's max_new_tokens says how
     many (None: no cap). The file is checked even where every flag is given: a broken one is never
     half-read."""
-    from flashgen.runtime.decoder.sampling import SamplingParams
-    from flashgen.runtime.checkpoints.generation_config import generation_defaults
+    from flashgen.runtime.checkpoints.generation_config import generation_defaults, sampling_params
 
-    defaults = generation_defaults(folder)
-    cap = defaults.pop("max_length", None)
-    if args.max_new_tokens is not None or "max_new_tokens" in defaults:
-        cap = None
-    n = args.max_new_tokens or defaults.pop("max_new_tokens", DEFAULT_NEW_TOKENS)
-    defaults.pop("max_new_tokens", None)
     given = {k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None}
-    return SamplingParams(max_new_tokens=n, seed=args.seed, **{**defaults, **given}), cap
+    return sampling_params(generation_defaults(folder), given, args.max_new_tokens, args.seed, DEFAULT_NEW_TOKENS)
 
 
 BLOCK_TOKENS = 16  # tokens a KV cache block holds
@@ -514,18 +507,12 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
               cap: int | None) -> None:
     """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints);
     `cap`: generation_config.json's max_length where it bounds the new tokens (`_sampling`)."""
-    import math
     from pathlib import Path
 
-    import torch
-
-    from flashgen.runtime.decoder.engine import Engine
     from flashgen.runtime.checkpoints.generation_config import within_max_length
-    from flashgen.runtime.decoder.memory import cache_bytes, check_fits
-    from flashgen.runtime.decoder.model import Decoder
-    from flashgen.runtime.decoder.tensor_parallel import ShardedDecoder, shard_config
+    from flashgen.runtime.checkpoints.model_config import ModelConfig
     from flashgen.runtime.checkpoints.tokenizer import load_tokenizer
-    from flashgen.runtime.checkpoints.weights import ModelConfig, check_weights, load_weights
+    from flashgen.runtime.decoder.loading import load_engine
 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
@@ -537,15 +524,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
         raise FlashgenError(f"{option}: the prompt {what}; give the text to continue from")
     n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
     _check_cache_blocks(args.cache_blocks, len(prompt), n)
-    nbytes = 2 if device.type == "cuda" else 4
-    weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
-    check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights // args.tp +
-               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks + 1, BLOCK_TOKENS), device,
-               "pass fewer --cache-blocks")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
-        ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
-    engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
+    engine = load_engine(folder, config, device, args.cache_blocks, BLOCK_TOKENS, args.tp)
+    model = engine.model
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
