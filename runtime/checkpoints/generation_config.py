@@ -23,6 +23,7 @@ from flashgen.runtime.checkpoints.model_config import json_object
 if TYPE_CHECKING:
     from flashgen.runtime.decoder.sampling import SamplingParams
 
+DEFAULT_NEW_TOKENS = 64  # where neither a request nor the folder says (flashgen/cli.py names it for its help)
 TRANSFORMERS_TOP_K = 50  # transformers' GenerationConfig default, in force whenever it samples
 
 
@@ -114,11 +115,11 @@ def within_max_length(n: int, max_length: int | None, prompt_len: int, where: Pa
     return min(n, max_length - prompt_len)
 
 
-def sampling_params(defaults: dict[str, Any], given: dict[str, Any], max_new_tokens: int | None, seed: int,
-                    default_new_tokens: int) -> tuple[SamplingParams, int | None]:
+def sampling_params(defaults: dict[str, Any], given: dict[str, Any], max_new_tokens: int | None,
+                    seed: int) -> tuple[SamplingParams, int | None]:
     """A request's decoding: each setting `given` (a flag of `generate`, a field of a served request),
     else the folder's `defaults` (`generation_defaults`), else SamplingParams'; its length
-    `max_new_tokens` where given, else the file's, else `default_new_tokens`; and the file's
+    `max_new_tokens` where given, else the file's, else DEFAULT_NEW_TOKENS; and the file's
     max_length, the cap on prompt + new tokens where neither gives the length (None: no cap). Values
     are taken as they are: `Engine.add` checks them (runtime/decoder/sampling.py `check_request`)."""
     from flashgen.runtime.decoder.sampling import SamplingParams
@@ -128,5 +129,5 @@ def sampling_params(defaults: dict[str, Any], given: dict[str, Any], max_new_tok
     n = defaults.pop("max_new_tokens", None)
     if max_new_tokens is not None or n is not None:
         cap = None
-    n = max_new_tokens if max_new_tokens is not None else n if n is not None else default_new_tokens
+    n = max_new_tokens if max_new_tokens is not None else n if n is not None else DEFAULT_NEW_TOKENS
     return SamplingParams(max_new_tokens=n, seed=seed, **{**defaults, **given}), cap
