@@ -299,3 +299,18 @@ def test_the_shipped_records_reader_serves_every_thread():
     thread.start()
     thread.join()
     assert seen == [0]
+
+
+def test_serve_refuses_a_port_in_use_in_one_line_before_loading(folder, capsys, monkeypatch):
+    from flashgen import cli
+    from flashgen.runtime.checkpoints import generation_config
+    from flashgen.runtime.decoder import loading
+
+    assert cli.DEFAULT_NEW_TOKENS == generation_config.DEFAULT_NEW_TOKENS  # (the help's, named before torch loads)
+    monkeypatch.setattr(loading, "load_weights", lambda *a: pytest.fail("weights were loaded"))
+    taken = listen("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    assert cli.main(["serve", "--model", str(folder), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flashgen: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1
+    taken.close()
