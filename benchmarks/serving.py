@@ -19,6 +19,15 @@ the throughput rises by less than 10%.
     python benchmarks/serving.py [--config llama3-8b] [--quant bf16,w4a16,w8a8,w4a8,mixed] [--rates auto|0.5,1,2]
                                  [--duration 30] [--prompt-len 2000] [--output-len 300] [--spread 0.2] [--max-batch 64]
     python benchmarks/serving.py --device cpu  (the tiny config, short requests: a smoke run)
+    python benchmarks/serving.py --http [...]  (each point also through `flashgen serve`'s HTTP API)
+
+With --http, each point is served twice by the same engine: called directly as above, then through
+`flashgen serve`'s routes (runtime/server/) on loopback, the same arrivals posted by a client in a
+process of its own (so that it takes no time from the server's) as streamed /v1/completions requests of
+token ids (temperature 0, max_tokens the output length, no stop token), each token's time taken as its
+chunk arrives. Its rows are the mode's name + "+http"; the overhead of the server at a rate is the
+direct throughput over the HTTP one, and the HTTP TPOT over the direct one (goal: within 5% at
+saturation, the sweep's last point).
 """
 from __future__ import annotations
 
@@ -137,6 +146,82 @@ def serve(engine: Engine, load: list[Arrival], label: str = "", clock: Callable[
     return out
 
 
+def _post_stream(url: str, a: Arrival, t0: float) -> Timeline:
+    """One arrival posted at its time (seconds after `t0`, on this process's clock) as a streamed
+    completion; its timeline as the client sees the chunks."""
+    import json
+    import urllib.request
+
+    time.sleep(max(0.0, t0 + a.at - time.perf_counter()))
+    body = {"model": "bench", "prompt": a.prompt, "max_tokens": a.output_len, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t = Timeline(a.at, time.perf_counter() - t0, len(a.prompt))
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    t.error = chunk["error"]["message"]
+                elif chunk["choices"] and chunk["choices"][0]["text"] and t.first_token is None:
+                    t.first_token = time.perf_counter() - t0
+                elif chunk.get("usage"):
+                    t.output_tokens = chunk["usage"]["completion_tokens"]
+    except OSError as e:
+        t.error = str(e)
+    t.finish = time.perf_counter() - t0
+    t.first_token = t.finish if t.first_token is None else t.first_token
+    return t
+
+
+def _client(url: str, load: list[Arrival], out) -> None:
+    """The HTTP load's client, in a process of its own: every arrival in a thread, their timelines put
+    on `out`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, len(load))) as pool:
+        out.put(list(pool.map(lambda a: _post_stream(url, a, t0), load)))
+
+
+def serve_http(engine: Engine, load: list[Arrival]) -> list[Timeline]:
+    """`load` through `flashgen serve`'s routes over `engine` on a loopback port (its client in a process
+    of its own); their timelines in arrival order. The engine is idle again after."""
+    import multiprocessing
+    import threading
+
+    import uvicorn
+    from tokenizers import Tokenizer, models
+
+    from flashgen.runtime.server.app import Service, create_app
+    from flashgen.runtime.server.engine_loop import EngineLoop
+    from flashgen.runtime.server.main import listen
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(engine.model.c.vocab_size)}, unk_token="t0"))
+    svc = Service(EngineLoop(engine, max_queue=len(load) + 1).start(), words, "bench", None, {}, None)
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(svc), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.SimpleQueue()
+        client = ctx.Process(target=_client, args=(f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", load,
+                                                   out))
+        client.start()
+        times = out.get()
+        client.join()
+        return times
+    finally:
+        server.should_exit = True
+        thread.join()
+        svc.loop.stop()
+
+
 def summarize(times: list[Timeline]) -> dict[str, float | int]:
     """A point's metrics from its requests' timelines: output tokens/s from the start to the last
     finish, TTFT and TPOT (requests of 2 tokens or more) median and p99 in ms (numpy's linear
@@ -198,16 +283,17 @@ def solo_latency(engine: Engine, traffic: Traffic) -> float:
     return time.perf_counter() - t0
 
 
-def point(engine: Engine, mode: str, rate: float, traffic: Traffic) -> tuple[list[Timeline], dict]:
-    """One rate's requests served, and their metrics; a failed request raises with its reason."""
-    label = f"{mode} at {rate:.3g} req/s"
+def point(engine: Engine, mode: str, rate: float, traffic: Traffic, http: bool = False) -> tuple[list[Timeline], dict]:
+    """One rate's requests served (`http`: through the server, `serve_http`), and their metrics; a failed
+    request raises with its reason."""
+    label = f"{mode}{'+http' if http else ''} at {rate:.3g} req/s"
     load = arrivals(rate, traffic.duration, traffic.prompt_len, traffic.output_len, traffic.spread,
                     engine.model.c.vocab_size, traffic.seed)
     if not load:
         raise FlashgenError(f"{label}: no request arrives within --duration {traffic.duration:g} s; "
                             "give a longer --duration or a higher rate")
     print(f"{label}: {len(load)} requests over {traffic.duration:g} s", file=sys.stderr, flush=True)
-    times = serve(engine, load, label)
+    times = serve_http(engine, load) if http else serve(engine, load, label)
     if failed := next((t for t in times if t.error), None):
         raise FlashgenError(f"{label}: a request failed: {failed.error}")
     metrics = summarize(times)
@@ -217,10 +303,12 @@ def point(engine: Engine, mode: str, rate: float, traffic: Traffic) -> tuple[lis
 
 
 def sweep(engine: Engine, mode: str, rates: list[float] | None, traffic: Traffic, max_points: int,
-          done: Callable[[float, list[Timeline], dict], None]) -> None:
+          done: Callable[[float, list[Timeline], dict], None],
+          done_http: Callable[[float, list[Timeline], dict], None] | None = None) -> None:
     """`point` at each rate of `rates`, or (None) from half the rate one request alone is served at
     (FIRST_REQUESTS over the duration if that is more), doubling until the throughput rises by less
-    than RISE over the best before (at most `max_points` rates); `done` gets each point as it ends."""
+    than RISE over the best before (at most `max_points` rates); `done` gets each point as it ends, and
+    `done_http`, where given, the same point served through HTTP next."""
     todo = list(rates) if rates is not None else \
         [max(0.5 / solo_latency(engine, traffic), FIRST_REQUESTS / traffic.duration)]
     best, points = 0.0, 0
@@ -228,6 +316,8 @@ def sweep(engine: Engine, mode: str, rates: list[float] | None, traffic: Traffic
         rate = todo.pop(0)
         times, metrics = point(engine, mode, rate, traffic)
         done(rate, times, metrics)
+        if done_http is not None:
+            done_http(rate, *point(engine, mode, rate, traffic, http=True))
         points += 1
         throughput = metrics["throughput_tok_s"]
         if rates is None and throughput >= RISE * best and points < max_points:
@@ -326,7 +416,8 @@ def run(args: argparse.Namespace) -> list[list]:
         model = bench.build(args.config, mode, args.max_batch, hi_in, hi_out, args.device)
         try:
             engine = engine_for(model, traffic, args.max_batch)
-            sweep(engine, mode, rates, traffic, args.max_points, lambda r, t, m: done(mode, r, t, m))
+            sweep(engine, mode, rates, traffic, args.max_points, lambda r, t, m: done(mode, r, t, m),
+                  (lambda r, t, m: done(f"{mode}+http", r, t, m)) if args.http else None)
         finally:
             engine = model = None
             bench.release(dev)
@@ -348,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests the KV cache holds at the longest lengths (default 64; cpu: 8)")
     ap.add_argument("--max-points", type=int, default=8, help="most rates of an automatic sweep")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--http", action="store_true",
+                    help="serve each point through `flashgen serve`'s HTTP API too, after the engine called directly")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default=None, help="result files <out-dir>/<name>.json and .md "
                                                  "(default serving; cpu: serving_cpu)")
@@ -368,7 +461,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_table(("mode", "req/s", "tok/s", "TPOT med ms", "TPOT p99 ms", "TTFT med ms"),
                 [(r[0], r[1], r[5], r[9], r[10], r[7]) for r in rows])
+    if args.http:
+        print_table(("mode", "req/s", "direct tok/s", "http tok/s", "throughput cost", "TPOT cost"), overheads(rows))
     return 0
+
+
+def overheads(rows: list[list]) -> list[tuple]:
+    """Per mode and rate, the direct and HTTP throughputs and what the server costs: the direct
+    throughput over the HTTP one and the HTTP median TPOT over the direct one, less 1."""
+    col = {c: i for i, c in enumerate(HEADER)}
+    direct = {(r[0], r[1]): r for r in rows if not r[0].endswith("+http")}
+    out = []
+    for r in rows:
+        if r[0].endswith("+http"):
+            d = direct[(r[0].removesuffix("+http"), r[1])]
+            tput, tpot = col["throughput_tok_s"], col["tpot_median_ms"]
+            out.append((d[0], r[1], f"{d[tput]:.1f}", f"{r[tput]:.1f}", f"{d[tput] / r[tput] - 1:+.1%}",
+                        f"{r[tpot] / d[tpot] - 1:+.1%}"))
+    return out
 
 
 if __name__ == "__main__":

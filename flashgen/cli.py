@@ -476,7 +476,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-DEFAULT_NEW_TOKENS = 64
+DEFAULT_NEW_TOKENS = 64  # (named here for the help, before torch loads: generation_config's, tests check)
 
 
 def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, int | None]:
@@ -485,17 +485,10 @@ def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, i
     cap on prompt + new tokens where neither --max-new-tokens nor the file's max_new_tokens says how
     many (None: no cap). The file is checked even where every flag is given: a broken one is never
     half-read."""
-    from flashgen.runtime.decoder.sampling import SamplingParams
-    from flashgen.runtime.checkpoints.generation_config import generation_defaults
+    from flashgen.runtime.checkpoints.generation_config import generation_defaults, sampling_params
 
-    defaults = generation_defaults(folder)
-    cap = defaults.pop("max_length", None)
-    if args.max_new_tokens is not None or "max_new_tokens" in defaults:
-        cap = None
-    n = args.max_new_tokens or defaults.pop("max_new_tokens", DEFAULT_NEW_TOKENS)
-    defaults.pop("max_new_tokens", None)
     given = {k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None}
-    return SamplingParams(max_new_tokens=n, seed=args.seed, **{**defaults, **given}), cap
+    return sampling_params(generation_defaults(folder), given, args.max_new_tokens, args.seed)
 
 
 BLOCK_TOKENS = 16  # tokens a KV cache block holds
@@ -514,18 +507,12 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
               cap: int | None) -> None:
     """`flashgen generate` on `device`: the whole model, or this rank's part of it (only rank 0 prints);
     `cap`: generation_config.json's max_length where it bounds the new tokens (`_sampling`)."""
-    import math
     from pathlib import Path
 
-    import torch
-
-    from flashgen.runtime.decoder.engine import Engine
     from flashgen.runtime.checkpoints.generation_config import within_max_length
-    from flashgen.runtime.decoder.memory import cache_bytes, check_fits
-    from flashgen.runtime.decoder.model import Decoder
-    from flashgen.runtime.decoder.tensor_parallel import ShardedDecoder, shard_config
+    from flashgen.runtime.checkpoints.model_config import ModelConfig
     from flashgen.runtime.checkpoints.tokenizer import load_tokenizer
-    from flashgen.runtime.checkpoints.weights import ModelConfig, check_weights, load_weights
+    from flashgen.runtime.decoder.loading import load_engine
 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
@@ -537,15 +524,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
         raise FlashgenError(f"{option}: the prompt {what}; give the text to continue from")
     n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
     _check_cache_blocks(args.cache_blocks, len(prompt), n)
-    nbytes = 2 if device.type == "cuda" else 4
-    weights = sum(math.prod(shape) for _, _, shape in check_weights(folder, config).values()) * nbytes
-    check_fits(f"{folder.name} with a KV cache of {args.cache_blocks} blocks", weights // args.tp +
-               cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks + 1, BLOCK_TOKENS), device,
-               "pass fewer --cache-blocks")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
-        ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
-    engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
+    engine = load_engine(folder, config, device, args.cache_blocks, BLOCK_TOKENS, args.tp)
+    model = engine.model
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
@@ -563,6 +543,39 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
         sys.stdout.flush()
     if engine.finished[rid].error:  # a step that failed (the engine does not raise it)
         raise FlashgenError(engine.finished[rid].error)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a model folder over OpenAI's HTTP API (runtime/server/); with --tp N, in N ranks (spawned
+    here, or this process being one of torchrun's), rank 0 serving."""
+    from pathlib import Path
+
+    folder = Path(args.model)
+    if not (folder / "config.json").is_file():
+        raise FlashgenError(f"--model {args.model}: " + ("the folder holds no config.json" if folder.is_dir()
+                                                         else "no such folder"))
+
+    import torch
+
+    from flashgen.runtime.checkpoints.model_config import ModelConfig
+    from flashgen.runtime.decoder.ranks import launch, start_rank, stop_rank, under_torchrun
+    from flashgen.runtime.decoder.tensor_parallel import check_gpus, check_tp
+    from flashgen.runtime.server.main import ServeOptions, listen, serve
+
+    check_tp(ModelConfig.from_folder(folder), args.tp)
+    options = ServeOptions(folder, args.host, args.port, args.served_model_name or folder.resolve().name, args.quant,
+                           args.tp, args.cache_blocks, BLOCK_TOKENS, args.max_queue)
+    if args.tp > 1 and torch.cuda.is_available():
+        check_gpus(args.tp, torch.cuda.device_count())
+    if args.tp == 1:
+        serve(torch.device("cuda" if torch.cuda.is_available() else "cpu"), options)
+    elif under_torchrun():
+        serve(start_rank(args.tp), options)
+        stop_rank()
+    else:
+        listen(args.host, args.port).close()  # (a port in use is one line before any rank starts)
+        launch(args.tp, serve, (options,))
+    return 0
 
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
@@ -713,6 +726,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
                         "--nproc-per-node N")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve a Hugging Face model folder over OpenAI's HTTP API",
+                        description="Serve a model folder over OpenAI's HTTP API: /v1/completions, "
+                                    "/v1/chat/completions (streamed with stream: true), /v1/models and /health, "
+                                    "requests batched continuously (docs/serving.md).")
+    sv.add_argument("--model", required=True, help="folder with config.json, safetensors and tokenizer.json")
+    sv.add_argument("--host", type=_NONEMPTY, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=_checked(int, lambda v: 0 <= v <= 65535, "a port in 0..65535"), default=8000,
+                    help="port to listen on (default 8000; 0: a free one, printed)")
+    sv.add_argument("--quant", default="bf16", choices=QUANT_MODES, help="the linears' quant mode (default bf16)")
+    sv.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
+                    help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun")
+    sv.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
+                    help=f"KV cache size in blocks of {BLOCK_TOKENS} tokens, shared by the running requests")
+    sv.add_argument("--max-queue", type=_checked(int, at_least(1), "an integer of at least 1"), default=256,
+                    help="requests that may wait for room in the batch; more are answered 429 (default 256)")
+    sv.add_argument("--served-model-name", type=_NONEMPTY, metavar="NAME",
+                    help="the model's name in requests and /v1/models (default: the folder's name)")
+    sv.set_defaults(func=cmd_serve)
 
     bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)",
                         description="Decode tokens/s on random weights of an architecture, against the bandwidth "

@@ -229,3 +229,26 @@ def test_serving_on_gpu_replays_graphs_and_gives_each_modes_memory_back(tmp_path
     data = json.loads((tmp_path / "serving.json").read_text())
     assert [r[0] for r in data["rows"]] == ["bf16", "bf16", "w4a16", "w4a16", "w8a8", "w8a8"]
     assert data["meta"]["device"] == torch.cuda.get_device_name()
+
+
+def test_http_mode_serves_the_same_arrivals_through_the_server(tmp_path, capsys):
+    """--http: each point served by the engine directly, then through `flashgen serve`'s routes by a
+    client process; every HTTP request ends with all its tokens, its times in order, and the table of
+    the server's cost follows from the two rows."""
+    argv = ["--device", "cpu", "--config", "tiny", "--quant", "bf16", "--rates", "40", "--duration", "0.2",
+            "--prompt-len", "6", "--output-len", "4", "--max-batch", "3", "--seed", "2", "--out-dir", str(tmp_path),
+            "--name", "http", "--plot", "none", "--http"]
+    assert serving.main(argv) == 0
+    data = json.loads((tmp_path / "http.json").read_text())
+    rows = [dict(zip(data["columns"], r)) for r in data["rows"]]
+    assert [r["mode"] for r in rows] == ["bf16", "bf16+http"]
+    load = serving.arrivals(40.0, 0.2, 6, 4, 0.2, bench.CONFIGS["tiny"].vocab_size, 2)
+    events = data["meta"]["requests"]["bf16+http 40"]
+    assert [(e[0], e[4], e[5]) for e in events] == [(a.at, len(a.prompt), a.output_len) for a in load]
+    assert all(e[0] <= e[1] <= e[2] <= e[3] for e in events)
+    direct, http = rows
+    cost = serving.overheads(data["rows"])
+    assert cost == [("bf16", 40, f"{direct['throughput_tok_s']:.1f}", f"{http['throughput_tok_s']:.1f}",
+                     f"{direct['throughput_tok_s'] / http['throughput_tok_s'] - 1:+.1%}",
+                     f"{http['tpot_median_ms'] / direct['tpot_median_ms'] - 1:+.1%}")]
+    assert "throughput cost" in capsys.readouterr().out

@@ -197,7 +197,9 @@ class Database:
         self.readonly = readonly
         if path == MEMORY:
             self.path = Path(MEMORY)
-            self._conn = sqlite3.connect(MEMORY, isolation_level=None)
+            # (any thread may read it: the shipped records' reader is built once per process, and a
+            # server's engine thread dispatches with it after the main thread did; sqlite serializes)
+            self._conn = sqlite3.connect(MEMORY, isolation_level=None, check_same_thread=False)
             self._create_schema()
             return
         self.path = Path(path).expanduser() if path is not None else default_db_path()

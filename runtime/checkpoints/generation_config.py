@@ -15,11 +15,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashgen.errors import FlashgenError
 from flashgen.runtime.checkpoints.model_config import json_object
 
+if TYPE_CHECKING:
+    from flashgen.runtime.decoder.sampling import SamplingParams
+
+DEFAULT_NEW_TOKENS = 64  # where neither a request nor the folder says (flashgen/cli.py names it for its help)
 TRANSFORMERS_TOP_K = 50  # transformers' GenerationConfig default, in force whenever it samples
 
 
@@ -109,3 +113,21 @@ def within_max_length(n: int, max_length: int | None, prompt_len: int, where: Pa
         raise FlashgenError(f"the prompt's {prompt_len} tokens reach {where}'s max_length of {max_length}; "
                             "pass --max-new-tokens to generate past it")
     return min(n, max_length - prompt_len)
+
+
+def sampling_params(defaults: dict[str, Any], given: dict[str, Any], max_new_tokens: int | None,
+                    seed: int) -> tuple[SamplingParams, int | None]:
+    """A request's decoding: each setting `given` (a flag of `generate`, a field of a served request),
+    else the folder's `defaults` (`generation_defaults`), else SamplingParams'; its length
+    `max_new_tokens` where given, else the file's, else DEFAULT_NEW_TOKENS; and the file's
+    max_length, the cap on prompt + new tokens where neither gives the length (None: no cap). Values
+    are taken as they are: `Engine.add` checks them (runtime/decoder/sampling.py `check_request`)."""
+    from flashgen.runtime.decoder.sampling import SamplingParams
+
+    defaults = dict(defaults)
+    cap = defaults.pop("max_length", None)
+    n = defaults.pop("max_new_tokens", None)
+    if max_new_tokens is not None or n is not None:
+        cap = None
+    n = max_new_tokens if max_new_tokens is not None else n if n is not None else DEFAULT_NEW_TOKENS
+    return SamplingParams(max_new_tokens=n, seed=seed, **{**defaults, **given}), cap
