@@ -5,7 +5,11 @@ unpatch. On a GPU (-m gpu): bf16 greedy tokens, patched against unpatched."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib.util
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +211,25 @@ def test_unpatched_models_of_the_same_architecture_compute_as_before():
     assert modeling.apply_rotary_pos_emb is not original  # b still runs flashgen's rope
     pb.unpatch()
     assert modeling.apply_rotary_pos_emb is original
+
+
+def test_benchmark_smoke_run(tmp_path, monkeypatch):
+    """benchmarks/patch.py on the CPU, its tiny config at this file's shapes (their kernels compiled
+    already), eager: one row per batch with both models' decode tokens/s and their ratio, in JSON and MD."""
+    spec = importlib.util.spec_from_file_location("patch_bench", Path(__file__).parents[1] / "benchmarks" / "patch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small = dataclasses.replace(bench.CONFIGS["tiny"], vocab_size=128, hidden_size=64, intermediate_size=160,
+                                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    monkeypatch.setitem(bench.CONFIGS, "tiny", small)
+    assert bench.main(["--config", "tiny", "--batch", "64", "--prompt-len", "7", "--new-tokens", "3",
+                       "--out-dir", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "patch_tiny.json").read_text())
+    assert out["meta"]["device"] == "cpu" and (tmp_path / "patch_tiny.md").exists()
+    (row,) = [dict(zip(out["columns"], r)) for r in out["rows"]]
+    assert (row["compile"], row["batch"], row["new_tokens"]) == ("off", 64, 3)
+    assert row["unpatched_tok_s"] > 0 and row["ratio"] == pytest.approx(row["patched_tok_s"] / row["unpatched_tok_s"])
+    assert bench.main(["--config", "tiny", "--prompt-len", "60", "--new-tokens", "8", "--out-dir", str(tmp_path)]) == 2
 
 
 @pytest.mark.gpu
