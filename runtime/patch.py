@@ -192,10 +192,16 @@ def _classes(model: nn.Module) -> tuple[str, dict[str, type]]:
 
 def _check_tensors(modules: dict[str, nn.Module], mode: type[QuantLinear]) -> None:
     """Each tensor the patched modules compute with lies on a device and in a dtype flashgen's kernels run
-    (and, on a GPU, the mode's activations are a dtype its target has): else one line naming it."""
+    (and, on a GPU, the mode's activations are a dtype its target has), all in one dtype (an op's inputs
+    share theirs): else one line naming it."""
+    first: tuple[str, torch.dtype] | None = None
     for name, module in modules.items():
         for pname, t in module.named_parameters():
             where = f"{name}.{pname} is {str(t.dtype).removeprefix('torch.')} on {t.device}"
+            first = first or (f"{name}.{pname}", t.dtype)
+            if t.dtype != first[1]:
+                raise FlashgenError(f"flashgen.patch: {where}, {first[0]} {str(first[1]).removeprefix('torch.')}; "
+                                    f"the ops take their inputs in one dtype")
             if t.device.type not in DEVICES:
                 raise FlashgenError(f"flashgen.patch: {where}; flashgen's kernels run on the CPU and on GPUs")
             target = device_target(t.device)
@@ -260,7 +266,8 @@ def patch(model: nn.Module, quant: str = "bf16") -> Patch:
             new[name], replaced[name] = _linear([lin], mode, plans, fallbacks), f"{mode.mode} linear"
         for name, rot in found["RotaryEmbedding"].items():
             dev = rot.inv_freq.device
-            cos, sin = rot(torch.empty(0, device=dev), torch.arange(model.config.max_position_embeddings, device=dev)[None])
+            positions = torch.arange(model.config.max_position_embeddings, device=dev)[None]
+            cos, sin = rot(torch.empty(0, device=dev), positions)  # (float32: x gives only the device and dtype)
             half = cos.shape[-1] // 2
             new[name] = RotaryTable(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).float().contiguous())
             replaced[name] = f"rope table of {cos.shape[1]} positions"

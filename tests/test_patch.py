@@ -177,6 +177,11 @@ def test_refusals_are_one_line():
         flashgen.patch([model])
     with pytest.raises(FlashgenError, match=r"float64 on cpu; flashgen's kernels compute in fp32, fp16, bf16"):
         flashgen.patch(copy.deepcopy(model).double())
+    mixed = copy.deepcopy(model)
+    mixed.model.norm.half()
+    with pytest.raises(FlashgenError, match=r"model.norm.weight is float16 on cpu, model.layers.0.input_layernorm.weight "
+                                            r"float32; the ops take their inputs in one dtype"):
+        flashgen.patch(mixed)
     with torch.device("meta"):
         on_meta = transformers.LlamaForCausalLM(CONFIGS["llama"]()).eval()
     with pytest.raises(FlashgenError, match="on meta; flashgen's kernels run on the CPU and on GPUs"):
