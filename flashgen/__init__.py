@@ -14,6 +14,6 @@ from flashgen.lazy import exports  # noqa: E402
 from flashgen.oplib import OPS, get_op  # noqa: E402
 from flashgen.workload import Workload, workload  # noqa: E402  (the function, not its module, is flashgen.workload)
 
-# The compiler is imported at its first use: `flashgen --help` and `ops` do not load it (nor torch).
-__getattr__ = exports("flashgen", {"compile": "flashgen.compiler"})
-__all__ = ["__version__", "compile", "FlashgenError", "OPS", "get_op", "Workload", "workload"]
+# The compiler and `patch` are imported at their first use: `flashgen --help` and `ops` load neither (nor torch).
+__getattr__ = exports("flashgen", {"compile": "flashgen.compiler", "patch": "flashgen.runtime.patch"})
+__all__ = ["__version__", "compile", "patch", "FlashgenError", "OPS", "get_op", "Workload", "workload"]
