@@ -501,6 +501,13 @@ def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, i
 BLOCK_TOKENS = 16  # tokens a KV cache block holds
 
 
+def add_prefix_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """`--no-prefix-cache`, for every command that runs an engine (`Engine(prefix_cache=...)`)."""
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute every prompt whole, sharing no KV cache blocks of earlier prompts "
+                             "(automatic prefix caching is on by default)")
+
+
 def _check_cache_blocks(blocks: int, prompt_len: int, new: int) -> None:
     """--cache-blocks must hold the request's prompt and new tokens (the engine keeps its CUDA graphs'
     padding block beside them: `Engine`); checked before the weights load."""
@@ -545,7 +552,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
-    engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
+    engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp,
+                    prefix_cache=not args.no_prefix_cache)
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
@@ -712,6 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
                    help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
                         "--nproc-per-node N")
+    add_prefix_cache_flag(g)
     g.set_defaults(func=cmd_generate)
 
     bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)",
