@@ -5,7 +5,11 @@ used idle blocks; aborted and failed requests leak no block, and no block is cou
 tables than hold it, at any step."""
 from __future__ import annotations
 
+import json
+import statistics
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,3 +223,51 @@ def test_block_counts_never_go_negative():
     m.reserve(2, 24)  # every block: the idle ones evicted, their keys forgotten
     assert m.cached_prefix(keys) == [] and not m.cached and not m.key_of
     check_blocks(m)
+
+
+def bench_module():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import prefix_cache
+    return prefix_cache
+
+
+def test_the_benchmark_serves_both_engines_side_by_side(tmp_path, capsys):
+    """benchmarks/prefix_cache.py on the tiny config: without the cache every prompt prefills in the first
+    step; with it the first request computes the system prompt's two full blocks and the 14 others wait
+    that step and share them. The metrics and ratios follow from the recorded times."""
+    prefix_cache = bench_module()
+    argv = ["--device", "cpu", "--requests", "15", "--system-len", "40", "--user-len", "3-9", "--output-len", "3",
+            "--out-dir", str(tmp_path), "--name", "pc"]
+    assert prefix_cache.main(argv) == 0
+    data = json.loads((tmp_path / "pc.json").read_text())
+    assert data["columns"] == list(prefix_cache.HEADER) and data["meta"]["device"] == "cpu"
+    rows = [dict(zip(data["columns"], r)) for r in data["rows"]]
+    assert [(r["prefix_cache"], r["cached_prompt_tokens"], r["output_tokens"]) for r in rows] == \
+        [(False, 0, 45), (True, 14 * 32, 45)]
+    events = {on: data["meta"]["requests"]["prefix cache" if on else "no cache"] for on in (False, True)}
+    assert len({e[2] for e in events[False]}) == 1  # one step's first tokens
+    assert all(e[2] > events[True][0][2] for e in events[True][1:]) and [e[5] for e in events[True]] == [0] + [32] * 14
+    for r, on in zip(rows, (False, True)):
+        ttft = [1e3 * (e[2] - e[0]) for e in events[on]]
+        assert r["ttft_first_ms"] == pytest.approx(ttft[0])
+        assert r["ttft_later_median_ms"] == pytest.approx(statistics.median(ttft[1:]))
+        assert r["throughput_tok_s"] == pytest.approx(45 / max(e[3] for e in events[on]))
+    ratios = data["meta"]["ratios"]
+    assert ratios["same_tokens"] == 1.0
+    assert ratios["throughput"] == pytest.approx(rows[1]["throughput_tok_s"] / rows[0]["throughput_tok_s"])
+    assert ratios["ttft_later_p90"] == pytest.approx(rows[0]["ttft_later_p90_ms"] / rows[1]["ttft_later_p90_ms"])
+    assert "throughput" in capsys.readouterr().out and "| True | 15 |" in (tmp_path / "pc.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--user-len", "9-3"], "--user-len must be 1 <= LO <= HI, got '9-3'"),
+    (["--user-len", "x"], "--user-len takes N or LO-HI, got 'x'"),
+    (["--rate", "-1"], "--rate must be 0 (together) or positive requests/s, got -1.0"),
+    (["--requests", "0"], "--requests must be at least 1, got 0"),
+    (["--config", "gpt5"], "unknown config 'gpt5'"),
+])
+def test_the_benchmark_refuses_bad_settings_in_one_line(tmp_path, capsys, args, message):
+    assert bench_module().main(["--device", "cpu", "--out-dir", str(tmp_path)] + args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("prefix_cache.py: ") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
