@@ -49,12 +49,15 @@ def nothing_held(m: BlockManager) -> bool:
 
 
 def serve(eng: Engine, joins: dict[int, list[tuple[list[int], SamplingParams]]]) -> list[Request]:
-    """Each request of `joins` added at its step; every step's blocks checked; the requests in order."""
+    """Each request of `joins` added at its step; every step's blocks checked, and the context the block
+    tables are sized for (idle cached blocks are still the cache's); the requests in order."""
     rids, step = [], 0
+    width = eng.model.table_width(eng.cache)
     while step <= max(joins) or eng.waiting or eng.running or eng.pending:
         rids += [eng.add(p, params) for p, params in joins.get(step, [])]
         eng.step()
         check_blocks(eng.cache.manager)
+        assert eng.model.table_width(eng.cache) == width
         step += 1
     return [eng.finished.pop(i) for i in rids]
 
