@@ -890,7 +890,7 @@ def test_prefix_cache_keeps_the_tokens_on_gpu():
         if j is not None:
             logits = prompt_logits(model, prompt + want[:j])[-1].float()
             top = logits.topk(2)
-            assert top.values[0] - top.values[1] <= 0.02 * logits.abs().max() and got[j] in top.indices.tolist(), \
+            assert top.values[0] - top.values[1] <= 0.05 * logits.abs().max() and got[j] in top.indices.tolist(), \
                 (j, want, got)
 
 

@@ -45,7 +45,8 @@ class BlockManager:
         self.free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
         self.refs: dict[int, int] = {}  # each block some table holds: how many do
-        self.cached: OrderedDict[int, bytes] = OrderedDict()  # published blocks no table holds, least recently used first
+        # published blocks no table holds, least recently used first
+        self.cached: OrderedDict[int, bytes] = OrderedDict()
         self.key_of: dict[int, bytes] = {}  # every published block's key, held or idle
         self.block_of: dict[bytes, int] = {}
         self.keys: dict[int, list[bytes]] = {}  # each sequence's known block keys (its first blocks')
