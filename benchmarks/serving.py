@@ -262,7 +262,7 @@ def engine_for(model: Decoder, traffic: Traffic, max_batch: int) -> Engine:
     blocks = max_batch * -(-(hi_in + hi_out) // 16) + 4
     engine = Engine(model, num_blocks=blocks)
     warm = SamplingParams(max_new_tokens=3, stop_tokens=())
-    for prompts in ([[1] * lo_in], [[1] * hi_in], [[1] * lo_in, [1] * hi_in]):
+    for prompts in ([[1] * lo_in], [[2] * hi_in], [[3] * lo_in, [4] * hi_in]):  # (no prefix shared: each computed)
         engine.generate(prompts, warm)
     if engine.graphs is not None:
         sizes = engine.graphs.sizes

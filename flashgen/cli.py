@@ -494,6 +494,13 @@ def _sampling(args: argparse.Namespace, folder: Path) -> tuple[SamplingParams, i
 BLOCK_TOKENS = 16  # tokens a KV cache block holds
 
 
+def add_prefix_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """`--no-prefix-cache`, for every command that runs an engine (`Engine(prefix_cache=...)`)."""
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute every prompt whole, sharing no KV cache blocks of earlier prompts "
+                             "(automatic prefix caching is on by default)")
+
+
 def _check_cache_blocks(blocks: int, prompt_len: int, new: int) -> None:
     """--cache-blocks must hold the request's prompt and new tokens (the engine keeps its CUDA graphs'
     padding block beside them: `Engine`); checked before the weights load."""
@@ -524,7 +531,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
         raise FlashgenError(f"{option}: the prompt {what}; give the text to continue from")
     n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
     _check_cache_blocks(args.cache_blocks, len(prompt), n)
-    engine = load_engine(folder, config, device, args.cache_blocks, BLOCK_TOKENS, args.tp)
+    engine = load_engine(folder, config, device, args.cache_blocks, BLOCK_TOKENS, args.tp,
+                         prefix_cache=not args.no_prefix_cache)
     model = engine.model
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
@@ -564,7 +572,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_tp(ModelConfig.from_folder(folder), args.tp)
     options = ServeOptions(folder, args.host, args.port, args.served_model_name or folder.resolve().name, args.quant,
-                           args.tp, args.cache_blocks, BLOCK_TOKENS, args.max_queue)
+                           args.tp, args.cache_blocks, BLOCK_TOKENS, args.max_queue, not args.no_prefix_cache)
     if args.tp > 1 and torch.cuda.is_available():
         check_gpus(args.tp, torch.cuda.device_count())
     if args.tp == 1:
@@ -725,6 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
                    help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
                         "--nproc-per-node N")
+    add_prefix_cache_flag(g)
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="serve a Hugging Face model folder over OpenAI's HTTP API",
@@ -744,6 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests that may wait for room in the batch; more are answered 429 (default 256)")
     sv.add_argument("--served-model-name", type=_NONEMPTY, metavar="NAME",
                     help="the model's name in requests and /v1/models (default: the folder's name)")
+    add_prefix_cache_flag(sv)
     sv.set_defaults(func=cmd_serve)
 
     bm = sub.add_parser("bench-model", help="decode tokens/s on random weights of an architecture (no download)",

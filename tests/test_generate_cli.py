@@ -55,6 +55,25 @@ def test_edge_values_are_accepted(folder, capsys):
     assert len(capsys.readouterr().out.split()) == 1
 
 
+def test_no_prefix_cache_reaches_the_engine(folder, capsys, monkeypatch):
+    """Prefix caching is on unless --no-prefix-cache turns it off; the text is the same both ways."""
+    from flashgen.runtime.decoder import engine
+
+    made = []
+
+    class Recorded(engine.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.prefix_cache)
+
+    monkeypatch.setattr(engine, "Engine", Recorded)
+    texts = []
+    for flags in ([], ["--no-prefix-cache"]):
+        assert main(["generate", "--model", str(folder), "--prompt", "w5 w9 w2", "--max-new-tokens", "3"] + flags) == 0
+        texts.append(capsys.readouterr().out)
+    assert made == [True, False] and texts[0] == texts[1] and len(texts[0].split()) == 3
+
+
 def test_prompt_file_and_stdin_give_the_prompt(folder, tmp_path, capsys, monkeypatch):
     """A prompt read from a file or standard input (its final newline dropped) decodes as the same
     prompt given as an argument; a file that is not UTF-8, or none, is one line and exit 2."""

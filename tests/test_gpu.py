@@ -853,8 +853,45 @@ def test_nan_logits_in_replayed_steps_fail_their_requests():
         r = eng.finished[i]
         assert r.error.startswith("the logits at step ") and r.error.endswith(" are NaN or inf"), r.error
         assert 2 <= len(r.output) < 12
-    m = eng.cache.manager  # every block but the graphs' pad block is free again
-    assert sorted(m.free) + [m.pad] == list(range(len(eng.cache.k[0]))) and not m.tables
+    m = eng.cache.manager  # every block but the graphs' pad block is free again, or idle in the prefix cache
+    assert sorted(m.free + list(m.cached)) + [m.pad] == list(range(len(eng.cache.k[0]))) and not m.tables
+
+
+def test_prefix_cache_keeps_the_tokens_on_gpu():
+    """Requests sharing a 37-token system prompt through engines with and without the prefix cache, decode
+    steps replayed from CUDA graphs and chained (bf16, the generated attention: the cached part is read by
+    the chunked-prefill kernel; a prompt with one token past its cached blocks runs as a graph replay):
+    each request takes the blocks it should, every block ends free or idle, and the tokens are the same,
+    except from a token where the reference's own logits hold a near-tie that bf16 rounding of a prompt
+    computed in two parts may turn (the other token then being the runner-up)."""
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.model import Decoder
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.decoder.scoring import prompt_logits
+    c = CONFIGS["tiny"]
+    model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, c.vocab_size, (37,), generator=g).tolist()
+    prompts = [system + torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in (4, 11, 0, 20)]
+    params = SamplingParams(max_new_tokens=16, stop_tokens=())
+    runs = {}
+    for on in (False, True):
+        eng = Engine(model, num_blocks=64, cuda_graphs=True, prefix_cache=on)
+        reqs = eng.generate(prompts[:1], params) + eng.generate(prompts, params) + eng.generate([system[:33]], params)
+        assert eng.graphs is not None and eng.graphs.graphs and model.uses_tables
+        m = eng.cache.manager
+        assert not m.tables and not m.refs and sorted(m.free + list(m.cached)) == list(range(64))
+        runs[on] = [(r.prompt, r.output, r.cached_tokens, r.error) for r in reqs]
+    assert [x[2] for x in runs[True]] == [0, 32, 32, 32, 32, 32, 32] and {x[2] for x in runs[False]} == {0}
+    assert all(x[3] == "" and len(x[1]) == 16 for x in runs[False] + runs[True])
+    for (prompt, want, _, _), (_, got, _, _) in zip(runs[False], runs[True]):
+        j = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if j is not None:
+            logits = prompt_logits(model, prompt + want[:j])[-1].float()
+            top = logits.topk(2)
+            assert top.values[0] - top.values[1] <= 0.05 * logits.abs().max() and got[j] in top.indices.tolist(), \
+                (j, want, got)
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed"])

@@ -163,13 +163,15 @@ def release(dev: torch.device) -> None:
 def decode(model: Decoder, batch: int, prompt_len: int, new_tokens: int, cuda_graphs: bool = True,
            seed: int | None = None) -> dict:
     """Time to first token and decode tokens/s of `batch` random prompts through a fresh engine; its
-    kernels are built (or loaded) and its CUDA graph captured by an untimed generate first."""
+    kernels are built (or loaded) and its CUDA graph captured by an untimed generate first, of other
+    random prompts (the same ones would find their blocks in the prefix cache and skip their prefill)."""
     c, dev = model.c, model.device
     per_seq = -(-(prompt_len + new_tokens) // 16)
     g = torch.Generator().manual_seed(batch if seed is None else seed)
     prompts = torch.randint(0, c.vocab_size, (batch, prompt_len), generator=g).tolist()
     engine = Engine(model, num_blocks=batch * per_seq + 4, cuda_graphs=cuda_graphs)
-    engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    engine.generate(torch.randint(0, c.vocab_size, (batch, prompt_len), generator=g).tolist(),
+                    SamplingParams(max_new_tokens=2))
     ids = [engine.add(p, SamplingParams(max_new_tokens=new_tokens)) for p in prompts]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()

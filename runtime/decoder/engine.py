@@ -20,6 +20,17 @@ Requests are admitted first come, first served: a waiting request that does not 
 that came after it, so a long one is admitted once the running requests before it have finished, not
 starved by a stream of short ones that each fit.
 
+Prefix caching (`prefix_cache`, on by default; runtime/decoder/kv_cache.py): after each step the full
+blocks of every request whose keys and values are all computed are published, and a finished request's
+stay in the cache. A request admitted later whose prompt starts with published blocks takes them and
+prefills only the rest, its queries attending to the cached part as a chunked prefill's do
+(`cached_tokens` counts the tokens it did not compute). At least the prompt's last token is computed,
+for its logits. A request is held back for one step (with those behind it, first come first served)
+when the next block of its prompt is one that a request admitted in the same step is computing: it
+shares that block from the next step on, instead of computing it again beside it; a block is never
+shared before it is written. Idle cached blocks count as available at admission and are evicted least
+recently used first when no block is free.
+
 The engine never loses a request; each one ends in `finished` (taken out by `pop_finished`, or by
 `generate` for its own), with `error` set if it failed:
 - `add` raises FlashgenError, in one line naming the field and its value, for a malformed request: a
@@ -54,7 +65,7 @@ import torch
 
 from flashgen.errors import FlashgenError, one_line
 from flashgen.runtime.decoder.decode_graphs import NON_FINITE, DecodeGraphs, greedy
-from flashgen.runtime.decoder.kv_cache import PagedKVCache
+from flashgen.runtime.decoder.kv_cache import PagedKVCache, block_keys
 from flashgen.runtime.decoder.model import Batch, Decoder
 from flashgen.runtime.decoder.sampling import SamplingParams, check_request, sample
 from flashgen.runtime.decoder.tensor_parallel import agree
@@ -68,6 +79,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     error: str = ""
     generator: torch.Generator | None = None
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache, not computed
 
     @property
     def tokens(self) -> list[int]:
@@ -90,7 +102,7 @@ class _Pending:
 
 class Engine:
     def __init__(self, model: Decoder, num_blocks: int = 256, block_size: int = 16, cuda_graphs: bool = True,
-                 chain: bool = True, tp: int | None = None):
+                 chain: bool = True, tp: int | None = None, prefix_cache: bool = True):
         """`num_blocks` cache blocks hold the requests' keys and values; one more, the pad block, takes the
         graphs' padding rows. Every engine keeps it, with or without graphs, so that a step's workloads
         (the cache's size, the block tables' width) and thus its kernels and results are the same both
@@ -98,7 +110,8 @@ class Engine:
         capturable (`Decoder.capturable`). `chain`
         lets greedy graph steps run ahead of the host (module docstring); without it every step waits for
         its tokens. `tp`, when given, is the tensor-parallel degree the model must have been built for (a
-        `ShardedDecoder` in each rank: runtime/decoder/tensor_parallel.py)."""
+        `ShardedDecoder` in each rank: runtime/decoder/tensor_parallel.py). `prefix_cache` shares the cached
+        blocks of prompts' common prefixes (module docstring)."""
         if tp is not None and tp != model.tp:
             raise FlashgenError(f"Engine(tp={tp}) needs a decoder split over {tp} ranks (runtime/decoder/tensor_parallel.py: "
                                 f"ShardedDecoder, in each rank); this one is split over {model.tp}")
@@ -113,6 +126,7 @@ class Engine:
         self.finished: dict[int, Request] = {}  # until `pop_finished` (or `generate`) takes them
         self.pending: _Pending | None = None
         self.chain = chain
+        self.prefix_cache = prefix_cache
         self._next_id = 0
 
     def add(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> int:
@@ -127,7 +141,7 @@ class Engine:
         if len(prompt) + params.max_new_tokens > c.max_position_embeddings:
             req.error = (f"prompt of {len(prompt)} tokens + {params.max_new_tokens} new exceeds the model's context "
                          f"of {c.max_position_embeddings}")
-        elif m.blocks_for(len(prompt) + params.max_new_tokens) > len(m.free) + sum(map(len, m.tables.values())):
+        elif m.blocks_for(len(prompt) + params.max_new_tokens) > m.num_blocks:
             req.error = "prompt + max_new_tokens needs more KV cache blocks than the cache has"
         (self.finished.__setitem__(rid, req) if req.error else self.waiting.append(req))
         return rid
@@ -164,14 +178,22 @@ class Engine:
 
     def _admit(self) -> list[Request]:
         """Admit waiting requests in arrival order while the cache can hold them: one that does not fit
-        holds back those behind it, so a long request is not starved by a stream of short ones."""
-        m, new = self.cache.manager, []
+        holds back those behind it, so a long request is not starved by a stream of short ones. Each
+        takes the cached blocks its prompt (all but its last token) starts with; one whose next block a
+        request admitted here will compute waits a step to share it (module docstring)."""
+        m, new, computing = self.cache.manager, [], set()
         while self.waiting:
             req = self.waiting[0]
-            need = len(req.prompt) + req.params.max_new_tokens
-            if not m.can_hold(req.id, need):
+            keys = block_keys(req.prompt[:-1], m.block_size) if self.prefix_cache else []
+            prefix = m.cached_prefix(keys)
+            if len(prefix) < len(keys) and keys[len(prefix)] in computing:
                 break
-            m.reserve(req.id, need)
+            need = len(req.prompt) + req.params.max_new_tokens
+            if not m.can_hold(req.id, need, prefix):
+                break
+            m.reserve(req.id, need, prefix, keys)
+            req.cached_tokens = len(prefix) * m.block_size
+            computing.update(keys[len(prefix):])
             new.append(self.waiting.pop(0))
         return new
 
@@ -215,13 +237,14 @@ class Engine:
         self._record(pending.reqs, pending.tokens.tolist(), None)
 
     def _forward(self, fresh: int) -> None:
-        """Prefill the first `fresh` running requests (just admitted) and decode one token of the others."""
+        """Prefill the first `fresh` running requests (just admitted; past their cached prefix) and decode
+        one token of the others."""
         batch_reqs = self.running
         tokens, positions, slots, lens, ctx = [], [], [], [], []
         bs = self.cache.manager.block_size
         for i, req in enumerate(batch_reqs):
-            toks = req.tokens if i < fresh else req.tokens[-1:]
-            start = 0 if i < fresh else len(req.tokens) - 1
+            start = req.cached_tokens if i < fresh else len(req.tokens) - 1
+            toks = req.tokens[start:]
             table = self.cache.manager.tables[req.id]
             pos = list(range(start, start + len(toks)))
             tokens += toks
@@ -272,7 +295,8 @@ class Engine:
         """Append each request's token (greedy, or sampled from its row of `logits`: a sampling error or
         a NON_FINITE mark in `chosen` fails that request alone), retire the finished. A request already
         done gets no token: one stopped in the step before this chained one (retired then) or aborted
-        inside it (retired now)."""
+        inside it (retired now). With prefix caching, each request served in the step publishes its
+        blocks whose keys and values are now all computed: every token's but the one just chosen."""
         running = {r.id for r in self.running}
         sampled = any(not r.done and not r.params.plain_greedy for r in reqs)
         picks = self._picks(reqs, chosen, logits) if self.model.rank == 0 or not sampled else [None] * len(reqs)
@@ -283,6 +307,8 @@ class Engine:
                 req.error = pick
             elif pick is not None:
                 req.output.append(pick)
+                if self.prefix_cache and req.id in running:
+                    self.cache.manager.publish(req.id, req.tokens, len(req.tokens) - 1)
         self.running = [r for r in reqs if not r.done]
         for req in reqs:
             if req.done and req.id in running:

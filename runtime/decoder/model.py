@@ -288,7 +288,7 @@ class Decoder:
         """The longest context a sequence can reach: the model's, or what the cache holds if less (a
         config may claim 10^9 positions; nothing is sized from that)."""
         m = cache.manager
-        return min(self.c.max_position_embeddings, (len(m.free) + sum(map(len, m.tables.values()))) * m.block_size)
+        return min(self.c.max_position_embeddings, m.num_blocks * m.block_size)
 
     def rope(self, cache: PagedKVCache) -> torch.Tensor:
         """The cos|sin table for every position `cache` can reach, built once (a CUDA graph holds it)."""

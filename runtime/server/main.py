@@ -33,6 +33,7 @@ class ServeOptions:
     cache_blocks: int
     block_size: int
     max_queue: int
+    prefix_cache: bool = True
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -83,7 +84,7 @@ def serve(device: torch.device, o: ServeOptions) -> None:
     config = ModelConfig.from_folder(o.folder)
     tok = load_tokenizer(o.folder, config.vocab_size)
     sock = listen(o.host, o.port) if o.tp == 1 or torch.distributed.get_rank() == 0 else None
-    engine = load_engine(o.folder, config, device, o.cache_blocks, o.block_size, o.tp, o.quant)
+    engine = load_engine(o.folder, config, device, o.cache_blocks, o.block_size, o.tp, o.quant, o.prefix_cache)
     if sock is None:
         follow(engine)
         return
