@@ -431,20 +431,20 @@ def _read_utf8(option: str, path: str) -> str:
 
 
 def _read_prompt(path: str) -> str:
-    """--prompt-file's text, less the one newline that ends a text file."""
-    text = _read_utf8("--prompt-file", path)
-    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+    """--prompt-file's text, byte for byte: a prompt built by a chat template ends in the newline its
+    answer starts after, and a stripped one would make the model write that newline itself."""
+    return _read_utf8("--prompt-file", path)
 
 
-def _prompt_argument(text: str) -> str:
-    """--prompt's text, which must be UTF-8: Python hands bytes of another encoding over as lone
+def _prompt_argument(text: str, option: str = "--prompt") -> str:
+    """`option`'s text, which must be UTF-8: Python hands bytes of another encoding over as lone
     surrogates (0xff as '\\udcff'), which the tokenizer cannot take."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         code = ord(text[e.start])
         byte = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"character U+{code:04X}"
-        raise FlashgenError(f"--prompt is not UTF-8 text ({byte} at character {e.start})") from None
+        raise FlashgenError(f"{option} is not UTF-8 text ({byte} at character {e.start})") from None
     return text
 
 
@@ -454,6 +454,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     prompt_text = _prompt_argument(args.prompt) if args.prompt_file is None else _read_prompt(args.prompt_file)
+    if args.system is not None and not args.chat:
+        raise FlashgenError("--system is the chat's system turn: give it with --chat")
+    system = None if args.system is None else _prompt_argument(args.system, "--system")
 
     import torch
 
@@ -463,6 +466,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
     params, cap = _sampling(args, Path(args.model))
+    if args.chat:  # (rendered once here: every rank then encodes the same text)
+        prompt_text = _chat_prompt(Path(args.model), prompt_text, system)
     if args.tp > 1 and torch.cuda.is_available():
         check_gpus(args.tp, torch.cuda.device_count())
     if args.tp == 1:
@@ -473,6 +478,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         launch(args.tp, _generate, (args, prompt_text, params, cap))
     return 0
+
+
+def _chat_prompt(folder: Path, prompt: str, system: str | None) -> str:
+    """The prompt as a user turn (after the system turn) in the folder's chat template, ready for the
+    assistant's answer (runtime/checkpoints/chat_template.py)."""
+    from flashgen.runtime.checkpoints.chat_template import ChatTemplate, chat_messages
+
+    template = ChatTemplate.from_folder(folder)
+    if template is None:
+        raise FlashgenError(f"--chat: {folder} has no chat template (no chat_template.jinja, no chat_template in "
+                            "tokenizer_config.json); give the prompt as the model expects it, without --chat")
+    return template.render(chat_messages(prompt, system))
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -530,7 +547,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, config.vocab_size)
-    prompt = tok.encode(prompt_text).ids  # (before the weights load: a request refused costs no loading)
+    # (before the weights load: a request refused costs no loading; a chat template writes its own BOS)
+    prompt = tok.encode(prompt_text, add_special_tokens=not args.chat).ids
     if not prompt:
         option = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
         what = "is empty" if not prompt_text else f"{prompt_text!r:.40} encodes to no tokens"
@@ -685,8 +703,12 @@ def build_parser() -> argparse.ArgumentParser:
     source = g.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", metavar="PATH",
-                        help="read the prompt from this UTF-8 file ('-': standard input), for prompts longer than "
-                             "an argument can carry; a final newline is not part of it")
+                        help="read the prompt from this UTF-8 file ('-': standard input), byte for byte (a final "
+                             "newline is part of it), for prompts longer than an argument can carry")
+    g.add_argument("--chat", action="store_true",
+                   help="put the prompt in the model's chat template as the user's turn, ready for the answer "
+                        "(tokenizer_config.json's chat_template, or chat_template.jinja)")
+    g.add_argument("--system", metavar="TEXT", help="with --chat: the system turn before the user's")
     at_least = lambda low: lambda v: v >= low  # noqa: E731
     g.add_argument("--max-new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"),
                    help=f"(default: the model's generation_config.json max_new_tokens, else {DEFAULT_NEW_TOKENS} "
