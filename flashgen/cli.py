@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from flashgen.runtime.decoder.outcome import Outcome
     from flashgen.runtime.decoder.sampling import SamplingParams
     from flashgen.workload import Workload
 
@@ -537,6 +538,7 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     import torch
 
     from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.outcome import Outcome
     from flashgen.runtime.checkpoints.generation_config import within_max_length
     from flashgen.runtime.decoder.memory import cache_bytes, check_fits
     from flashgen.runtime.decoder.model import Decoder
@@ -564,23 +566,47 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
     engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
+    start = time.perf_counter()
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
-    shown = ""
+    stream = model.rank == 0 and args.output == "text"
+    shown, first = "", None
     while engine.waiting or engine.running:
         engine.step()
         req = engine.finished.get(rid) or next(r for r in engine.running if r.id == rid)
+        if first is None and req.output:
+            first = time.perf_counter() - start
         text = tok.decode(req.output)
-        if model.rank == 0:
+        if stream:
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
         shown = text
-    if model.rank == 0:
+    total = time.perf_counter() - start
+    if stream:
         sys.stdout.write("\n")
         sys.stdout.flush()
     if engine.finished[rid].error:  # a step that failed (the engine does not raise it)
         raise FlashgenError(engine.finished[rid].error)
+    if model.rank == 0:
+        _report(Outcome.of(engine.finished[rid], config.eos_token_ids, first, total), shown, args)
+
+
+def _report(outcome: Outcome, text: str, args: argparse.Namespace) -> None:
+    """After the text, how it ended (stderr); with --output json, everything as one object (stdout). An
+    instruct model given a raw prompt often ends at once (EOS first): where the folder has a chat template,
+    say so."""
+    if args.output == "json":
+        print(json.dumps(outcome.to_json(text)), flush=True)
+        return
+    from pathlib import Path
+
+    from flashgen.runtime.checkpoints.chat_template import has_template
+
+    at_once = outcome.reason == "eos" and len(outcome.token_ids) == 1
+    hint = "; the folder has a chat template: --chat puts the prompt in it" \
+        if at_once and not args.chat and has_template(Path(args.model)) else ""
+    print(outcome.line() + hint, file=sys.stderr, flush=True)
 
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
@@ -729,6 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the negative ones, greedy or sampling (default: the model's generation_config.json, "
                         "else 1: none)")
     g.add_argument("--seed", type=_SEED, default=0)
+    g.add_argument("--output", choices=("text", "json"), default="text",
+                   help="text: stream the text, then on stderr why it stopped, the tokens generated, the time to the "
+                        "first token and the decode rate; json: print all that and the token ids as one JSON object "
+                        "when done, for scripts")
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
                    help=f"KV cache size in blocks of {BLOCK_TOKENS} tokens")
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,

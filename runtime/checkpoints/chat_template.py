@@ -76,6 +76,11 @@ class ChatTemplate:
             raise FlashgenError(f"{self.where}: the chat template failed: {_first_line(e)}") from None
 
 
+def has_template(folder: Path) -> bool:
+    """Whether the folder holds a chat template (not checked: `ChatTemplate.from_folder` does that)."""
+    return (folder / TEMPLATE_FILE).exists() or "chat_template" in json_object(folder / "tokenizer_config.json")
+
+
 def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
     """One user turn, after a system turn where `system` is given."""
     return ([{"role": "system", "content": system}] if system is not None else []) + \

@@ -5,6 +5,7 @@ template, or a template that fails, is one line."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -179,3 +180,60 @@ def test_a_chat_that_cannot_render_is_one_line_before_the_weights_load(base, tmp
 def test_system_goes_with_chat(base, capsys):
     assert main(["generate", "--model", str(base), "--prompt", "hi", "--system", "s"]) == 2
     assert capsys.readouterr().err == "flashgen: error: --system is the chat's system turn: give it with --chat\n"
+
+
+def _json_run(folder: Path, capsys, *flags: str) -> dict:
+    assert main(["generate", "--model", str(folder), "--prompt", "Hi", "--output", "json", *flags]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # one object, nothing streamed before it
+    return json.loads(out)
+
+
+def test_output_json_and_the_line_after_the_text_say_how_it_ended(base, tmp_path, capsys, added):
+    """--output json: the text, ids, stop reason, counts and timings as one object; the streamed text is
+    followed on stderr by the same stop reason, count and rates (neither existed: a raw prompt that ended
+    at EOS at once printed an empty line and nothing else)."""
+    got = _json_run(base, capsys, "--max-new-tokens", "4")
+    ids = got["token_ids"]
+    assert (got["stop_reason"], got["stop_token_id"], got["generated_tokens"]) == ("length", None, 4)
+    assert len(ids) == 4 and got["prompt_tokens"] == len(added[0]) == 3  # <|begin_of_text|> H i
+    assert 0 < got["time_to_first_token_s"] <= got["total_s"]
+    assert got["decode_tokens_per_s"] == pytest.approx(3 / (got["total_s"] - got["time_to_first_token_s"]))
+    assert main(["generate", "--model", str(base), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
+    streamed = capsys.readouterr()
+    assert streamed.out == got["text"] + "\n"
+    assert re.fullmatch(r"stopped at length \(max_new_tokens\) after 4 tokens; time to first token \d+\.\d{3} s, "
+                        r"decode \d+\.\d tokens/s\n", streamed.err), streamed.err
+
+    eos = ids[2]  # the model's EOS in generation_config.json: it stops where that token first comes
+    m = _folder(base, tmp_path, {})
+    (m / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    stopped = _json_run(m, capsys, "--max-new-tokens", "4")
+    n = ids.index(eos) + 1
+    assert (stopped["stop_reason"], stopped["stop_token_id"], stopped["token_ids"]) == ("eos", eos, ids[:n])
+    assert main(["generate", "--model", str(m), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().err.startswith(f"stopped at eos (token {eos}) after {n} tokens; time to first token ")
+
+
+def test_eos_at_once_points_to_the_chat_template(base, tmp_path, capsys):
+    """An instruct model given a raw prompt ends at once; where the folder has a chat template, the line
+    after the (empty) text says --chat applies it, and with one new token there is no decode rate."""
+    first = _json_run(base, capsys, "--max-new-tokens", "1")["token_ids"][0]
+    m = _folder(base, tmp_path, {"chat_template": CHATML})
+    (m / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+    assert main(["generate", "--model", str(m), "--prompt", "Hi"]) == 0
+    assert re.fullmatch(rf"stopped at eos \(token {first}\) after 1 tokens; time to first token \d+\.\d{{3}} s, no "
+                        r"decode step; the folder has a chat template: --chat puts the prompt in it\n",
+                        capsys.readouterr().err)
+
+
+def test_another_stop_token_is_named_as_one():
+    """A stop token a caller gives that is not the model's EOS (the engine takes any) is "stop"."""
+    from flashgen.runtime.decoder.engine import Request
+    from flashgen.runtime.decoder.outcome import Outcome
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    req = Request(0, [1, 2], SamplingParams(max_new_tokens=8, stop_tokens=(5, 9)), output=[3, 5])
+    o = Outcome.of(req, (9,), 0.5, 1.5)
+    assert (o.reason, o.stop_token, o.decode_tokens_per_s) == ("stop", 5, 1.0)
+    assert o.line() == "stopped at stop token 5 after 2 tokens; time to first token 0.500 s, decode 1.0 tokens/s"
+    assert Outcome.of(Request(0, [1], req.params, output=[4, 9]), (9,), 0.5, 1.5).reason == "eos"
