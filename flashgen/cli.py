@@ -68,7 +68,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     import flashgen
-    from flashgen.compiler import check_supported, resolve_target
+    from flashgen.compiler import check_supported, choose_schedule, resolve_target
     from flashgen.paths import out_folder
 
     wl = _workload(args)
@@ -78,6 +78,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     _check_named_db(args.db)
     schedule = None if args.schedule is None else \
         _json_object(_json(args.schedule, "--schedule"), "--schedule", "{knob: value, ...}")
+    choose_schedule(wl, target, args.db, schedule)  # (a bad --schedule refused before the status line)
+    _status(f"building {wl.op_name} for {target.id}...")
     kernel = flashgen.compile(wl, target, schedule=schedule, db=args.db, targets_dir=args.targets_dir)
     files = kernel.save(out)
     print(f"{wl}  ->  {target.id}")
@@ -177,12 +179,18 @@ def _check_model_args(args: argparse.Namespace) -> None:
     if args.budget is not None and (args.gpus or args.ray):
         raise FlashgenError("--budget times the tunes of this process; with --gpus or --ray leave it out")
     if args.model not in BENCH_CONFIGS:
-        from pathlib import Path
+        _check_model_folder(args.model, f", nor one of {', '.join(BENCH_CONFIGS)}")
 
-        if not Path(args.model).is_dir():
-            raise FlashgenError(f"--model {args.model}: no such folder, nor one of {', '.join(BENCH_CONFIGS)}")
-        if not (Path(args.model) / "config.json").is_file():
-            raise FlashgenError(f"--model {args.model}: the folder holds no config.json")
+
+def _check_model_folder(path: str, nor: str = "") -> None:
+    """--model names a folder with a config.json, checked before torch loads (`nor`: what else it may
+    name)."""
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        raise FlashgenError(f"--model {path}: no such folder{nor}")
+    if not (Path(path) / "config.json").is_file():
+        raise FlashgenError(f"--model {path}: the folder holds no config.json")
 
 
 def _model_config(name: str):
@@ -195,12 +203,8 @@ def _model_config(name: str):
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
-    from flashgen.db import Database
-    from flashgen.schedules.fanout import TuneOptions, fan_out
     from flashgen.schedules.measure import feed_error
-    from flashgen.schedules.ray_fanout import fan_out_ray
     from flashgen.schedules.space import ScheduleSpace
-    from flashgen.schedules.tuner import plot_history, tune, with_schedule
 
     if args.plot:  # before tuning: a missing extra or a bad path must not waste the tune
         require("matplotlib", "--plot")
@@ -212,7 +216,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if (args.gpus or args.ray) and target.backend == "tvm":
         raise FlashgenError(f"--{'gpus' if args.gpus else 'ray'} spreads a GPU target's tuning over GPUs; "
                             f"{target.id} measures on this CPU: leave it out")
-    slots = _gpu_slots(args.gpus) if args.gpus else None
     model = _ModelPlan(args, target) if args.model else None
     plan = model.plan if model else _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
@@ -223,6 +226,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             check_supported(producer, target)
             if why := feed_error(producer, wl):
                 raise FlashgenError(why)
+    from flashgen.db import Database  # (the tuner's imports load numpy, XGBoost, torch: after every check)
+    from flashgen.schedules.fanout import TuneOptions, fan_out
+    from flashgen.schedules.ray_fanout import fan_out_ray
+    from flashgen.schedules.tuner import plot_history, tune, with_schedule
+
+    slots = _gpu_slots(args.gpus) if args.gpus else None
     results, failed = {}, []
 
     def report(i: int, outcome) -> None:
@@ -361,12 +370,13 @@ def _check_plot_path(path: str) -> None:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Which schedule the runtime would dispatch for this workload, and why."""
     from flashgen.compiler import check_supported, resolve_target
-    from flashgen.runtime.serving.dispatch import Dispatcher
 
     wl = _workload(args)
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
     _check_named_db(args.db)
+    from flashgen.runtime.serving.dispatch import Dispatcher  # (torch: after the checks)
+
     d = Dispatcher(target, args.db).choose(wl, target)
     print(f"{wl}  on {target.id}")
     print(f"workload key: {wl.key}")
@@ -454,6 +464,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     (spawned here, or this process being one of torchrun's)."""
     from pathlib import Path
 
+    _check_model_folder(args.model)
     prompt_text = _prompt_argument(args.prompt) if args.prompt_file is None else _read_prompt(args.prompt_file)
     if args.system is not None and not args.chat:
         raise FlashgenError("--system is the chat's system turn: give it with --chat")
@@ -563,6 +574,10 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
                cache_bytes(shard_config(config, args.tp), nbytes, args.cache_blocks + 1, BLOCK_TOKENS), device,
                "pass fewer --cache-blocks")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.tp == 1 or torch.distributed.get_rank() == 0:
+        ranks = f", over {args.tp} ranks" if args.tp > 1 else ""
+        _status(f"loading {folder} ({weights / 1e9:.2f} GB as {str(dtype).removeprefix('torch.')}{ranks}) "
+                f"on {device.type}...")
     model = Decoder(config, load_weights(folder, config), device, dtype) if args.tp == 1 else \
         ShardedDecoder(config, folder, device, dtype)  # (each rank reads its own part of each tensor)
     engine = Engine(model, num_blocks=args.cache_blocks, block_size=BLOCK_TOKENS, tp=args.tp)
@@ -609,6 +624,11 @@ def _report(outcome: Outcome, text: str, args: argparse.Namespace) -> None:
     print(outcome.line() + hint, file=sys.stderr, flush=True)
 
 
+def _status(line: str) -> None:
+    """A one-line status on stderr before a step that takes seconds (stdout stays the results)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_bench_model(args: argparse.Namespace) -> int:
     """Decode throughput on random weights of a known architecture, against the bandwidth limit."""
     from flashgen.runtime.decoder.bench import defaults, run
@@ -626,7 +646,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
         raise FlashgenError("--batch sizes must be at least 1")
     target = device_target()
     rows = run(args.config, batches, args.prompt_len, args.new_tokens, args.quant, target.copy_gbs,
-               cuda_graphs=not args.no_cuda_graphs)
+               cuda_graphs=not args.no_cuda_graphs, progress=_status)
     graphs = "on" if rows and rows[0]["cuda_graphs"] else "off"
     print(f"{args.config} quant={args.quant} prompt={args.prompt_len} new={args.new_tokens} on {target.id} "
           f"({target.copy_gbs:g} GB/s), CUDA graphs {graphs}")
@@ -773,7 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "batches 1,8, a 64-token prompt and 32 new tokens (the 8B model's float32 "
                                     "weights alone are 32 GB). A run that would not fit in free memory is refused "
                                     "first, with its estimate.")
-    bm.add_argument("--config", help=f"{', '.join(BENCH_CONFIGS)} (default: llama3-8b on a GPU, else smollm2-135m)")
+    bm.add_argument("--config", choices=BENCH_CONFIGS, help=f"{', '.join(BENCH_CONFIGS)} (default: llama3-8b on a GPU, else smollm2-135m)")
     bm.add_argument("--batch", help="batch sizes, comma-separated (default: 1,16,64 on a GPU, else 1,8)")
     bm.add_argument("--quant", default="bf16", choices=QUANT_MODES)
     bm.add_argument("--prompt-len", type=_checked(int, at_least(1), "an integer of at least 1"),

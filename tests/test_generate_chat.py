@@ -202,7 +202,8 @@ def test_output_json_and_the_line_after_the_text_say_how_it_ended(base, tmp_path
     assert main(["generate", "--model", str(base), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
     streamed = capsys.readouterr()
     assert streamed.out == got["text"] + "\n"
-    assert re.fullmatch(r"stopped at length \(max_new_tokens\) after 4 tokens; time to first token \d+\.\d{3} s, "
+    assert re.fullmatch(rf"loading {base} \(0\.\d\d GB as float32\) on cpu\.\.\.\n"  # (the status line first)
+                        r"stopped at length \(max_new_tokens\) after 4 tokens; time to first token \d+\.\d{3} s, "
                         r"decode \d+\.\d tokens/s\n", streamed.err), streamed.err
 
     eos = ids[2]  # the model's EOS in generation_config.json: it stops where that token first comes
@@ -212,7 +213,7 @@ def test_output_json_and_the_line_after_the_text_say_how_it_ended(base, tmp_path
     n = ids.index(eos) + 1
     assert (stopped["stop_reason"], stopped["stop_token_id"], stopped["token_ids"]) == ("eos", eos, ids[:n])
     assert main(["generate", "--model", str(m), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
-    assert capsys.readouterr().err.startswith(f"stopped at eos (token {eos}) after {n} tokens; time to first token ")
+    assert capsys.readouterr().err.splitlines()[1].startswith(f"stopped at eos (token {eos}) after {n} tokens; ")
 
 
 def test_eos_at_once_points_to_the_chat_template(base, tmp_path, capsys):
@@ -223,8 +224,8 @@ def test_eos_at_once_points_to_the_chat_template(base, tmp_path, capsys):
     (m / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
     assert main(["generate", "--model", str(m), "--prompt", "Hi"]) == 0
     assert re.fullmatch(rf"stopped at eos \(token {first}\) after 1 tokens; time to first token \d+\.\d{{3}} s, no "
-                        r"decode step; the folder has a chat template: --chat puts the prompt in it\n",
-                        capsys.readouterr().err)
+                        r"decode step; the folder has a chat template: --chat puts the prompt in it",
+                        capsys.readouterr().err.splitlines()[1])
 
 
 def test_another_stop_token_is_named_as_one():

@@ -124,9 +124,14 @@ def test_bench_model_refuses_what_does_not_fit_before_allocating(monkeypatch, ca
 
 
 def test_bench_model_one_new_token_reports_no_decode_rate(capsys):
+    """(Its status lines, on stderr, come as each phase starts: the results alone are on stdout.)"""
     assert main(["bench-model", "--config", "tiny", "--batch", "2", "--prompt-len", "5", "--new-tokens", "1"]) == 0
-    row = capsys.readouterr().out.splitlines()[2].split()
+    out, err = capsys.readouterr()
+    row = out.splitlines()[2].split()
     assert row[0] == "2" and float(row[1]) >= 0 and row[2] == "-" and row[4] == "-"
+    weights = "bfloat16 weights on the cuda" if torch.cuda.is_available() else "float32 weights on the cpu"
+    assert err.splitlines() == [f"tiny: making random {weights}...", "batch 2: warming up (its kernels built or "
+                                "loaded), then timing 5-token prefills and 1 new tokens..."]
 
 
 def _copy(folder, tmp_path):
