@@ -793,7 +793,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "batches 1,8, a 64-token prompt and 32 new tokens (the 8B model's float32 "
                                     "weights alone are 32 GB). A run that would not fit in free memory is refused "
                                     "first, with its estimate.")
-    bm.add_argument("--config", choices=BENCH_CONFIGS, help=f"{', '.join(BENCH_CONFIGS)} (default: llama3-8b on a GPU, else smollm2-135m)")
+    bm.add_argument("--config", choices=BENCH_CONFIGS,  # (a typo refused before torch loads)
+                    help=f"{', '.join(BENCH_CONFIGS)} (default: llama3-8b on a GPU, else smollm2-135m)")
     bm.add_argument("--batch", help="batch sizes, comma-separated (default: 1,16,64 on a GPU, else 1,8)")
     bm.add_argument("--quant", default="bf16", choices=QUANT_MODES)
     bm.add_argument("--prompt-len", type=_checked(int, at_least(1), "an integer of at least 1"),

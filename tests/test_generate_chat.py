@@ -160,7 +160,8 @@ def test_prompt_file_is_byte_exact(base, tmp_path, added):
     ({}, LLAMA3.replace("{%- endfor %}", ""), [], "{m}/chat_template.jinja: the chat template does not parse "
                                                    "(line 23: Unexpected end of template."),
     ({"chat_template": "{% if messages[0].role == 'system' %}{{ raise_exception('no system turn here') }}{% endif %}"},
-     None, ["--system", "s"], "{m}/tokenizer_config.json: chat_template: the chat template failed: no system turn here"),
+     None, ["--system", "s"],
+     "{m}/tokenizer_config.json: chat_template: the chat template failed: no system turn here"),
     ({"chat_template": "{{ messages[0].content.strip() }}{{ ''.__class__.__mro__ }}"}, None, [],
      "{m}/tokenizer_config.json: chat_template: the chat template failed: access to attribute '__class__' of 'str' "
      "object is unsafe."),
