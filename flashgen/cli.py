@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from flashgen.runtime.decoder.outcome import Outcome
     from flashgen.runtime.decoder.sampling import SamplingParams
     from flashgen.workload import Workload
 
@@ -67,7 +68,7 @@ def cmd_targets(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     import flashgen
-    from flashgen.compiler import check_supported, resolve_target
+    from flashgen.compiler import check_supported, choose_schedule, resolve_target
     from flashgen.paths import out_folder
 
     wl = _workload(args)
@@ -77,6 +78,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     _check_named_db(args.db)
     schedule = None if args.schedule is None else \
         _json_object(_json(args.schedule, "--schedule"), "--schedule", "{knob: value, ...}")
+    choose_schedule(wl, target, args.db, schedule)  # (a bad --schedule refused before the status line)
+    _status(f"building {wl.op_name} for {target.id}...")
     kernel = flashgen.compile(wl, target, schedule=schedule, db=args.db, targets_dir=args.targets_dir)
     files = kernel.save(out)
     print(f"{wl}  ->  {target.id}")
@@ -176,12 +179,18 @@ def _check_model_args(args: argparse.Namespace) -> None:
     if args.budget is not None and (args.gpus or args.ray):
         raise FlashgenError("--budget times the tunes of this process; with --gpus or --ray leave it out")
     if args.model not in BENCH_CONFIGS:
-        from pathlib import Path
+        _check_model_folder(args.model, f", nor one of {', '.join(BENCH_CONFIGS)}")
 
-        if not Path(args.model).is_dir():
-            raise FlashgenError(f"--model {args.model}: no such folder, nor one of {', '.join(BENCH_CONFIGS)}")
-        if not (Path(args.model) / "config.json").is_file():
-            raise FlashgenError(f"--model {args.model}: the folder holds no config.json")
+
+def _check_model_folder(path: str, nor: str = "") -> None:
+    """--model names a folder with a config.json, checked before torch loads (`nor`: what else it may
+    name)."""
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        raise FlashgenError(f"--model {path}: no such folder{nor}")
+    if not (Path(path) / "config.json").is_file():
+        raise FlashgenError(f"--model {path}: the folder holds no config.json")
 
 
 def _model_config(name: str):
@@ -194,12 +203,8 @@ def _model_config(name: str):
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from flashgen.compiler import check_supported, resolve_target
-    from flashgen.db import Database
-    from flashgen.schedules.fanout import TuneOptions, fan_out
     from flashgen.schedules.measure import feed_error
-    from flashgen.schedules.ray_fanout import fan_out_ray
     from flashgen.schedules.space import ScheduleSpace
-    from flashgen.schedules.tuner import plot_history, tune, with_schedule
 
     if args.plot:  # before tuning: a missing extra or a bad path must not waste the tune
         require("matplotlib", "--plot")
@@ -211,7 +216,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if (args.gpus or args.ray) and target.backend == "tvm":
         raise FlashgenError(f"--{'gpus' if args.gpus else 'ray'} spreads a GPU target's tuning over GPUs; "
                             f"{target.id} measures on this CPU: leave it out")
-    slots = _gpu_slots(args.gpus) if args.gpus else None
     model = _ModelPlan(args, target) if args.model else None
     plan = model.plan if model else _tune_plan(args)
     fixed = _fixed_knobs(args.fix)
@@ -222,6 +226,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             check_supported(producer, target)
             if why := feed_error(producer, wl):
                 raise FlashgenError(why)
+    from flashgen.db import Database  # (the tuner's imports load numpy, XGBoost, torch: after every check)
+    from flashgen.schedules.fanout import TuneOptions, fan_out
+    from flashgen.schedules.ray_fanout import fan_out_ray
+    from flashgen.schedules.tuner import plot_history, tune, with_schedule
+
+    slots = _gpu_slots(args.gpus) if args.gpus else None
     results, failed = {}, []
 
     def report(i: int, outcome) -> None:
@@ -360,12 +370,13 @@ def _check_plot_path(path: str) -> None:
 def cmd_explain(args: argparse.Namespace) -> int:
     """Which schedule the runtime would dispatch for this workload, and why."""
     from flashgen.compiler import check_supported, resolve_target
-    from flashgen.runtime.serving.dispatch import Dispatcher
 
     wl = _workload(args)
     target = resolve_target(args.target, args.targets_dir)
     check_supported(wl, target)
     _check_named_db(args.db)
+    from flashgen.runtime.serving.dispatch import Dispatcher  # (torch: after the checks)
+
     d = Dispatcher(target, args.db).choose(wl, target)
     print(f"{wl}  on {target.id}")
     print(f"workload key: {wl.key}")
@@ -431,20 +442,20 @@ def _read_utf8(option: str, path: str) -> str:
 
 
 def _read_prompt(path: str) -> str:
-    """--prompt-file's text, less the one newline that ends a text file."""
-    text = _read_utf8("--prompt-file", path)
-    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+    """--prompt-file's text, byte for byte: a prompt built by a chat template ends in the newline its
+    answer starts after, and a stripped one would make the model write that newline itself."""
+    return _read_utf8("--prompt-file", path)
 
 
-def _prompt_argument(text: str) -> str:
-    """--prompt's text, which must be UTF-8: Python hands bytes of another encoding over as lone
+def _prompt_argument(text: str, option: str = "--prompt") -> str:
+    """`option`'s text, which must be UTF-8: Python hands bytes of another encoding over as lone
     surrogates (0xff as '\\udcff'), which the tokenizer cannot take."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         code = ord(text[e.start])
         byte = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"character U+{code:04X}"
-        raise FlashgenError(f"--prompt is not UTF-8 text ({byte} at character {e.start})") from None
+        raise FlashgenError(f"{option} is not UTF-8 text ({byte} at character {e.start})") from None
     return text
 
 
@@ -453,7 +464,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     (spawned here, or this process being one of torchrun's)."""
     from pathlib import Path
 
+    _check_model_folder(args.model)
     prompt_text = _prompt_argument(args.prompt) if args.prompt_file is None else _read_prompt(args.prompt_file)
+    if args.system is not None and not args.chat:
+        raise FlashgenError("--system is the chat's system turn: give it with --chat")
+    system = None if args.system is None else _prompt_argument(args.system, "--system")
 
     import torch
 
@@ -463,6 +478,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_tp(ModelConfig.from_folder(Path(args.model)), args.tp)
     params, cap = _sampling(args, Path(args.model))
+    if args.chat:  # (rendered once here: every rank then encodes the same text)
+        prompt_text = _chat_prompt(Path(args.model), prompt_text, system)
     if args.tp > 1 and torch.cuda.is_available():
         check_gpus(args.tp, torch.cuda.device_count())
     if args.tp == 1:
@@ -473,6 +490,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         launch(args.tp, _generate, (args, prompt_text, params, cap))
     return 0
+
+
+def _chat_prompt(folder: Path, prompt: str, system: str | None) -> str:
+    """The prompt as a user turn (after the system turn) in the folder's chat template, ready for the
+    assistant's answer (runtime/checkpoints/chat_template.py)."""
+    from flashgen.runtime.checkpoints.chat_template import ChatTemplate, chat_messages
+
+    template = ChatTemplate.from_folder(folder)
+    if template is None:
+        raise FlashgenError(f"--chat: {folder} has no chat template (no chat_template.jinja, no chat_template in "
+                            "tokenizer_config.json); give the prompt as the model expects it, without --chat")
+    return template.render(chat_messages(prompt, system))
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -516,6 +545,9 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     `cap`: generation_config.json's max_length where it bounds the new tokens (`_sampling`)."""
     from pathlib import Path
 
+    import torch
+
+    from flashgen.runtime.decoder.outcome import Outcome
     from flashgen.runtime.checkpoints.generation_config import within_max_length
     from flashgen.runtime.checkpoints.model_config import ModelConfig
     from flashgen.runtime.checkpoints.tokenizer import load_tokenizer
@@ -524,7 +556,8 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     folder = Path(args.model)
     config = ModelConfig.from_folder(folder)
     tok = load_tokenizer(folder, config.vocab_size)
-    prompt = tok.encode(prompt_text).ids  # (before the weights load: a request refused costs no loading)
+    # (before the weights load: a request refused costs no loading; a chat template writes its own BOS)
+    prompt = tok.encode(prompt_text, add_special_tokens=not args.chat).ids
     if not prompt:
         option = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
         what = "is empty" if not prompt_text else f"{prompt_text!r:.40} encodes to no tokens"
@@ -532,25 +565,55 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
     n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
     _check_cache_blocks(args.cache_blocks, len(prompt), n)
     engine = load_engine(folder, config, device, args.cache_blocks, BLOCK_TOKENS, args.tp,
-                         prefix_cache=not args.no_prefix_cache)
+                         prefix_cache=not args.no_prefix_cache,
+                         status=_status if args.tp == 1 or torch.distributed.get_rank() == 0 else None)
     model = engine.model
+    start = time.perf_counter()
     rid = engine.add(prompt, replace(params, max_new_tokens=n))
     if rid in engine.finished:
         raise FlashgenError(engine.finished[rid].error)
-    shown = ""
+    stream = model.rank == 0 and args.output == "text"
+    shown, first = "", None
     while engine.waiting or engine.running:
         engine.step()
         req = engine.finished.get(rid) or next(r for r in engine.running if r.id == rid)
+        if first is None and req.output:
+            first = time.perf_counter() - start
         text = tok.decode(req.output)
-        if model.rank == 0:
+        if stream:
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
         shown = text
-    if model.rank == 0:
+    total = time.perf_counter() - start
+    if stream:
         sys.stdout.write("\n")
         sys.stdout.flush()
     if engine.finished[rid].error:  # a step that failed (the engine does not raise it)
         raise FlashgenError(engine.finished[rid].error)
+    if model.rank == 0:
+        _report(Outcome.of(engine.finished[rid], config.eos_token_ids, first, total), shown, args)
+
+
+def _report(outcome: Outcome, text: str, args: argparse.Namespace) -> None:
+    """After the text, how it ended (stderr); with --output json, everything as one object (stdout). An
+    instruct model given a raw prompt often ends at once (EOS first): where the folder has a chat template,
+    say so."""
+    if args.output == "json":
+        print(json.dumps(outcome.to_json(text)), flush=True)
+        return
+    from pathlib import Path
+
+    from flashgen.runtime.checkpoints.chat_template import has_template
+
+    at_once = outcome.reason == "eos" and len(outcome.token_ids) == 1
+    hint = "; the folder has a chat template: --chat puts the prompt in it" \
+        if at_once and not args.chat and has_template(Path(args.model)) else ""
+    print(outcome.line() + hint, file=sys.stderr, flush=True)
+
+
+def _status(line: str) -> None:
+    """A one-line status on stderr before a step that takes seconds (stdout stays the results)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -603,7 +666,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
         raise FlashgenError("--batch sizes must be at least 1")
     target = device_target()
     rows = run(args.config, batches, args.prompt_len, args.new_tokens, args.quant, target.copy_gbs,
-               cuda_graphs=not args.no_cuda_graphs)
+               cuda_graphs=not args.no_cuda_graphs, progress=_status)
     graphs = "on" if rows and rows[0]["cuda_graphs"] else "off"
     print(f"{args.config} quant={args.quant} prompt={args.prompt_len} new={args.new_tokens} on {target.id} "
           f"({target.copy_gbs:g} GB/s), CUDA graphs {graphs}")
@@ -706,8 +769,12 @@ def build_parser() -> argparse.ArgumentParser:
     source = g.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", metavar="PATH",
-                        help="read the prompt from this UTF-8 file ('-': standard input), for prompts longer than "
-                             "an argument can carry; a final newline is not part of it")
+                        help="read the prompt from this UTF-8 file ('-': standard input), byte for byte (a final "
+                             "newline is part of it), for prompts longer than an argument can carry")
+    g.add_argument("--chat", action="store_true",
+                   help="put the prompt in the model's chat template as the user's turn, ready for the answer "
+                        "(tokenizer_config.json's chat_template, or chat_template.jinja)")
+    g.add_argument("--system", metavar="TEXT", help="with --chat: the system turn before the user's")
     at_least = lambda low: lambda v: v >= low  # noqa: E731
     g.add_argument("--max-new-tokens", type=_checked(int, at_least(1), "an integer of at least 1"),
                    help=f"(default: the model's generation_config.json max_new_tokens, else {DEFAULT_NEW_TOKENS} "
@@ -728,6 +795,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the negative ones, greedy or sampling (default: the model's generation_config.json, "
                         "else 1: none)")
     g.add_argument("--seed", type=_SEED, default=0)
+    g.add_argument("--output", choices=("text", "json"), default="text",
+                   help="text: stream the text, then on stderr why it stopped, the tokens generated, the time to the "
+                        "first token and the decode rate; json: print all that and the token ids as one JSON object "
+                        "when done, for scripts")
     g.add_argument("--cache-blocks", type=_checked(int, at_least(1), "an integer of at least 1"), default=1024,
                    help=f"KV cache size in blocks of {BLOCK_TOKENS} tokens")
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
@@ -763,7 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "batches 1,8, a 64-token prompt and 32 new tokens (the 8B model's float32 "
                                     "weights alone are 32 GB). A run that would not fit in free memory is refused "
                                     "first, with its estimate.")
-    bm.add_argument("--config", help=f"{', '.join(BENCH_CONFIGS)} (default: llama3-8b on a GPU, else smollm2-135m)")
+    bm.add_argument("--config", choices=BENCH_CONFIGS,  # (a typo refused before torch loads)
+                    help=f"{', '.join(BENCH_CONFIGS)} (default: llama3-8b on a GPU, else smollm2-135m)")
     bm.add_argument("--batch", help="batch sizes, comma-separated (default: 1,16,64 on a GPU, else 1,8)")
     bm.add_argument("--quant", default="bf16", choices=QUANT_MODES)
     bm.add_argument("--prompt-len", type=_checked(int, at_least(1), "an integer of at least 1"),

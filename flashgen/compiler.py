@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flashgen import __version__
 from flashgen.db import Database, default_db_path
@@ -20,8 +21,10 @@ from flashgen.errors import FlashgenError
 from flashgen.kernel_classes import kernel_class, supported
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
-from flashgen.targets.kernel import Kernel
 from flashgen.workload import Schedule, Workload
+
+if TYPE_CHECKING:  # (its module loads torch: a workload or target refused here must not wait for it)
+    from flashgen.targets.kernel import Kernel
 
 
 def resolve_target(target: str | Target, targets_dir: str | os.PathLike | None = None) -> Target:

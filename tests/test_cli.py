@@ -34,6 +34,7 @@ def test_compile_writes_source_binary_asm_metadata(capsys, tmp_path):
     code, out, err = run_cli(capsys, "compile", "rmsnorm", "--dim", "M=4000", "--dim", "N=8192",
                              "--dtype", "bf16", "--target", "h200", "--out", str(out_dir))
     assert code == 0, err
+    assert err == "building rmsnorm for cuda:sm_90/h200...\n"  # (a status line before the seconds of a build)
     assert "analytic default" in out  # no record of M=4000, in the user's database or shipped
     meta = json.loads((out_dir / "rmsnorm_kernel.json").read_text())
     assert meta["workload"] == {"op": "rmsnorm", "dims": {"M": 4000, "N": 8192}, "attrs": {"dtype": "bf16"}}

@@ -3,6 +3,7 @@ and exit 130 at any moment of a tune, and output paths (`tune --plot`, `compile 
 before any work."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,52 @@ def test_commands_that_compute_nothing_do_not_import_torch(argv):
             "sorted(m for m in ('torch', 'triton', 'tvm') if m in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-1500:]
+
+
+HEAVY = ("torch", "triton", "tvm", "xgboost")
+BAD_BEFORE_IMPORTS = [  # {t}: a temporary folder; {m}: a folder whose config.json is {}
+    ["compile", "rmsnorm", "--dim", "M=x", "--dim", "N=8", "--target", "h200", "--out", "{t}/o"],
+    ["compile", "rmsnorm", "--dim", "M=1", "--dim", "Q=8", "--target", "h200", "--out", "{t}/o"],
+    ["compile", "rope", "--dim", "M=1", "--dim", "Hq=2", "--dim", "Hkv=1", "--dim", "D=8", "--dim", "L=8",
+     "--attr", "style=nope", "--target", "h200", "--out", "{t}/o"],
+    ["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=8", "--target", "tpu", "--out", "{t}/o"],
+    ["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=8", "--target", "h200", "--db", "{t}/none.db", "--out", "{t}/o"],
+    ["compile", "rmsnorm", "--dim", "M=1", "--dim", "N=8", "--target", "h200", "--targets-dir", "{t}/none",
+     "--out", "{t}/o"],
+    ["explain", "rmsnorm", "--dim", "M=x", "--dim", "N=8", "--target", "h200"],
+    ["explain", "rmsnorm", "--dim", "M=1", "--dim", "N=8", "--target", "tpu"],
+    ["tune", "rmsnorm", "--dim", "M=x", "--dim", "N=8", "--target", "cpu", "--db", "{t}/t.db"],
+    ["tune", "rmsnorm", "--dim", "M=1", "--dim", "N=8", "--target", "tpu", "--db", "{t}/t.db"],
+    ["tune", "--workloads", "{t}/none.jsonl", "--target", "cpu", "--db", "{t}/t.db"],
+    ["generate", "--model", "{t}/none", "--prompt", "hi"],
+    ["generate", "--model", "{t}", "--prompt", "hi"],
+    ["generate", "--model", "{m}", "--prompt-file", "{t}/none.txt"],
+    ["bench-model", "--config", "gpt5"],
+]
+
+
+def test_bad_input_is_refused_before_torch_triton_tvm_load(tmp_path):
+    """A typo in --dim, --attr or --target, or a path that is not there, is one line and exit 2 without
+    importing torch, Triton, TVM or XGBoost (they took 1.5 s, 14 s on a busy machine, before a typo's
+    error). One interpreter runs every case, checking its modules after each."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    cases = [[a.format(t=tmp_path, m=tmp_path / "m") for a in argv] for argv in BAD_BEFORE_IMPORTS]
+    code = ("import contextlib, io, json, sys\nfrom flashgen.cli import main\n"
+            f"for argv in json.loads(sys.argv[1]):\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err):\n"
+            "        rc = main(argv)\n"
+            f"    heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+            "    print(json.dumps([argv, rc, err.getvalue(), heavy]))\n")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-1500:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(cases)
+    for argv, rc, err, heavy in results:
+        assert rc == 2 and err.startswith("flashgen: error: ") and err.count("\n") == 1, (argv, rc, err)
+        assert heavy == [], (argv, err, heavy)
 
 
 @pytest.mark.parametrize("after_s", [0.3, 4.0])

@@ -75,8 +75,9 @@ def test_no_prefix_cache_reaches_the_engine(folder, capsys, monkeypatch):
 
 
 def test_prompt_file_and_stdin_give_the_prompt(folder, tmp_path, capsys, monkeypatch):
-    """A prompt read from a file or standard input (its final newline dropped) decodes as the same
-    prompt given as an argument; a file that is not UTF-8, or none, is one line and exit 2."""
+    """A prompt read from a file or standard input (its final newline kept, which this tokenizer reads as
+    no token: test_chat.py shows it kept) decodes as the same prompt given as an argument; a file that is
+    not UTF-8, or none, is one line and exit 2."""
     words = " ".join(f"w{i % 128}" for i in range(1, 120))
     assert main(["generate", "--model", str(folder), "--prompt", words, "--max-new-tokens", "6"]) == 0
     expected = capsys.readouterr().out
@@ -142,9 +143,14 @@ def test_bench_model_refuses_what_does_not_fit_before_allocating(monkeypatch, ca
 
 
 def test_bench_model_one_new_token_reports_no_decode_rate(capsys):
+    """(Its status lines, on stderr, come as each phase starts: the results alone are on stdout.)"""
     assert main(["bench-model", "--config", "tiny", "--batch", "2", "--prompt-len", "5", "--new-tokens", "1"]) == 0
-    row = capsys.readouterr().out.splitlines()[2].split()
+    out, err = capsys.readouterr()
+    row = out.splitlines()[2].split()
     assert row[0] == "2" and float(row[1]) >= 0 and row[2] == "-" and row[4] == "-"
+    weights = "bfloat16 weights on the cuda" if torch.cuda.is_available() else "float32 weights on the cpu"
+    assert err.splitlines() == [f"tiny: making random {weights}...", "batch 2: warming up (its kernels built or "
+                                "loaded), then timing 5-token prefills and 1 new tokens..."]
 
 
 def _copy(folder, tmp_path):
@@ -372,15 +378,19 @@ def no_loading(monkeypatch):
     (["--prompt", ""], "--prompt: the prompt is empty; give the text to continue from"),
     (["--prompt", "   "], "--prompt: the prompt '   ' encodes to no tokens; give the text to continue from"),
     (["--prompt-file", "{empty}"], "--prompt-file {empty}: the prompt is empty; give the text to continue from"),
+    (["--prompt-file", "{newline}"], "--prompt-file {newline}: the prompt '\\n' encodes to no tokens; give the text to "
+                                     "continue from"),
 ])
 def test_an_empty_prompt_is_refused_before_the_model_loads(folder, tmp_path, capsys, no_loading, how, message):
     """It was refused by the engine's API check ("prompt must be a non-empty list of token ids"), after
     the weights loaded. (This tokenizer adds no BOS token: the empty text gives no token at all.)"""
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n")
-    argv = [a.replace("{empty}", str(empty)) for a in how]
-    assert main(["generate", "--model", str(folder), *argv]) == 2
-    assert capsys.readouterr().err == f"flashgen: error: {message.replace('{empty}', str(empty))}\n"
+    paths = {"{empty}": tmp_path / "empty.txt", "{newline}": tmp_path / "newline.txt"}
+    paths["{empty}"].write_text("")
+    paths["{newline}"].write_text("\n")  # (kept: the file is the prompt byte for byte)
+    for name, path in paths.items():
+        how, message = [a.replace(name, str(path)) for a in how], message.replace(name, str(path))
+    assert main(["generate", "--model", str(folder), *how]) == 2
+    assert capsys.readouterr().err == f"flashgen: error: {message}\n"
 
 
 def test_too_few_cache_blocks_say_how_many_the_request_needs(folder, capsys, no_loading):

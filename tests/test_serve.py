@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashgen.runtime.checkpoints.chat_template import render_chat
+from flashgen.runtime.checkpoints.chat_template import ChatTemplate
 from flashgen.runtime.checkpoints.model_config import ModelConfig
 from flashgen.runtime.checkpoints.tokenizer import load_tokenizer
 from flashgen.runtime.decoder.loading import load_engine
@@ -112,7 +112,7 @@ def test_completions_and_chat_whole_and_streamed(server, reference, folder, caps
     assert chunks[-1].usage.completion_tokens == NEW and not chunks[-1].choices
 
     messages = [{"role": "system", "content": "w7 w8"}, {"role": "user", "content": "w40 w41 w42"}]
-    rendered = render_chat(folder, messages)
+    rendered = ChatTemplate.from_folder(folder).render(messages)
     assert rendered == "w11 w7 w8 w12 w40 w41 w42 w99"
     expected = reference(rendered)
     r = c.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=NEW, temperature=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -110,11 +111,12 @@ def check_memory(config: str, c: ModelConfig, dtype: torch.dtype, dev: torch.dev
 
 
 def build(config: str, quant: str, batch: int, prompt_len: int, new_tokens: int, device: str | None = None,
-          tp: int = 1) -> Decoder:
+          tp: int = 1, progress: Callable[[str], None] | None = None) -> Decoder:
     """The decoder of bench config `config` on random weights (bf16 on a GPU, float32 on the CPU), its
     context long enough for `prompt_len` + `new_tokens`, once `check_memory` has found that it and the
     cache of `batch` such sequences fit; with `tp` > 1, this rank's part of the model split over the
-    group's ranks (runtime/decoder/tensor_parallel.py)."""
+    group's ranks (runtime/decoder/tensor_parallel.py). `progress` gets a line before the weights are
+    made (seconds for the large configs)."""
     if config not in CONFIGS:
         raise FlashgenError(f"unknown config {config!r}; valid: {', '.join(CONFIGS)}")
     if prompt_len < 1 or new_tokens < 1:
@@ -125,18 +127,25 @@ def build(config: str, quant: str, batch: int, prompt_len: int, new_tokens: int,
                                                             prompt_len + new_tokens + 16))
     release(dev)  # (what an earlier run in this process left in torch's cache is free memory again)
     check_memory(config, c, dtype, dev, batch, prompt_len, new_tokens)
+    if progress is not None:
+        progress(f"{config}: making random {str(dtype).removeprefix('torch.')} weights on the {dev.type}...")
     return (Decoder if tp == 1 else ShardedDecoder)(c, random_weights(c, dtype, dev), dev, dtype, quant=quant)
 
 
 def run(config: str, batches: list[int], prompt_len: int, new_tokens: int, quant: str, copy_gbs: float,
-        device: str | None = None, cuda_graphs: bool = True, tp: int = 1) -> list[dict]:
+        device: str | None = None, cuda_graphs: bool = True, tp: int = 1,
+        progress: Callable[[str], None] | None = None) -> list[dict]:
     """One row per batch; with `tp` > 1, this rank's run of the model split over the group's ranks
-    (runtime/decoder/tensor_parallel.py), every rank calling it alike, `copy_gbs` then the ranks' together."""
-    model = build(config, quant, max(batches), prompt_len, new_tokens, device, tp)
+    (runtime/decoder/tensor_parallel.py), every rank calling it alike, `copy_gbs` then the ranks' together.
+    `progress` gets a line as each phase starts (the weights, each batch)."""
+    model = build(config, quant, max(batches), prompt_len, new_tokens, device, tp, progress)
     c, dev, dtype = model.c, model.device, model.dtype
     rows = []
     try:
         for b in batches:
+            if progress is not None:
+                progress(f"batch {b}: warming up (its kernels built or loaded), then timing {prompt_len}-token "
+                         f"prefills and {new_tokens} new tokens...")
             free = available_bytes(dev)
             r = decode(model, b, prompt_len, new_tokens, cuda_graphs)
             nbytes = step_bytes(c, quant, torch.finfo(dtype).bits // 8, b, prompt_len + new_tokens / 2)

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from flashgen.errors import FlashgenError, one_line
-from flashgen.runtime.checkpoints.chat_template import render_chat
+from flashgen.runtime.checkpoints.chat_template import ChatTemplate
 from flashgen.runtime.checkpoints.generation_config import within_max_length
 from flashgen.runtime.server.detokenize import TextStream
 from flashgen.runtime.server.engine_loop import Accepted, EngineLoop, Finished, QueueFull, Refused, Ticket, Tokens
@@ -45,7 +45,7 @@ class Service:
     name: str
     folder: Path | None           # for its generation_config.json's max_length message; None: no folder
     defaults: dict[str, Any]      # generation_config.json's decoding (runtime/checkpoints/generation_config.py)
-    chat: dict[str, Any] | None   # the tokenizer config holding the chat template; None: no chat route's template
+    chat: ChatTemplate | None   # the folder's chat template; None: the chat route is refused
 
     @property
     def config(self):
@@ -104,7 +104,7 @@ def _prompt_ids(service: Service, parsed: Parsed) -> list[int]:
         if service.chat is None:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
         try:
-            text = render_chat(service.chat, parsed.messages)
+            text = service.chat.render(parsed.messages)
         except FlashgenError as e:
             raise RequestError(str(e), "messages") from None
         return service.tokenizer.encode(text, add_special_tokens=False).ids

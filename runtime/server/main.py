@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from flashgen.errors import FlashgenError
-from flashgen.runtime.checkpoints.chat_template import template_of, tokenizer_config
+from flashgen.runtime.checkpoints.chat_template import ChatTemplate
 from flashgen.runtime.checkpoints.generation_config import generation_defaults
 from flashgen.runtime.checkpoints.model_config import ModelConfig
 from flashgen.runtime.checkpoints.tokenizer import load_tokenizer
@@ -56,9 +56,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 def service(engine: Engine, tokenizer, folder: Path, name: str, max_queue: int) -> Service:
     """The routes' view of a started engine loop over `folder`'s model (no chat template: chat refused)."""
-    chat = tokenizer_config(folder)
     try:
-        template_of(chat)
+        chat = ChatTemplate.from_folder(folder)
     except FlashgenError:
         chat = None
     return Service(EngineLoop(engine, max_queue).start(), tokenizer, name, folder, generation_defaults(folder), chat)
