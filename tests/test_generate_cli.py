@@ -57,7 +57,7 @@ def test_edge_values_are_accepted(folder, capsys):
 
 def test_no_prefix_cache_reaches_the_engine(folder, capsys, monkeypatch):
     """Prefix caching is on unless --no-prefix-cache turns it off; the text is the same both ways."""
-    from flashgen.runtime.decoder import engine
+    from flashgen.runtime.decoder import engine, loading
 
     made = []
 
@@ -66,7 +66,7 @@ def test_no_prefix_cache_reaches_the_engine(folder, capsys, monkeypatch):
             super().__init__(*args, **kwargs)
             made.append(self.prefix_cache)
 
-    monkeypatch.setattr(engine, "Engine", Recorded)
+    monkeypatch.setattr(loading, "Engine", Recorded)
     texts = []
     for flags in ([], ["--no-prefix-cache"]):
         assert main(["generate", "--model", str(folder), "--prompt", "w5 w9 w2", "--max-new-tokens", "3"] + flags) == 0
