@@ -98,10 +98,14 @@ def test_quantization_costs_in_order(tiny):
 
 
 def test_linears_as_names_the_modes_that_computed(tiny):
-    """From the decoder's CPU fallbacks: mixed's windows of 16 rows compute in w4a16 (no records: the
-    crossover at 64 rows), w8a8 in itself, the float32 reference in none of the modes."""
+    """From the decoder's CPU fallbacks: mixed's windows compute in the modes its plan picks for their
+    rows (no records: the rooflines decide), w8a8 in itself, the float32 reference in none of the modes."""
+    from flashgen.runtime.checkpoints.weights import ModelConfig
+    from flashgen.runtime.decoder.model import Decoder
     _, folder, weights = tiny
-    for mode, name, expect in (("mixed", "mixed", "w4a16"), ("w8a8", "w8a8", "w8a8"), ("bf16", "float32", "float32")):
+    plan = Decoder(ModelConfig.from_folder(folder), weights, "cpu", torch.float32, "mixed").chooser
+    planned = ",".join(sorted({plan(n, k, WINDOW) for n, k in plan.plans}))
+    for mode, name, expect in (("mixed", "mixed", planned), ("w8a8", "w8a8", "w8a8"), ("bf16", "float32", "float32")):
         logits, used = accuracy.decoder_logits(folder, mode, torch.float32, weights)
         accuracy.score(logits, TOKENS, WINDOW, STRIDE, name)
         assert accuracy.linears_as(used(), name) == expect
