@@ -232,9 +232,41 @@ def test_int4_experts_unpack_whole_word_tiles(weights, m):
     src = generate(wl, s).source
     scales = "scales" if weights == "w4a16g128" else "w_group"
     assert src.count("tl.load(w_packed_ptr") == 2 and src.count(f"tl.load({scales}_ptr") == 2
-    for words in ("words_w_packed", "words_w_packed_1"):
-        assert f"{words} = tl.load(w_packed_ptr" in src and f"tl.reshape({words}, [BLOCK_K // 128, 1, 16, BLOCK_N])" in src
+    if weights == "w4a16g128" and m == 1:  # the dense GEMV's terms: each code under an fp32 exponent, in place
+        assert src.count("words_w_packed = tl.load(w_packed_ptr") == 2 and "tl.reshape(words" not in src
+        assert src.count("| magic).to(tl.float32, bitcast=True)") == 16
+    else:
+        for words in ("words_w_packed", "words_w_packed_1"):
+            assert f"{words} = tl.load(w_packed_ptr" in src and f"tl.reshape({words}, [BLOCK_K // 128, 1, 16, BLOCK_N])" in src
+    if weights == "w4a16g128" and m > 1:  # codes dotted, each group's dot then scaled
+        assert src.count("out_dtype=tl.float32) * ") == 2
     assert "kb // 128" not in src and "kb % 128" not in src  # (the per-element word and shift)
+
+
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+def test_int4_experts_compute_as_the_dense_gemm(op):
+    """w4a16g128 experts mean what the dense gemm_w4a16 means: each expert's product is the dense op's
+    reference on its pairs' rows (codes times group scales, exact, never rounded to 16 bits), on fresh
+    inputs, so the kernels may sum codes times x per group in fp32 before the scale, as the dense tiles do."""
+    wl = flashgen.workload(op, M=5, N=24, K=256, E=3, topk="2", dtype="bf16", weights="w4a16g128", routing="ids")
+    t = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(7))
+    got = wl.op.reference(t, {}, wl.dim, wl.attr)
+    kt, n = wl.dim["KT"], wl.dim["N"]
+    pairs = {e: (t["topk_ids"].flatten() == e).nonzero()[:, 0] for e in range(wl.dim["E"])}
+    want = t["y"].double().clone() if op == "moe_gemm_down" else torch.zeros(5 * kt, n, dtype=torch.float64)
+    for e, p in pairs.items():
+        if not len(p):
+            continue
+        x = t["x"][p // kt] if op == "moe_gemm_gate_up" else t["h"][p]
+        dense = flashgen.workload("gemm_w4a16", M=len(p), N=t["w_packed"].shape[1], K=256, G=128, dtype="bf16")
+        y = dense.op.reference({"x": x, "w_packed": t["w_packed"][e], "scales": t["scales"][e]}, {}, dense.dim,
+                               dense.attr)["y"]
+        if op == "moe_gemm_gate_up":
+            want[p] = F.silu(y[:, :n]) * y[:, n:]
+        else:
+            want.index_add_(0, p // kt, y * t["topk_weights"][p, None].double())
+    name = "h" if op == "moe_gemm_gate_up" else "y"
+    torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx942"])
@@ -401,13 +433,14 @@ def test_int8_activations(interpreter, wl, block_m):
 
 
 @pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
-@pytest.mark.parametrize("weights,block_m", [("half", 4), ("w4a16g128", 16)])
-def test_alu_tiles(interpreter, op, weights, block_m):
-    """Tiles of 16-bit activations over the tail of every k step (K = 384 in steps of 256: int4 words
-    and group scales masked) and of the columns, the sorted routing, E = 7: ALU tiles of 4 pairs, and
-    int4 codes unpacked from their words tile into a matrix tile's operand."""
+@pytest.mark.parametrize("weights,block_m,block_k", [("half", 4, 256), ("w4a16g128", 2, 256), ("w4a16g128", 16, 128)])
+def test_alu_tiles(interpreter, op, weights, block_m, block_k):
+    """Tiles of 16-bit activations over the tail of the columns and of every k step (K = 384 in steps
+    of 256: int4 words and group scales masked), the sorted routing, E = 7: ALU tiles of 4 pairs and of
+    int4 codes in the dense GEMV's terms, and a matrix tile of int4 codes unpacked from their words tile
+    into its operand, each group's dot scaled after, against the exact float64 reference."""
     wl = flashgen.workload(op, M=6, N=40, K=384, E=7, topk="2", dtype="fp16", weights=weights, routing="sorted")
-    s = {"block_m": block_m, "block_n": 16, "block_k": 256, "num_warps": 8, "num_stages": 2}
+    s = {"block_m": block_m, "block_n": 16, "block_k": block_k, "num_warps": 8, "num_stages": 2}
     assert ScheduleSpace(wl, H200).is_valid(s)
     for c in interpreter.check(wl, s, "h200", seed=[21, 22]):
         assert c.ok, c
