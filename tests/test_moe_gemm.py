@@ -223,8 +223,10 @@ def test_generated_source_reads_like_the_op():
 @pytest.mark.parametrize("weights,m", [("w4a16g128", 1), ("w4a16g128", 16), ("w4a8g128", 1), ("w4a8g128", 256)])
 def test_int4_experts_unpack_whole_word_tiles(weights, m):
     """The int4 forms' default tiles (ALU at one token, matrix tiles beyond) load each k step's packed
-    words once as a [block_k / 8, block_n] tile per Contract (gate's and up's rows apart) and unpack them
-    in registers, and their group scales once per group, never a word or a scale per element."""
+    words once as a [block_k / 8, block_n] tile per Contract (gate's and up's rows apart) and their group
+    scales once per group, never a word or a scale per element: W4A16's ALU tiles take the dense GEMV's
+    terms (eight codes of each word under an fp32 exponent, in place), the others unpack the words by a
+    reshape; W4A16's matrix tiles scale each group's dot of the codes."""
     wl = flashgen.workload("moe_gemm_gate_up", M=m, N=14336, K=4096, E=8, topk="2", dtype="bf16", weights=weights,
                            routing="ids")
     s = ScheduleSpace(wl, H200).default()

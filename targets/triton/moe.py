@@ -15,8 +15,11 @@ nothing from it), so no weight is read past the last expert's. The k loop loads 
 tile through the op's prologue (gathered rows: a pair's token row of x), the weight tiles of each
 Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32 (int32 for int8 activations
 and weights); Contracts over the same A share its tile (gate and up in one loop). Tiles of fewer than
-16 pairs sum on the ALUs instead (`_alu_k_loop`): decode's one or two pairs per expert. The epilogue is the op's statements: a `combine="add"`
-store adds atomically (a token's k expert outputs meet there).
+16 pairs sum on the ALUs instead (`_alu_k_loop`): decode's one or two pairs per expert. int4 codes
+entering a 16-bit float operand (w4a16g128) compute as the dense int4 GEMMs do, codes times x summed
+per group before the group's scale: the dense GEMV's terms in ALU tiles, a dot of the codes scaled
+after in matrix tiles. The epilogue is the op's statements: a `combine="add"` store adds atomically (a
+token's k expert outputs meet there).
 """
 from __future__ import annotations
 
