@@ -434,13 +434,17 @@ def test_int8_activations(interpreter, wl, block_m):
         assert c.ok, (c, s)
 
 
-@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
-@pytest.mark.parametrize("weights,block_m,block_k", [("half", 4, 256), ("w4a16g128", 2, 256), ("w4a16g128", 16, 128)])
+MOE_OPS = ("moe_gemm_gate_up", "moe_gemm_down")
+
+
+@pytest.mark.parametrize("op,weights,block_m,block_k", [(op, "half", 4, 256) for op in MOE_OPS]
+                         + [("moe_gemm_down", "w4a16g128", 2, 256)] + [(op, "w4a16g128", 16, 128) for op in MOE_OPS])
 def test_alu_tiles(interpreter, op, weights, block_m, block_k):
     """Tiles of 16-bit activations over the tail of the columns and of every k step (K = 384 in steps
     of 256: int4 words and group scales masked), the sorted routing, E = 7: ALU tiles of 4 pairs and of
-    int4 codes in the dense GEMV's terms, and a matrix tile of int4 codes unpacked from their words tile
-    into its operand, each group's dot scaled after, against the exact float64 reference."""
+    int4 codes in the dense GEMV's terms (down's: gate_up's meet them in test_default_schedule), and
+    matrix tiles of int4 codes unpacked from their words tile into the operand, each group's dot scaled
+    after, against the exact float64 reference."""
     wl = flashgen.workload(op, M=6, N=40, K=384, E=7, topk="2", dtype="fp16", weights=weights, routing="sorted")
     s = {"block_m": block_m, "block_n": 16, "block_k": block_k, "num_warps": 8, "num_stages": 2}
     assert ScheduleSpace(wl, H200).is_valid(s)

@@ -165,10 +165,12 @@ def _alu_k_loop(em: Emitter, wl: Workload, s: Schedule, blk: Scope, contracts: l
         magic_register(blk, em.emit(Dim(em.op.row_dims[0]), blk))  # (the tokens: the pairs' count M * KT folds)
     blk.line(f"for k0 in tl.range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K, num_stages={s['num_stages']}):")
     if codes:  # the dense GEMV's terms: eight [block_k / 8, block_n] tiles of codes, scaled per segment
+        loaded: dict = {}  # (x at each code position, loaded once for every Contract)
         for con in contracts:
             segments = int4_terms(tiles[con.name], b_scope)
             for i in range(bm):
-                loop.line(f"part{i}_{con.name} += " + weighted_sum(tiles[con.name], loop, segments, (f"r{i}", f"rmask{i}")))
+                loop.line(f"part{i}_{con.name} += "
+                          + weighted_sum(tiles[con.name], loop, segments, (f"r{i}", f"rmask{i}"), loaded=loaded))
     else:
         loop.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
         if kmask:

@@ -10,20 +10,25 @@ from flashgen.targets.triton.contraction.row_pass import bind_row, row_pass, sum
 from flashgen.targets.triton.emit import Scope, grid_dependency
 
 
-def weighted_sum(t: Tile, scope: Scope, segments: list, row: tuple[str, str | None], in_loop: int | None = None) -> str:
+def weighted_sum(t: Tile, scope: Scope, segments: list, row: tuple[str, str | None], in_loop: int | None = None,
+                 loaded: dict[tuple[str, str], str] | None = None) -> str:
     """One row's products of x with a k step's weight terms (`int4_terms`' segments, or one segment of a
     weight tile), summed per segment times its scale: the expression to add to the row's partial sums.
     `row` is the row's (index, mask) axis; `in_loop`, the row's number when its row-pass sums
-    accumulate over the x loaded here (`sum_in_loop`)."""
+    accumulate over the x loaded here (`sum_in_loop`); `loaded`, the x this k step loaded by (row, k),
+    which Contracts over the same x (the moe class's gate and up) share."""
     em, acc_t = t.em, ACC[t.con.acc]
+    loaded = {} if loaded is None else loaded
     sums = []
     for scale, terms in segments:
         products = []
         for k, kmask_k, w, factor in terms:
-            x_scope = scope.child(axes={"r": row, "k": (k, kmask_k)}, fresh=True)
-            x = em.emit(t.con.a, x_scope)
-            if in_loop is not None:
-                sum_in_loop(em, x_scope, in_loop)
+            if (row[0], k) not in loaded:
+                x_scope = scope.child(axes={"r": row, "k": (k, kmask_k)}, fresh=True)
+                loaded[row[0], k] = em.emit(t.con.a, x_scope)
+                if in_loop is not None:
+                    sum_in_loop(em, x_scope, in_loop)
+            x = loaded[row[0], k]
             products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
         sums.append(f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products))
     return " + ".join(sums)
