@@ -382,6 +382,24 @@ def test_alu_tiles_on_gpu(weights, block_m, block_k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("block_k", [32, 64, 128])
+def test_int4_matrix_tiles_on_gpu(op, block_k):
+    """bf16 matrix tiles of int4 codes (W4A16) on the GPU: codes (exact in bf16) dotted with x, each
+    group's dot then scaled, per-element codes in steps shallower than a word block, against the exact
+    float64 reference (down's fp32 y at fp32's tolerance: a weight rounded to bf16 fails it)."""
+    from flashgen.check import check
+
+    dev = torch.device("cuda")
+    wl = flashgen.workload(op, M=40, N=200, K=384, E=3, topk="2", dtype="bf16", weights="w4a16g128", routing="sorted")
+    s = {"block_m": 16, "block_n": 64, "block_k": block_k, "num_warps": 4, "num_stages": 3}
+    assert ScheduleSpace(wl, H200).is_valid(s), s
+    kernel = flashgen.compile(wl, flashgen.targets.device_target(dev), schedule=s, db=None)
+    for c in check(wl, lambda i, o, p: kernel.run(i, o, p), 0, dev):
+        assert c.ok, (c, s)
+
+
+@pytest.mark.gpu
 def test_bad_calls_on_gpu_are_one_line():
     """A stacked weight of the wrong width, and ids given to the sorted routing: one error naming the
     tensor, before any launch."""
