@@ -162,7 +162,7 @@ def _alu_k_loop(em: Emitter, wl: Workload, s: Schedule, blk: Scope, contracts: l
         for con in contracts:
             blk.line(f"part{i}_{con.name} = tl.zeros([BLOCK_K{' // 8' if codes else ''}, BLOCK_N], dtype={ACC[con.acc]})")
     if codes:
-        magic_register(blk, em.emit(Dim(em.op.row_dims[0]), blk))  # (the tokens: the pairs' count M * KT folds)
+        magic_register(blk, em.emit(Dim(em.op.row_dims[0]), blk))  # (M: LLVM folds (M * KT) >> 31 to 0)
     blk.line(f"for k0 in tl.range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K, num_stages={s['num_stages']}):")
     if codes:  # the dense GEMV's terms: eight [block_k / 8, block_n] tiles of codes, scaled per segment
         loaded: dict = {}  # (x at each code position, loaded once for every Contract)
