@@ -9,7 +9,9 @@ ALU tiles of 1-8 pairs (targets/triton/moe.py `_alu_k_loop`, the contraction cla
 which alone take k steps deeper than 256. Rules: the pipelined A and weight tiles (one weight tile per
 Contract: gate and up are two) of a matrix tile fit the shared memory, and the accumulators (an ALU
 tile's partial sums, block_m x block_k x block_n per Contract) fit the registers of the program's
-threads.
+threads; int4 codes entering a 16-bit float operand (w4a16g128), summed times x per group before the
+group's scale as the dense int4 GEMMs do, take k steps of whole blocks of 128 in ALU tiles and within
+one group in matrix tiles.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import math
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
-from flashgen.ir.contraction import MMA_MIN_ROWS  # tiles of fewer pairs sum on the ALUs
+from flashgen.ir.contraction import MMA_MIN_ROWS, contract_int4_affine  # (MMA_MIN_ROWS: fewer pairs sum on the ALUs)
 from flashgen.ir.op import Contract
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.descriptor import Target
@@ -61,15 +63,31 @@ def added_knobs(wl: Workload) -> dict[str, int]:
     return {}
 
 
+def int4_group(wl: Workload) -> int | None:
+    """The k over which the zero point and scale of int4 codes entering a 16-bit float operand hold
+    (w4a16g128's group), whose tiles sum codes times x per group before its scale, as the dense int4
+    GEMMs do; None for other formats."""
+    affine = [contract_int4_affine(st, wl.attr, wl.dim) for st in wl.op.body(wl.attr) if isinstance(st, Contract)]
+    if not all(affine):
+        return None
+    periods = [p for a in affine for p in (prologue.k_period(e, wl.dim) for e in a[1:] if e is not None) if p]
+    return math.gcd(*periods) if periods else None
+
+
 def why_invalid(wl: Workload, target: Target, s: Schedule) -> str | None:
     tiles = contracts(wl)
     threads = s["num_warps"] * target.warp_size
+    group = int4_group(wl)
     if s["block_m"] < MMA_MIN_ROWS:  # plain loads straight into registers: no shared memory
+        if group and s["block_k"] % INT4_PERIOD:
+            return f"ALU tiles of int4 codes take k steps of whole blocks of {INT4_PERIOD} (the dense GEMV's terms)"
         if tiles * s["block_m"] * s["block_k"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
             return "the partial sums of the ALU tile do not fit the warps' registers"
         return None
     if s["block_k"] > MAX_MMA_BLOCK_K:
         return f"k steps deeper than {MAX_MMA_BLOCK_K} are for ALU tiles of fewer than {MMA_MIN_ROWS} pairs"
+    if group and group % s["block_k"]:
+        return f"matrix tiles of int4 codes take k steps within one group of {group} (one scale per dot)"
     elem = dtypes.BYTES[next(st for st in wl.op.body(wl.attr) if isinstance(st, Contract)).operand_dtype(wl.attr)]
     smem = s["num_stages"] * (s["block_m"] + tiles * s["block_n"]) * s["block_k"] * elem
     if smem > int(target.get("smem_per_block", 0)):
@@ -127,14 +145,15 @@ def default(wl: Workload, target: Target) -> Schedule:
     """Decode: ALU tiles for quantized experts at up to 4 pairs per expert (`_alu_default`), else
     16-pair tiles and columns narrow enough to fill the machine (`decode_block_n`), each k step 16 KB
     of weights or more; more tokens: 64 x 128 tiles (64 x 64 for two Contracts, which hold two
-    accumulators), k steps of 64 (of whole int4 blocks, `whole_words_k`)."""
+    accumulators), k steps of 64 (of whole int4 blocks, `whole_words_k`; one group, `int4_group`)."""
     space = knobs(wl, target)
     decode = wl.dim["M"] <= DECODE_MAX_M
     alu = _alu_default(wl, target, space) if decode else None
     if alu is not None:
         return alu
     block_n = decode_block_n(wl, target, space["block_n"]) if decode else 64 if contracts(wl) > 1 else 128
-    block_k = max((128 if block_n >= 64 else 256) if decode else 64, whole_words_k(wl))
+    block_k = min(max((128 if block_n >= 64 else 256) if decode else 64, whole_words_k(wl)),
+                  int4_group(wl) or MAX_MMA_BLOCK_K)
     mma_k = tuple(b for b in space["block_k"] if b <= MAX_MMA_BLOCK_K)
     for stages in (3, 2, 1):
         s = {"block_m": 16 if decode else min(64, max(space["block_m"])),

@@ -223,8 +223,10 @@ def test_generated_source_reads_like_the_op():
 @pytest.mark.parametrize("weights,m", [("w4a16g128", 1), ("w4a16g128", 16), ("w4a8g128", 1), ("w4a8g128", 256)])
 def test_int4_experts_unpack_whole_word_tiles(weights, m):
     """The int4 forms' default tiles (ALU at one token, matrix tiles beyond) load each k step's packed
-    words once as a [block_k / 8, block_n] tile per Contract (gate's and up's rows apart) and unpack them
-    in registers, and their group scales once per group, never a word or a scale per element."""
+    words once as a [block_k / 8, block_n] tile per Contract (gate's and up's rows apart) and their group
+    scales once per group, never a word or a scale per element: W4A16's ALU tiles take the dense GEMV's
+    terms (eight codes of each word under an fp32 exponent, in place), the others unpack the words by a
+    reshape; W4A16's matrix tiles scale each group's dot of the codes."""
     wl = flashgen.workload("moe_gemm_gate_up", M=m, N=14336, K=4096, E=8, topk="2", dtype="bf16", weights=weights,
                            routing="ids")
     s = ScheduleSpace(wl, H200).default()
@@ -232,9 +234,41 @@ def test_int4_experts_unpack_whole_word_tiles(weights, m):
     src = generate(wl, s).source
     scales = "scales" if weights == "w4a16g128" else "w_group"
     assert src.count("tl.load(w_packed_ptr") == 2 and src.count(f"tl.load({scales}_ptr") == 2
-    for words in ("words_w_packed", "words_w_packed_1"):
-        assert f"{words} = tl.load(w_packed_ptr" in src and f"tl.reshape({words}, [BLOCK_K // 128, 1, 16, BLOCK_N])" in src
+    if weights == "w4a16g128" and m == 1:  # the dense GEMV's terms: each code under an fp32 exponent, in place
+        assert src.count("words_w_packed = tl.load(w_packed_ptr") == 2 and "tl.reshape(words" not in src
+        assert src.count("| magic).to(tl.float32, bitcast=True)") == 16
+    else:
+        for words in ("words_w_packed", "words_w_packed_1"):
+            assert f"{words} = tl.load(w_packed_ptr" in src and f"tl.reshape({words}, [BLOCK_K // 128, 1, 16, BLOCK_N])" in src
+    if weights == "w4a16g128" and m > 1:  # codes dotted, each group's dot then scaled
+        assert src.count("out_dtype=tl.float32) * ") == 2
     assert "kb // 128" not in src and "kb % 128" not in src  # (the per-element word and shift)
+
+
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+def test_int4_experts_compute_as_the_dense_gemm(op):
+    """w4a16g128 experts mean what the dense gemm_w4a16 means: each expert's product is the dense op's
+    reference on its pairs' rows (codes times group scales, exact, never rounded to 16 bits), on fresh
+    inputs, so the kernels may sum codes times x per group in fp32 before the scale, as the dense tiles do."""
+    wl = flashgen.workload(op, M=5, N=24, K=256, E=3, topk="2", dtype="bf16", weights="w4a16g128", routing="ids")
+    t = wl.op.make_inputs(wl.dim, wl.attr, torch.Generator().manual_seed(7))
+    got = wl.op.reference(t, {}, wl.dim, wl.attr)
+    kt, n = wl.dim["KT"], wl.dim["N"]
+    pairs = {e: (t["topk_ids"].flatten() == e).nonzero()[:, 0] for e in range(wl.dim["E"])}
+    want = t["y"].double().clone() if op == "moe_gemm_down" else torch.zeros(5 * kt, n, dtype=torch.float64)
+    for e, p in pairs.items():
+        if not len(p):
+            continue
+        x = t["x"][p // kt] if op == "moe_gemm_gate_up" else t["h"][p]
+        dense = flashgen.workload("gemm_w4a16", M=len(p), N=t["w_packed"].shape[1], K=256, G=128, dtype="bf16")
+        y = dense.op.reference({"x": x, "w_packed": t["w_packed"][e], "scales": t["scales"][e]}, {}, dense.dim,
+                               dense.attr)["y"]
+        if op == "moe_gemm_gate_up":
+            want[p] = F.silu(y[:, :n]) * y[:, n:]
+        else:
+            want.index_add_(0, p // kt, y * t["topk_weights"][p, None].double())
+    name = "h" if op == "moe_gemm_gate_up" else "y"
+    torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx942"])
@@ -348,6 +382,24 @@ def test_alu_tiles_on_gpu(weights, block_m, block_k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("block_k", [32, 64, 128])
+def test_int4_matrix_tiles_on_gpu(op, block_k):
+    """bf16 matrix tiles of int4 codes (W4A16) on the GPU: codes (exact in bf16) dotted with x, each
+    group's dot then scaled, per-element codes in steps shallower than a word block, against the exact
+    float64 reference (down's fp32 y at fp32's tolerance: a weight rounded to bf16 fails it)."""
+    from flashgen.check import check
+
+    dev = torch.device("cuda")
+    wl = flashgen.workload(op, M=40, N=200, K=384, E=3, topk="2", dtype="bf16", weights="w4a16g128", routing="sorted")
+    s = {"block_m": 16, "block_n": 64, "block_k": block_k, "num_warps": 4, "num_stages": 3}
+    assert ScheduleSpace(wl, H200).is_valid(s), s
+    kernel = flashgen.compile(wl, flashgen.targets.device_target(dev), schedule=s, db=None)
+    for c in check(wl, lambda i, o, p: kernel.run(i, o, p), 0, dev):
+        assert c.ok, (c, s)
+
+
+@pytest.mark.gpu
 def test_bad_calls_on_gpu_are_one_line():
     """A stacked weight of the wrong width, and ids given to the sorted routing: one error naming the
     tensor, before any launch."""
@@ -400,14 +452,19 @@ def test_int8_activations(interpreter, wl, block_m):
         assert c.ok, (c, s)
 
 
-@pytest.mark.parametrize("op", ["moe_gemm_gate_up", "moe_gemm_down"])
-@pytest.mark.parametrize("weights,block_m", [("half", 4), ("w4a16g128", 16)])
-def test_alu_tiles(interpreter, op, weights, block_m):
-    """Tiles of 16-bit activations over the tail of every k step (K = 384 in steps of 256: int4 words
-    and group scales masked) and of the columns, the sorted routing, E = 7: ALU tiles of 4 pairs, and
-    int4 codes unpacked from their words tile into a matrix tile's operand."""
+MOE_OPS = ("moe_gemm_gate_up", "moe_gemm_down")
+
+
+@pytest.mark.parametrize("op,weights,block_m,block_k", [(op, "half", 4, 256) for op in MOE_OPS]
+                         + [("moe_gemm_down", "w4a16g128", 2, 256)] + [(op, "w4a16g128", 16, 128) for op in MOE_OPS])
+def test_alu_tiles(interpreter, op, weights, block_m, block_k):
+    """Tiles of 16-bit activations over the tail of the columns and of every k step (K = 384 in steps
+    of 256: int4 words and group scales masked), the sorted routing, E = 7: ALU tiles of 4 pairs and of
+    int4 codes in the dense GEMV's terms (down's: gate_up's meet them in test_default_schedule), and
+    matrix tiles of int4 codes unpacked from their words tile into the operand, each group's dot scaled
+    after, against the exact float64 reference."""
     wl = flashgen.workload(op, M=6, N=40, K=384, E=7, topk="2", dtype="fp16", weights=weights, routing="sorted")
-    s = {"block_m": block_m, "block_n": 16, "block_k": 256, "num_warps": 8, "num_stages": 2}
+    s = {"block_m": block_m, "block_n": 16, "block_k": block_k, "num_warps": 8, "num_stages": 2}
     assert ScheduleSpace(wl, H200).is_valid(s)
     for c in interpreter.check(wl, s, "h200", seed=[21, 22]):
         assert c.ok, c

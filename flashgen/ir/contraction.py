@@ -3,7 +3,7 @@ the Contract's extents, the operand dtype, int4 code forms, TMA-copyable operand
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
@@ -28,14 +28,19 @@ def extents(wl: Workload) -> tuple[int, int, int, Contract]:
     return m, n, eval_int(con.extent, wl.dim), con
 
 
+def contract_int4_affine(con: Contract, attrs: Mapping[str, str], dims: Mapping[str, int]) -> tuple | None:
+    """A Contract's B prologue as (packed words, zero, scale) when it is affine int4 codes
+    (`prologue.affine_codes`) entering a 16-bit float operand: the tiles' forms for them put codes under
+    a float's exponent and scale each group's sum. Integer operands (gemm_w4a8) unpack codes in integers."""
+    if con.operand_dtype(attrs) not in FLOAT16:
+        return None
+    return prologue.affine_codes(con.b, dims)
+
+
 @functools.lru_cache(maxsize=256)
 def int4_affine(wl: Workload) -> tuple | None:
-    """The B prologue's (packed words, zero, scale) when it is affine int4 codes (`prologue.affine_codes`)
-    entering a 16-bit float operand: the tiles' forms for them put codes under a float's exponent.
-    Integer operands (gemm_w4a8) unpack codes in integers."""
-    if operand_dtype(wl) not in FLOAT16:
-        return None
-    return prologue.affine_codes(extents(wl)[3].b, wl.dim)
+    """`contract_int4_affine` of a contraction workload's one Contract."""
+    return contract_int4_affine(extents(wl)[3], wl.attr, wl.dim)
 
 
 @functools.lru_cache(maxsize=256)

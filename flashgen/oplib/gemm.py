@@ -159,10 +159,19 @@ def _w4_inputs(d, a, g) -> dict:
     return t
 
 
+def int4_weight(packed: torch.Tensor, scales: torch.Tensor, k: int, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The float64 [rows, k] weight of int4 codes packed by `pack_int4` ([rows, words]) with group scales
+    (and zero points, else 8) [rows, k // G]: (code - zero) * scale, exact, never rounded to the
+    activations' 16-bit dtype. The int4 tiles compute this: codes (exact in any float) times x summed
+    per group in fp32, the group's scale applied to the sum (int4_gemv.py `int4_terms`, int4_mma.py)."""
+    group = k // scales.shape[-1]
+    zero = f64(zeros) if zeros is not None else torch.full_like(f64(scales), 8.0)
+    codes = unpack_int4(packed, k).to(torch.float64)
+    return (codes - zero.repeat_interleave(group, 1)) * f64(scales).repeat_interleave(group, 1)
+
+
 def _w4_weight_ref(t, d, a) -> torch.Tensor:
-    codes = unpack_int4(t["w_packed"], d["K"]).to(torch.float64)
-    zeros = f64(t["zeros"]) if a["zp"] == "asym" else torch.full_like(f64(t["scales"]), 8.0)
-    return (codes - zeros.repeat_interleave(d["G"], 1)) * f64(t["scales"]).repeat_interleave(d["G"], 1)
+    return int4_weight(t["w_packed"], t["scales"], d["K"], t["zeros"] if a["zp"] == "asym" else None)
 
 
 def _w4_reference(t, p, d, a) -> torch.Tensor:

@@ -24,7 +24,8 @@ from flashgen.ir.expr import Binary, Dim, Expr, Index, Load, Ref, absolute, exp,
 from flashgen.ir.op import DTYPE, Attrs, Contract, Let, Op, Reduce, Stmt, Store, TensorSpec
 from flashgen.ir.prologue import int4_code
 from flashgen.oplib._common import FLOAT_DTYPES, M, c, f64, quantize_ref, r, randn
-from flashgen.quant import pack_int4, packed_words, quantize_rtn, quantize_w4a8, unpack_int4
+from flashgen.oplib.gemm import int4_weight
+from flashgen.quant import pack_int4, packed_words, quantize_rtn, quantize_w4a8
 
 E, K = Dim("E"), Dim("K")
 k = Index("k")
@@ -139,7 +140,9 @@ MOE_ROUTE = Op(
 # [expert_offsets[e], expert_offsets[e + 1])), "ids" takes the router's [M, KT] `topk_ids` and each
 # program picks its expert's pairs itself (decode: a few hundred pairs, no alignment step to launch).
 # The `weights` attr is the experts' format. With 16-bit activations: 16-bit experts (half), int8 codes
-# with per-row scales (w8a16), int4 codes with 16-bit scales in groups of 128 k (w4a16g128). With int8
+# with per-row scales (w8a16), int4 codes with 16-bit scales in groups of 128 k (w4a16g128, computed as
+# the dense gemm_w4a16 is: per group, codes times x summed in fp32, times the group's scale; the
+# dequantized weight is never rounded to 16 bits, `_expert_weights`). With int8
 # activations quantized per row (x_q, x_scale: a token's row, quantized once before any pair gathers
 # it; h_q, h_scale: a pair's row of h), summed exactly in int32 and scaled after: int8 codes with
 # per-row scales (w8a8), and 4-bit codes in pack_int4's layout whose int8 operand (u - 8) * w_group has
@@ -211,7 +214,8 @@ def _weight_specs(rows: Expr) -> tuple[TensorSpec, ...]:
 
 def _expert_weights(t: dict, a: Attrs) -> torch.Tensor:
     """The [E, rows, K] float64 weights the kernel computes with: int8 operands scaled after the sum
-    (exact), w4a16's codes dequantized and rounded to the 16-bit operand dtype, as the Contract casts them."""
+    (exact), int4 codes times their group scales as the dense int4 GEMMs take them (`int4_weight`:
+    exact, never rounded to the 16-bit dtype; w4a8's integer operand then times its row's scale)."""
     w = a["weights"]
     if w == "half":
         return f64(t["w"])
@@ -219,11 +223,9 @@ def _expert_weights(t: dict, a: Attrs) -> torch.Tensor:
         return f64(t["w_q"]) * f64(t["w_scale"])[..., None]
     group = t["scales" if w == "w4a16g128" else "w_group"]
     e, rows, groups = group.shape
-    codes = unpack_int4(t["w_packed"].reshape(e * rows, -1), groups * INT4_GROUP).reshape(e, rows, -1)
-    operand = (f64(codes) - 8) * f64(group).repeat_interleave(INT4_GROUP, dim=2)
-    if w == "w4a8g128":
-        return operand * f64(t["w_scale"])[..., None]
-    return f64(operand.to(dtypes.TORCH[a["dtype"]]))
+    weight = int4_weight(t["w_packed"].reshape(e * rows, -1), group.reshape(e * rows, -1), groups * INT4_GROUP)
+    weight = weight.reshape(e, rows, -1)
+    return weight * f64(t["w_scale"])[..., None] if w == "w4a8g128" else weight
 
 
 def _activations(t: dict, name: str, a: Attrs) -> torch.Tensor:

@@ -15,16 +15,22 @@ nothing from it), so no weight is read past the last expert's. The k loop loads 
 tile through the op's prologue (gathered rows: a pair's token row of x), the weight tiles of each
 Contract (dequantized as the IR says), and accumulates `tl.dot` in fp32 (int32 for int8 activations
 and weights); Contracts over the same A share its tile (gate and up in one loop). Tiles of fewer than
-16 pairs sum on the ALUs instead (`_alu_k_loop`): decode's one or two pairs per expert. The epilogue is the op's statements: a `combine="add"`
-store adds atomically (a token's k expert outputs meet there).
+16 pairs sum on the ALUs instead (`_alu_k_loop`): decode's one or two pairs per expert. int4 codes
+entering a 16-bit float operand (w4a16g128) compute as the dense int4 GEMMs do, codes times x summed
+per group before the group's scale: the dense GEMV's terms in ALU tiles, a dot of the codes scaled
+after in matrix tiles. The epilogue is the op's statements: a `combine="add"` store adds atomically (a
+token's k expert outputs meet there).
 """
 from __future__ import annotations
 
 from flashgen.ir import prologue
-from flashgen.ir.contraction import MMA_MIN_ROWS
+from flashgen.ir.contraction import MMA_MIN_ROWS, contract_int4_affine
+from flashgen.ir.expr import Dim
 from flashgen.ir.op import Contract, Let, Store, eval_int
 from flashgen.oplib.moe import IDS_SCAN
 from flashgen.targets.triton.contraction.context import ACC, Tile
+from flashgen.targets.triton.contraction.gemv import weighted_sum
+from flashgen.targets.triton.contraction.int4_gemv import int4_terms, magic_register, segment_runs
 from flashgen.targets.triton.contraction.operands import unpacked_values
 from flashgen.targets.triton.emit import Emitter, KernelSource, Scope, grid_dependency, kernel_args, module_header
 from flashgen.workload import Schedule, Workload
@@ -82,20 +88,27 @@ def _weight_tiles(em: Emitter, wl: Workload, s: Schedule, top: Scope, body: Scop
     tile-shaped (flashgen/ir/prologue.py): int4 codes, where the k step holds whole blocks of them,
     loaded as [block_k / 8, block_n] words once and unpacked by shifts in registers; a group scale
     loaded once per group (a row of the tile, or the step's one row). The rewrite's names are shared,
-    so that gate's and up's rows of one weight get names of their own."""
+    so that gate's and up's rows of one weight get names of their own. A Tile's `affine` holds int4
+    codes entering a 16-bit float operand (`contract_int4_affine`), which both k loops scale per group
+    after summing codes times x, as the dense int4 tiles do."""
     unpacked: dict = {}
     grouped: dict = {}
-    return {con.name: Tile(em, con, em.lets, s, top, body, kmask, accs[con.name], con.operand_dtype(em.attrs),
-                           prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped), None, 0, 0,
-                           unpacked, grouped)
-            for con in contracts}
+    tiles = {}
+    for con in contracts:
+        affine = contract_int4_affine(con, em.attrs, wl.dim)
+        tiles[con.name] = Tile(em, con, em.lets, s, top, body, kmask, accs[con.name], con.operand_dtype(em.attrs),
+                               prologue.rewrite(con.b, wl.dim, s["block_k"], unpacked, grouped), affine,
+                               segment_runs(affine, wl.dim, s["block_k"]) if affine else 0, 0, unpacked, grouped)
+    return tiles
 
 
 def _mma_k_loop(em: Emitter, wl: Workload, s: Schedule, blk: Scope, contracts: list[Contract],
                 accs: dict[str, str], cmask: str | None, kmask: bool) -> None:
     """The k loop of a tile of block_m >= 16 pairs: A and weight tiles cast to the operand dtype, one
     `tl.dot` per Contract into its fp32 (int32 for int8 operands) accumulator; int4 codes unpacked
-    from their words tile (`unpacked_values`)."""
+    from their words tile (`unpacked_values`). int4 codes entering a 16-bit float operand are dotted as
+    codes less the zero point (exact in it) and the step's group scale multiplies the dot, as the dense
+    `mma_int4` scales each segment (the rules give such tiles k steps within one group)."""
     blk.line(f"for k0 in range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K):")
     loop = blk.child(blk.indent + "    ", {}, fresh=True)
     loop.line("ka = k0 + tl.arange(0, BLOCK_K)[None, :]")
@@ -112,44 +125,63 @@ def _mma_k_loop(em: Emitter, wl: Workload, s: Schedule, blk: Scope, contracts: l
     tiles = _weight_tiles(em, wl, s, blk, b_scope, contracts, accs, kmask)
     unpacked_values(tiles[contracts[0].name], b_scope)  # (every Contract's: the rewrite's names are shared)
     for con in contracts:
-        operand = con.operand_dtype(em.attrs)
+        operand, acc = con.operand_dtype(em.attrs), accs[con.name]
         a = em.operand(con.a, a_scope, operand)
-        b = em.operand(tiles[con.name].b_expr, b_scope, operand)
-        loop.line(f"{accs[con.name]} = tl.dot({a}, {b}, {accs[con.name]}, out_dtype={ACC[con.acc]})")
+        b_expr, scale = tiles[con.name].b_expr, None
+        if tiles[con.name].affine is not None and tiles[con.name].affine[2] is not None:
+            b_expr, scale = b_expr.a, em.emit(b_expr.b, b_scope)  # codes less the zero point; the step's scale row
+        b = em.operand(b_expr, b_scope, operand)
+        if scale is None:
+            loop.line(f"{acc} = tl.dot({a}, {b}, {acc}, out_dtype={ACC[con.acc]})")
+        else:
+            loop.line(f"{acc} += tl.dot({a}, {b}, out_dtype={ACC[con.acc]}) * {scale}")
 
 
 def _alu_k_loop(em: Emitter, wl: Workload, s: Schedule, blk: Scope, contracts: list[Contract],
                 accs: dict[str, str], cmask: str | None, kmask: bool) -> None:
     """The k loop of a tile of fewer pairs than a matrix instruction takes (decode: one or a few pairs
     per expert), on the ALUs, as the contraction class's GEMV tiles: each step's weight tile
-    [block_k, block_n] is dequantized once (int4 codes unpacked from their words tile, `unpacked_values`;
-    rounded to the operand dtype, as the reference does) and multiplied, in the layout it was loaded
-    in, by each pair's column of activations, into a tile of partial sums per pair, summed over k once
-    after the loop. No operand layout for a 16-row instruction of which one row is used, no
-    shared-memory round trip; deep k steps keep kilobytes of weights in flight (`tl.range` pipelines
-    the plain loads)."""
+    [block_k, block_n] is dequantized once (int8 codes, and int4 codes of an integer operand unpacked
+    from their words tile, `unpacked_values`) and multiplied, in the layout it was loaded in, by each
+    pair's column of activations, into a tile of partial sums per pair, summed over k once after the
+    loop; int4 codes entering a 16-bit float operand take the dense GEMV's `int4_terms` instead (three
+    instructions a code, the words never reshaped, the group scale once per segment sum; the rules
+    give them k steps of whole blocks of 128). No operand layout for a 16-row instruction of which one
+    row is used, no shared-memory round trip; deep k steps keep kilobytes of weights in flight
+    (`tl.range` pipelines the plain loads)."""
     bm = s["block_m"]
     blk.line("row_ids = tl.arange(0, BLOCK_M)[:, None]")
+    loop = blk.child(blk.indent + "    ", {}, fresh=True)
+    b_scope = loop.child(axes={"c": ("c", cmask), "k": ("kb", "kmask_b" if kmask else None), "e": ("e", None),
+                               "k0": ("k0", None)}, fresh=True)
+    tiles = _weight_tiles(em, wl, s, blk, b_scope, contracts, accs, kmask)
+    codes = tiles[contracts[0].name].affine is not None  # (one weight format: every Contract's or none's)
     for i in range(bm):  # each pair of the tile as scalars: its index and whether it is served
         blk.line(f"r{i} = tl.sum(tl.where(row_ids == {i}, r, 0))")
         blk.line(f"rmask{i} = tl.sum(tl.where(row_ids == {i}, rmask.to(tl.int32), 0)) > 0")
         for con in contracts:
-            blk.line(f"part{i}_{con.name} = tl.zeros([BLOCK_K, BLOCK_N], dtype={ACC[con.acc]})")
+            blk.line(f"part{i}_{con.name} = tl.zeros([BLOCK_K{' // 8' if codes else ''}, BLOCK_N], dtype={ACC[con.acc]})")
+    if codes:
+        magic_register(blk, em.emit(Dim(em.op.row_dims[0]), blk))  # (M: LLVM folds (M * KT) >> 31 to 0)
     blk.line(f"for k0 in tl.range(0, {em.emit(contracts[0].extent, blk)}, BLOCK_K, num_stages={s['num_stages']}):")
-    loop = blk.child(blk.indent + "    ", {}, fresh=True)
-    loop.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
-    if kmask:
-        loop.line(f"kmask_b = kb < {em.emit(contracts[0].extent, loop)}")
-    k_axis, e_axis = ("kb", "kmask_b" if kmask else None), ("e", None)
-    b_scope = loop.child(axes={"c": ("c", cmask), "k": k_axis, "e": e_axis, "k0": ("k0", None)}, fresh=True)
-    rows = [loop.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": k_axis, "e": e_axis}, fresh=True) for i in range(bm)]
-    tiles = _weight_tiles(em, wl, s, blk, b_scope, contracts, accs, kmask)
-    unpacked_values(tiles[contracts[0].name], b_scope)  # (every Contract's: the rewrite's names are shared)
-    for con in contracts:
-        operand, acc_t = con.operand_dtype(em.attrs), ACC[con.acc]
-        w = em.temp(loop, f"{em.operand(tiles[con.name].b_expr, b_scope, operand)}.to({acc_t})")
-        for i, row in enumerate(rows):
-            loop.line(f"part{i}_{con.name} += {em.operand(con.a, row, operand)}.to({acc_t}) * {w}")
+    if codes:  # the dense GEMV's terms: eight [block_k / 8, block_n] tiles of codes, scaled per segment
+        loaded: dict = {}  # (x at each code position, loaded once for every Contract)
+        for con in contracts:
+            segments = int4_terms(tiles[con.name], b_scope)
+            for i in range(bm):
+                loop.line(f"part{i}_{con.name} += "
+                          + weighted_sum(tiles[con.name], loop, segments, (f"r{i}", f"rmask{i}"), loaded=loaded))
+    else:
+        loop.line("kb = k0 + tl.arange(0, BLOCK_K)[:, None]")
+        if kmask:
+            loop.line(f"kmask_b = kb < {em.emit(contracts[0].extent, loop)}")
+        unpacked_values(tiles[contracts[0].name], b_scope)  # (every Contract's: the rewrite's names are shared)
+        for con in contracts:
+            operand, acc_t = con.operand_dtype(em.attrs), ACC[con.acc]
+            w = em.temp(loop, f"{em.operand(tiles[con.name].b_expr, b_scope, operand)}.to({acc_t})")
+            for i in range(bm):
+                row = loop.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": b_scope.axes["k"]}, fresh=True)
+                loop.line(f"part{i}_{con.name} += {em.operand(con.a, row, operand)}.to({acc_t}) * {w}")
     for i in range(bm):
         for con in contracts:
             acc = accs[con.name]

@@ -4,30 +4,44 @@ from __future__ import annotations
 from flashgen.ir.op import Reduce
 from flashgen.ir.variants import variant
 from flashgen.targets.triton.contraction.context import ACC, Tile
-from flashgen.targets.triton.contraction.int4_gemv import int4_terms, pair_terms, quad_terms
+from flashgen.targets.triton.contraction.int4_gemv import int4_terms, magic_register, pair_terms, quad_terms
 from flashgen.targets.triton.contraction.operands import b_tile_values, load_words
 from flashgen.targets.triton.contraction.row_pass import bind_row, row_pass, sum_in_loop
 from flashgen.targets.triton.emit import Scope, grid_dependency
 
 
+def weighted_sum(t: Tile, scope: Scope, segments: list, row: tuple[str, str | None], in_loop: int | None = None,
+                 loaded: dict[tuple[str, str], str] | None = None) -> str:
+    """One row's products of x with a k step's weight terms (`int4_terms`' segments, or one segment of a
+    weight tile), summed per segment times its scale: the expression to add to the row's partial sums.
+    `row` is the row's (index, mask) axis; `in_loop`, the row's number when its row-pass sums
+    accumulate over the x loaded here (`sum_in_loop`); `loaded`, the x this k step loaded by (row, k),
+    which Contracts over the same x (the moe class's gate and up) share."""
+    em, acc_t = t.em, ACC[t.con.acc]
+    loaded = {} if loaded is None else loaded
+    sums = []
+    for scale, terms in segments:
+        products = []
+        for k, kmask_k, w, factor in terms:
+            if (row[0], k) not in loaded:
+                x_scope = scope.child(axes={"r": row, "k": (k, kmask_k)}, fresh=True)
+                loaded[row[0], k] = em.emit(t.con.a, x_scope)
+                if in_loop is not None:
+                    sum_in_loop(em, x_scope, in_loop)
+            x = loaded[row[0], k]
+            products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
+        sums.append(f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products))
+    return " + ".join(sums)
+
+
 def _products(t: Tile, scope: Scope, segments: list, in_loop: bool) -> None:
-    """Each row's products of x with the step's weight terms, summed per segment times its scale,
-    added to the row's partial sums."""
-    em, acc_t, rows = t.em, ACC[t.con.acc], t.em.emit(t.em.op.domain[0], t.top)
+    """Each row's products of x with the step's weight terms (`weighted_sum`), added to the row's
+    partial sums."""
+    rows = t.em.emit(t.em.op.domain[0], t.top)
     for i in range(t.schedule["block_m"]):
         scope.line(f"rmask{i} = r{i} < {rows}")
-        bind_row(em, i)
-        sums = []
-        for scale, terms in segments:
-            products = []
-            for k, kmask_k, w, factor in terms:
-                x_scope = scope.child(axes={"r": (f"r{i}", f"rmask{i}"), "k": (k, kmask_k)}, fresh=True)
-                x = em.emit(t.con.a, x_scope)
-                if in_loop:
-                    sum_in_loop(em, x_scope, i)
-                products.append(f"{x}.to({acc_t})" + (f" * {factor}" if factor != 1.0 else "") + f" * {w}")
-            sums.append(f"({' + '.join(products)}) * {scale}" if scale else " + ".join(products))
-        scope.line(f"part{i} += " + " + ".join(sums))
+        bind_row(t.em, i)
+        scope.line(f"part{i} += " + weighted_sum(t, scope, segments, (f"r{i}", f"rmask{i}"), i if in_loop else None))
 
 
 def gemv(t: Tile) -> None:
@@ -50,9 +64,7 @@ def gemv(t: Tile) -> None:
         per = (" // 32" if variant(s).option("ptx_unpack") == 2 else " // 8") if affine else ""
         top.line(f"part{i} = tl.zeros([BLOCK_K{per}, BLOCK_N], dtype={acc_t})")
     if affine and not variant(s).option("ptx_unpack"):
-        # 2^23's exponent, in a form the compiler cannot fold (M is never negative): kept in a
-        # register, it lets one LOP3 do both the AND and the OR of each code.
-        top.line(f"magic = 0x4B000000 | ({rows} >> 31)")
+        magic_register(top, rows)
 
     in_loop = bool(em.row_factors)  # the row pass's sums accumulate in the k loop, over x it loads anyway
     for i in range(block_m) if in_loop else ():

@@ -37,13 +37,21 @@ def code_k(t: Tile, scope: Scope, j: int) -> None:
         scope.line(f"kmask{j} = ka{j} < {t.em.emit(t.con.extent, scope)}")
 
 
+def magic_register(scope: Scope, rows: str) -> None:
+    """`magic`, 2^23's exponent (the fp32 bits `int4_terms` ORs codes into), in a form the compiler
+    cannot fold (`rows`, a row count, is never negative): kept in a register, it lets one LOP3 do both
+    the AND and the OR of each code."""
+    scope.line(f"magic = 0x4B000000 | ({rows} >> 31)")
+
+
 def int4_terms(t: Tile, b_scope: Scope) -> list[tuple[str | None, list[tuple[str, str | None, str, float]]]]:
     """A GEMV k step's weights for int4 codes `(code - zero) * scale`: eight [block_k / 8, block_n]
     tiles, code j of every word, which meets x at k = 128 * (word // 16) + 16 * j + word % 16. A code
     costs three instructions: an AND-OR that puts code * 16^j' in an fp32 mantissa (j' = j, or j - 3
     after one shift of the word by 12 for j >= 5), one add that removes 2^23 + zero * 16^j', and the
-    FMA with x * 16^-j'; the scale multiplies each segment's sum (codes sharing a group) once.
-    Returns, per segment, its scale and (k, k mask, weight tile, x factor) per code position."""
+    FMA with x * 16^-j'; the scale multiplies each segment's sum (codes sharing a group) once (`magic`:
+    `magic_register`, emitted before the k loop). Returns, per segment, its scale and (k, k mask,
+    weight tile, x factor) per code position."""
     em, kmask = t.em, t.kmask
     word, zero, scale = t.affine
     words = load_words(t, b_scope, word)
@@ -52,8 +60,7 @@ def int4_terms(t: Tile, b_scope: Scope) -> list[tuple[str | None, list[tuple[str
     for j in range(8):
         code_k(t, b_scope, j)
         if j % t.per_segment == 0:
-            seg = b_scope.child(axes={"c": b_scope.axes["c"], "k": (f"ka{j}", f"kmask{j}" if kmask else None)},
-                                fresh=True)
+            seg = b_scope.child(axes={**b_scope.axes, "k": (f"ka{j}", f"kmask{j}" if kmask else None)}, fresh=True)
             z = em.emit(zero, seg)
             segments.append((em.emit(scale, seg) if scale is not None else None, []))
         src, jj = (words, j) if j < 5 else (f"{words}_hi", j - 3)

@@ -7,6 +7,7 @@ from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.quant import INT4_PERIOD
 from flashgen.targets.triton.contraction.context import Tile
+from flashgen.targets.triton.contraction.ptx import INT4_MAGIC
 from flashgen.targets.triton.emit import Emitter, Scope
 
 MAGIC = 8388608.0  # 2^23: an fp32 with 2^23's exponent holds a small integer in its low mantissa bits
@@ -33,13 +34,21 @@ def load_words(t: Tile, scope: Scope, word: E.Load, var: str | None = None) -> s
 
 def _unpack_int4(t: Tile, scope: Scope, word: E.Load, var: str) -> None:
     """Unpack all eight codes of each of the tile's words into a [block_k, block_n] tile in k order:
-    int32 for an integer operand (the codes stay exact through its integer prologue), else fp32
-    values (they only ever meet the float dequantization arithmetic)."""
+    int32 for an integer operand (the codes stay exact through its integer prologue), the 16-bit
+    float of a 16-bit operand (codes and their differences with a zero point are exact in it, and a
+    float scale promotes them to fp32), else fp32 values (they only ever meet the float
+    dequantization arithmetic)."""
     words = load_words(t, scope, word, "words" + var.removeprefix("codes"))
     split = (f"(tl.reshape({words}, [BLOCK_K // {INT4_PERIOD}, 1, {RUN}, BLOCK_N]) "
              f">> (tl.arange(0, 8) * 4)[None, :, None, None]) & 15")
     if not dtypes.is_float(t.operand):
         scope.line(f"{var} = tl.reshape({split}, [BLOCK_K, BLOCK_N])")
+        t.em.named[var] = var
+        return
+    if t.operand in INT4_MAGIC:  # under the 16-bit float's exponent (1024 or 128 + code), less that: two 16-bit ops
+        bits, base = INT4_MAGIC[t.operand]
+        scope.line(f"{var} = tl.reshape(({split}) | {bits}, [BLOCK_K, BLOCK_N]).to(tl.int16)"
+                   f".to({dtypes.TL[t.operand]}, bitcast=True) - {base}")
         t.em.named[var] = var
         return
     # Codes become exact fp32 values without an int-to-float conversion (a quarter-rate instruction):
