@@ -11,7 +11,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,23 +48,33 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
+@contextmanager
+def running(svc) -> Iterator[str]:
+    """`svc`'s routes served by uvicorn in a thread of this process, on a free loopback port: its URL."""
+    from flashgen.runtime.server.app import create_app
+
+    sock = listen("127.0.0.1", 0)
+    srv = uvicorn.Server(uvicorn.Config(create_app(svc), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join()
+        svc.loop.stop()
+
+
 @pytest.fixture(scope="module")
 def server(folder):
     """The server in a thread of this process (its engine built as `generate` builds it), on a free port."""
     config = ModelConfig.from_folder(folder)
     svc = service(load_engine(folder, config, torch.device("cpu"), BLOCKS, 16), load_tokenizer(folder, config.vocab_size),
                   folder, NAME, max_queue=64)
-    sock = listen("127.0.0.1", 0)
-    srv = uvicorn.Server(uvicorn.Config(__import__("flashgen.runtime.server.app", fromlist=["create_app"]).create_app(svc),
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", svc
-    srv.should_exit = True
-    thread.join()
-    svc.loop.stop()
+    with running(svc) as url:
+        yield url, svc
 
 
 @pytest.fixture(scope="module")
@@ -315,3 +327,30 @@ def test_serve_refuses_a_port_in_use_in_one_line_before_loading(folder, capsys, 
     err = capsys.readouterr().err
     assert err.startswith(f"flashgen: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1
     taken.close()
+
+
+def test_serve_builds_its_engine_in_the_quant_mode_and_cache_setting_given(folder, monkeypatch):
+    """`flashgen serve --quant MODE --no-prefix-cache` builds the engine `load_engine` builds for those
+    (the decoder's linears in MODE, no prefix cache); the server's text in w8a8 is that engine's greedy
+    text, computed by w8a8's linears (the CPU names the mode that computed in its fallbacks)."""
+    from flashgen import cli
+    from flashgen.runtime.server import main as server_main
+
+    seen = []
+    monkeypatch.setattr(server_main, "serve", lambda device, o: seen.append(o))
+    assert cli.main(["serve", "--model", str(folder), "--port", "0", "--quant", "w8a8", "--no-prefix-cache"]) == 0
+    assert len(seen) == 1 and seen[0].quant == "w8a8" and seen[0].prefix_cache is False
+    config = ModelConfig.from_folder(folder)
+    tok = load_tokenizer(folder, config.vocab_size)
+    engine = load_engine(folder, config, torch.device("cpu"), 32, 16, quant=seen[0].quant,
+                         prefix_cache=seen[0].prefix_cache)
+    assert engine.model.quant == "w8a8" and not engine.prefix_cache
+    prompts = ["w1 w2 w3", "w7 w8", "w40 w41 w42 w43"]
+    params = SamplingParams(max_new_tokens=8)
+    want = [tok.decode(r.output) for r in engine.generate([tok.encode(p).ids for p in prompts], params)]
+    engine.model.fallbacks.clear()
+    with running(service(engine, tok, folder, NAME, max_queue=8)) as url:
+        c = client(url)
+        got = [c.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts]
+    assert got == want
+    assert any(f.startswith("w8a8 linear") for f in engine.model.fallbacks)  # (the served requests ran w8a8's linears)
