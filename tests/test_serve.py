@@ -354,3 +354,58 @@ def test_serve_builds_its_engine_in_the_quant_mode_and_cache_setting_given(folde
         got = [c.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts]
     assert got == want
     assert any(f.startswith("w8a8 linear") for f in engine.model.fallbacks)  # (the served requests ran w8a8's linears)
+
+
+def test_serve_over_two_ranks_answers_as_one_process(folder, reference):
+    """`flashgen serve --tp 2` on the CPU (two gloo ranks): rank 0 serves, the other follows each round's
+    adds; completions one at a time and two at once are one process's greedy text; a Ctrl-C to the
+    process group ends the launcher and both ranks."""
+    import os
+    import queue
+    import re
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "flashgen.cli", "serve", "--model", str(folder), "--port", "0",
+                             "--tp", "2", "--cache-blocks", "32"], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        seen, url = [], None
+        while url is None:
+            seen.append(lines.get(timeout=300))
+            url = next((m.group(1) for m in [re.search(r" on (http://\S+)/v1 ", seen[-1])] if m), None)
+        c = client(url)
+        name = c.models.list().data[0].id
+        prompts = ["w1 w2 w3", "w7 w8"]
+
+        def complete(p: str) -> str:
+            return c.completions.create(model=name, prompt=p, max_tokens=NEW, temperature=0).choices[0].text
+        one_by_one = [complete(p) for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(complete, prompts))
+        assert one_by_one == together == [reference(p) for p in prompts]
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) is not None
+        deadline = time.monotonic() + 30
+        while _live_in_group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _live_in_group(proc.pid)  # (no rank left running)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _live_in_group(pgid: int) -> list[int]:
+    """The processes of group `pgid` still running (a zombie waiting to be reaped is not), from /proc."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
