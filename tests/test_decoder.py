@@ -347,6 +347,33 @@ def test_mixed_plan_estimates_the_decoders_call_and_scales_another_gpus_records(
     assert "dynamic_quant" not in est["w8a8"].source
 
 
+def test_mixed_plan_prefers_records_at_the_calls_rows_to_extrapolating_fewer(tmp_path):
+    """A one-row record of the call's own form whose tile serves 16 rows, extrapolated, is an upper bound
+    16x its time; a record of 16 rows in the plain form is the estimate of a 16-row call."""
+    from flashgen.runtime.decoder.calls import gemm_workload
+    from flashgen.runtime.decoder.linear import CallForm
+    from flashgen.runtime.decoder.mixed import estimate
+    from flashgen.runtime.decoder.quant_modes import prepare
+    from flashgen.runtime.serving.dispatch import serving
+    from flashgen.schedules.space import ScheduleSpace
+    from flashgen.targets import get_target
+    from flashgen.db import Database
+    o = prepare(torch.randn(1024, 512, generator=torch.Generator().manual_seed(8)), "mixed")
+    db, residual, h200 = tmp_path / "t.db", CallForm(residual=True), get_target("h200")
+    _mixed_records(db, o, {"w4a8": {1: 6.0}}, residual)
+    _mixed_records(db, o, {"w4a8": {16: 8.0}})
+    wl = gemm_workload(o.choices["w4a8"], 16, torch.bfloat16, residual)
+    one_row = next(r for r in Database(db).records() if r.workload_key != gemm_workload(o.choices["w4a8"], 16,
+                                                                                         torch.bfloat16).key)
+    assert one_row.workload["dims"]["M"] == 1
+    assert len(serving([(1, 0.0, one_row)], 16, ScheduleSpace(wl, h200))) == 1  # (its tile serves 16 rows)
+    est = estimate(wl, h200, db)
+    assert est.us == pytest.approx(8.0) and est.source.startswith("records M=16, tuned as gemm_w4a8 with_residual=no")
+    alone = tmp_path / "alone.db"
+    _mixed_records(alone, o, {"w4a8": {1: 6.0}}, residual)
+    assert estimate(wl, h200, alone).us == pytest.approx(6.0 * 16)  # (where nothing else is known: the bound)
+
+
 def test_mixed_plan_bad_inputs_are_one_line_errors(tmp_path):
     from flashgen.runtime.decoder.mixed import ModePlan
     with pytest.raises(FlashgenError) as e:

@@ -91,10 +91,13 @@ class Estimate:
 def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) -> Estimate:
     """`wl`'s time as dispatch would serve it (`Dispatcher.choose`'s order): a record of exactly its
     rows on any serving device, else the first form (on the first device) holding records that serve
-    its rows in their regime, interpolated to its rows; else its roofline."""
+    its rows in their regime, at its rows or more, interpolated to its rows; else the first whose records
+    lie below its rows only, extrapolated (an upper bound: a one-row record of the workload's own form
+    times 16 is no estimate of 16 rows where another form was measured at 16); else its roofline."""
     space, rows = ScheduleSpace(wl, target), wl.dim[wl.op.row_dims[0]]
     bound = _bound(wl, target)
     devices = serving_devices(target)
+    below: Estimate | None = None
     for own_rows_only in (True, False):
         for records in devices:
             for note, tuned in tuned_forms(wl, db_path, records.id, space):
@@ -108,9 +111,11 @@ def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) ->
                         scale = bound / _bound(wl, records)
                         on = f", tuned on {records.id} (x{scale:.2f} for this GPU's bound)"
                     us = latency_at(served, rows, grows=wl.op.kclass == "contraction") * scale
-                    return Estimate(us,
-                                    f"records M={','.join(map(str, sorted(served)))}{note}{on}", bound)
-    return Estimate(bound, ROOFLINE, bound)
+                    found = Estimate(us, f"records M={','.join(map(str, sorted(served)))}{note}{on}", bound)
+                    if max(served) >= rows:
+                        return found
+                    below = below or found
+    return below or Estimate(bound, ROOFLINE, bound)
 
 
 def _bound(wl: Workload, target: Target) -> float:
