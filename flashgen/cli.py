@@ -564,7 +564,7 @@ def _generate(device: torch.device, args: argparse.Namespace, prompt_text: str, 
         raise FlashgenError(f"{option}: the prompt {what}; give the text to continue from")
     n = within_max_length(params.max_new_tokens, cap, len(prompt), folder / "generation_config.json")
     _check_cache_blocks(args.cache_blocks, len(prompt), n)
-    engine = load_engine(folder, config, device, args.cache_blocks, BLOCK_TOKENS, args.tp,
+    engine = load_engine(folder, config, device, args.cache_blocks, BLOCK_TOKENS, args.tp, args.quant,
                          prefix_cache=not args.no_prefix_cache,
                          status=_status if args.tp == 1 or torch.distributed.get_rank() == 0 else None)
     model = engine.model
@@ -804,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=_checked(int, at_least(1), "an integer of at least 1"), default=1,
                    help="tensor-parallel ranks, one per GPU (default 1); spawned here, or started by torchrun "
                         "--nproc-per-node N")
+    g.add_argument("--quant", default="bf16", choices=QUANT_MODES,
+                   help="the linears' quant mode (default bf16; a GPTQ/AWQ/compressed-tensors folder computes in "
+                        "its own)")
     add_prefix_cache_flag(g)
     g.set_defaults(func=cmd_generate)
 

@@ -74,6 +74,27 @@ def test_no_prefix_cache_reaches_the_engine(folder, capsys, monkeypatch):
     assert made == [True, False] and texts[0] == texts[1] and len(texts[0].split()) == 3
 
 
+
+def test_quant_reaches_the_engine(folder, capsys, monkeypatch):
+    """`generate --quant MODE` computes the linears in MODE (the CPU names the mode that computed)."""
+    from flashgen.runtime.decoder import engine, loading
+
+    made = []
+
+    class Recorded(engine.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(loading, "Engine", Recorded)
+    assert main(["generate", "--model", str(folder), "--prompt", "w5 w9 w2", "--max-new-tokens", "3",
+                 "--quant", "w8a8"]) == 0
+    assert len(capsys.readouterr().out.split()) == 3
+    assert made[0].model.quant == "w8a8" and any(f.startswith("w8a8 linear") for f in made[0].model.fallbacks)
+    assert main(["generate", "--model", str(folder), "--prompt", "w5", "--quant", "w3a3"]) == 2
+    assert "invalid choice: 'w3a3'" in capsys.readouterr().err
+
+
 def test_prompt_file_and_stdin_give_the_prompt(folder, tmp_path, capsys, monkeypatch):
     """A prompt read from a file or standard input (its final newline kept, which this tokenizer reads as
     no token: test_chat.py shows it kept) decodes as the same prompt given as an argument; a file that is
