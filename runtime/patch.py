@@ -3,11 +3,14 @@ model, for inference, in one call.
 
 What it replaces, per model instance, by module (the model's own classes, found in its modeling module):
 - every RMSNorm (the layers' two, the final one, Qwen3's q_norm and k_norm) by `torch.ops.flashgen.rmsnorm`
-  on the same weight. The residual add before `post_attention_layernorm` stays transformers' own: it is
-  a line of the decoder layer's forward, not a module, and fusing it (add_rmsnorm) would mean replacing
-  that forward with a copy of it;
+  on the same weight;
 - every MLP by one gate|up linear whose output feeds silu_mul, then the down linear (`gated`: on a GPU at
   one row, silu_mul runs inside the down GEMM), as the decoder's MLP runs (runtime/decoder/linear.py);
+- every decoder layer by a `FusedDecoderLayer` holding its (patched) norms, attention and MLP, whose two
+  residual adds run fused: the attention's with the post-attention norm (`add_rmsnorm`), the MLP's as the
+  down linear's epilogue. The residual adds are lines of the layer's forward, not modules, so the layer
+  is replaced whole, its forward written from the data flow the four architectures share; a layer with
+  other children than those four (a future extra norm) keeps its own forward;
 - the attention's q, k, v and o projections by linears in the chosen mode (runtime/decoder/quant_modes.py:
   each mode quantizes its weights at patch time, on the weight's device). The lm_head stays as it is, as
   in the decoder;
@@ -47,6 +50,9 @@ from flashgen.targets.device import device_target
 
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # model_type -> class prefix
 DEVICES = ("cpu", "cuda")  # (ROCm tensors report cuda)
+# a decoder layer's children that FusedDecoderLayer computes with, and the class suffix of each
+LAYER_CHILDREN = {"input_layernorm": "RMSNorm", "self_attn": "Attention", "post_attention_layernorm": "RMSNorm",
+                  "mlp": "MLP"}
 _PATCHED_ROPE: dict[str, tuple[Callable, int]] = {}  # modeling module -> (its original rope function, patched models)
 
 
@@ -70,8 +76,11 @@ class PatchedLinear(nn.Module):
         super().__init__()
         self.q, self.bias, self.chooser, self.fallbacks, self.gated = q, bias, chooser, fallbacks, gated
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = apply(x.reshape(-1, x.shape[-1]), self.q, self.bias, self.fallbacks, self.chooser, gated=self.gated)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """y = linear(x) (+ `residual`, of y's shape, added in the GEMM's epilogue)."""
+        rows = None if residual is None else residual.reshape(-1, residual.shape[-1])
+        y = apply(x.reshape(-1, x.shape[-1]), self.q, self.bias, self.fallbacks, self.chooser, gated=self.gated,
+                  residual=rows)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
@@ -85,8 +94,30 @@ class PatchedMLP(nn.Module):
         super().__init__()
         self.gate_up, self.down = gate_up, down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down(self.gate_up(x), residual=residual)
+
+
+class FusedDecoderLayer(nn.Module):
+    """A decoder layer (pre-norm attention, then pre-norm MLP, each added to the residual stream) whose
+    residual adds run fused: `add_rmsnorm` gives the attention's sum and its post-attention norm in one
+    kernel, and the down linear adds the MLP's in its epilogue. It holds the replaced layer's children
+    under their names; attention gets the layer's keyword arguments as the layer got them (its cache,
+    mask, positions, a sliding window), and the layer returns the new residual stream as the model's
+    loop takes it."""
+
+    def __init__(self, input_layernorm: PatchedRMSNorm, self_attn: nn.Module, post_attention_layernorm: PatchedRMSNorm,
+                 mlp: PatchedMLP):
+        super().__init__()
+        self.input_layernorm, self.self_attn = input_layernorm, self_attn
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        a = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
+        norm = self.post_attention_layernorm
+        h, x = torch.ops.flashgen.add_rmsnorm(a.reshape(-1, a.shape[-1]), hidden_states.reshape(-1, a.shape[-1]),
+                                              norm.weight, norm.eps)
+        return self.mlp(h.view(a.shape), residual=x.view(a.shape))
 
 
 class RotaryTable(nn.Module):
@@ -162,7 +193,7 @@ class Patch(Mapping):
         once no other patched model uses it)."""
         if not self.originals:
             raise FlashgenError(f"this patch of {type(self.model).__name__} was undone already")
-        for name, module in self.originals.items():
+        for name, module in reversed(self.originals.items()):  # (a layer before the children patched in it)
             _set_submodule(self.model, name, module)
         self.originals = {}
         original, users = _PATCHED_ROPE.pop(self.modeling)
@@ -178,8 +209,8 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _classes(model: nn.Module) -> tuple[str, dict[str, type]]:
-    """The model's modeling module and its RMSNorm, MLP, Attention and RotaryEmbedding classes; refuses a
-    model that is not one of ARCHITECTURES."""
+    """The model's modeling module and its RMSNorm, MLP, Attention, RotaryEmbedding and DecoderLayer
+    classes; refuses a model that is not one of ARCHITECTURES."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ARCHITECTURES:
         raise FlashgenError(f"flashgen.patch takes transformers {', '.join(ARCHITECTURES)} models, not "
@@ -187,7 +218,39 @@ def _classes(model: nn.Module) -> tuple[str, dict[str, type]]:
     name = f"transformers.models.{model_type}.modeling_{model_type}"
     modeling = importlib.import_module(name)
     prefix = ARCHITECTURES[model_type]
-    return name, {kind: getattr(modeling, prefix + kind) for kind in ("RMSNorm", "MLP", "Attention", "RotaryEmbedding")}
+    return name, {kind: getattr(modeling, prefix + kind) for kind in
+                  ("RMSNorm", "MLP", "Attention", "RotaryEmbedding", "DecoderLayer")}
+
+
+def _fusable(layer: nn.Module, cls: dict[str, type]) -> bool:
+    """Whether `layer`'s children are exactly the norms, attention and MLP that FusedDecoderLayer computes
+    with (LAYER_CHILDREN, of the model's own classes)."""
+    children = dict(layer.named_children())
+    return children.keys() == LAYER_CHILDREN.keys() and all(isinstance(children[n], cls[k])
+                                                            for n, k in LAYER_CHILDREN.items())
+
+
+def _output_hooks(model: nn.Module, layer: str) -> None:
+    """Installs now the hooks by which transformers records each decoder layer's output
+    (`output_hidden_states`), where this version records so: the layer's model (the nearest
+    PreTrainedModel above it, whose forward records) puts them on the modules of the layer's class at
+    its first call that asks, and a FusedDecoderLayer is not of that class, so they are made here and
+    carried over (`_carry_hooks`). Installed once per model (transformers marks it)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # (a version that records outputs otherwise)
+        return
+    parts = layer.split(".")
+    above = (model.get_submodule(".".join(parts[:i])) for i in range(len(parts) - 1, -1, -1))
+    maybe_install_capturing_hooks(next(m for m in above if isinstance(m, PreTrainedModel)))
+
+
+def _carry_hooks(layer: nn.Module, fused: nn.Module) -> None:
+    """`fused` runs `layer`'s forward hooks (the layer keeps them, for unpatch)."""
+    for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        getattr(fused, hooks).update(getattr(layer, hooks))
 
 
 def _check_tensors(modules: dict[str, nn.Module], mode: type[QuantLinear]) -> None:
@@ -236,7 +299,7 @@ def patch(model: nn.Module, quant: str = "bf16") -> Patch:
     if model.training:
         raise FlashgenError("flashgen.patch is for inference: the model is in training mode (call model.eval() first)")
     mode = quant_mode(quant)
-    ours = (PatchedRMSNorm, PatchedMLP, PatchedLinear, RotaryTable)
+    ours = (PatchedRMSNorm, PatchedMLP, PatchedLinear, RotaryTable, FusedDecoderLayer)
     if any(isinstance(m, ours) for m in model.modules()):
         raise FlashgenError(f"{type(model).__name__} is patched already: unpatch it first")
     found = {kind: {n: m for n, m in model.named_modules() if isinstance(m, c)} for kind, c in cls.items()}
@@ -271,6 +334,13 @@ def patch(model: nn.Module, quant: str = "bf16") -> Patch:
             half = cos.shape[-1] // 2
             new[name] = RotaryTable(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).float().contiguous())
             replaced[name] = f"rope table of {cos.shape[1]} positions"
+    for name, layer in found["DecoderLayer"].items():
+        if _fusable(layer, cls):
+            _output_hooks(model, name)
+            children = (new.get(f"{name}.{child}", getattr(layer, child)) for child in LAYER_CHILDREN)
+            new[name] = FusedDecoderLayer(*children)
+            _carry_hooks(layer, new[name])
+            replaced[name] = "add_rmsnorm after attention, the MLP's residual added in the down linear's epilogue"
     originals = {name: model.get_submodule(name) for name in new}
     for name, module in new.items():
         _set_submodule(model, name, module)

@@ -1,7 +1,8 @@
 """flashgen.patch on tiny random transformers Llama, Mistral, Qwen2 and Qwen3 models (float32 on the CPU):
-the greedy tokens of `generate` are the unpatched model's and flashgen's ops computed them; the quantized
-modes' logits are those of the same model in float64 with the weights their codes stand for; refusals;
-unpatch. On a GPU (-m gpu): bf16 greedy tokens, patched against unpatched."""
+the greedy tokens of `generate` are the unpatched model's and flashgen's ops computed them, the residual
+adds fused; the quantized modes' logits are those of the same model in float64 with the weights their
+codes stand for; the fused layers' recorded hidden states and a whole-graph trace; refusals; unpatch. On
+a GPU (-m gpu): bf16 greedy tokens, patched against unpatched."""
 from __future__ import annotations
 
 import copy
@@ -20,6 +21,8 @@ import flashgen  # noqa: E402
 from flashgen.errors import FlashgenError  # noqa: E402
 from flashgen.oplib._common import quantize_ref  # noqa: E402
 from flashgen.quant import QuantizedWeight, unpack_int4  # noqa: E402
+from flashgen.runtime import patch as patching  # noqa: E402
+from flashgen.runtime.decoder import quant_modes  # noqa: E402
 from flashgen.runtime.patch import ARCHITECTURES, PatchedLinear  # noqa: E402
 from flashgen.runtime.serving.torch_ops import dispatcher  # noqa: E402
 
@@ -53,9 +56,9 @@ def tiny(kind: str, seed: int = 0, **kw) -> torch.nn.Module:
 
 
 def expected_names(model: torch.nn.Module) -> set[str]:
-    """What a patch must replace: every RMSNorm, MLP and rotary module of the model's own classes and every
-    attention projection (the lm_head stays)."""
-    kinds = ("RMSNorm", "MLP", "RotaryEmbedding")
+    """What a patch must replace: every RMSNorm, MLP, rotary module and decoder layer of the model's own
+    classes and every attention projection (the lm_head stays)."""
+    kinds = ("RMSNorm", "MLP", "RotaryEmbedding", "DecoderLayer")
     own = tuple(getattr(sys.modules[type(model).__module__], ARCHITECTURES[model.config.model_type] + k) for k in kinds)
     names = {n for n, m in model.named_modules() if isinstance(m, own)}
     return names | {n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -64,12 +67,14 @@ def expected_names(model: torch.nn.Module) -> set[str]:
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_patched_greedy_tokens_are_the_unpatched_models(kind, monkeypatch):
     """Every module is named in what the patch returns and replaced in the model; 8 greedy tokens of a
-    left-padded batch equal the unpatched model's, computed by flashgen's rmsnorm, rope and silu_mul;
-    unpatch gives the model back bit for bit."""
+    left-padded batch equal the unpatched model's, computed by flashgen's rmsnorm, rope, silu_mul and
+    add_rmsnorm (each layer's attention residual), each down linear adding the MLP's residual (the CPU
+    adds it after its torch product; a GPU's GEMM in its epilogue) and no other linear adding any;
+    unpatch gives the model back bit for bit, its recorded hidden states too."""
     model = tiny(kind)
     with torch.no_grad():
         ref = model.generate(IDS, attention_mask=MASK, max_new_tokens=8, do_sample=False)
-        logits = model(IDS, attention_mask=MASK).logits
+        before = model(IDS, attention_mask=MASK, output_hidden_states=True)
     names = expected_names(model)
     modeling = sys.modules[type(model).__module__]
     rope = modeling.apply_rotary_pos_emb
@@ -78,14 +83,61 @@ def test_patched_greedy_tokens_are_the_unpatched_models(kind, monkeypatch):
     assert all(not type(model.get_submodule(n)).__module__.startswith("transformers") for n in names)
     ran, kernel = [], dispatcher().kernel
     monkeypatch.setattr(dispatcher(), "kernel", lambda op, *a, **kw: ran.append(op) or kernel(op, *a, **kw))
+    linears, apply = set(), patching.apply
+    monkeypatch.setattr(patching, "apply", lambda *a, **kw: linears.add((kw["gated"], kw["residual"] is not None))
+                        or apply(*a, **kw))
     with torch.no_grad():
         out = model.generate(IDS, attention_mask=MASK, max_new_tokens=8, do_sample=False)
     assert out.tolist() == ref.tolist()
-    assert {"rmsnorm", "rope", "silu_mul"} <= set(ran)
+    assert {"rmsnorm", "rope", "silu_mul", "add_rmsnorm"} <= set(ran)
+    assert linears == {(False, False), (True, True)}  # (gated: the down linear; with a residual)
     patched.unpatch()
     with torch.no_grad():
-        assert torch.equal(model(IDS, attention_mask=MASK).logits, logits)
+        after = model(IDS, attention_mask=MASK, output_hidden_states=True)
+    assert torch.equal(after.logits, before.logits)
+    assert len(after.hidden_states) == len(before.hidden_states)
+    assert all(torch.equal(a, b) for a, b in zip(after.hidden_states, before.hidden_states))
     assert modeling.apply_rotary_pos_emb is rope
+
+
+def test_fused_layers_record_hidden_states_and_trace_whole(monkeypatch):
+    """A patched Llama records each fused layer's output as transformers records its own layers'
+    (`output_hidden_states`, hooks it had not installed yet when patched), and dynamo traces its forward
+    as one graph (plain float weights: the CPU's oneDNN-reordered ones are not traceable), which computes
+    what the eager model does."""
+    monkeypatch.setattr(quant_modes, "cpu_weight", lambda w: w)
+    model = tiny("llama")
+    plain = copy.deepcopy(model)
+    patched = flashgen.patch(model)
+    ids, mask = IDS[:4], MASK[:4]
+    with torch.no_grad():
+        want = plain(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        got = model(ids, attention_mask=mask, output_hidden_states=True)
+        assert len(got.hidden_states) == len(want) == model.config.num_hidden_layers + 1
+        for a, b in zip(got.hidden_states, want):
+            assert (a - b).abs().max() < 1e-5 * b.abs().max()
+        try:
+            traced = torch.compile(model, backend="eager", fullgraph=True)(ids, attention_mask=mask).logits
+        finally:
+            torch._dynamo.reset()
+    assert torch.equal(traced, got.logits)
+    patched.unpatch()
+
+
+def test_a_layer_of_other_children_keeps_its_forward():
+    """A decoder layer with a child the fused layer does not compute with (a norm a future version adds)
+    is not fused: its own forward runs, on its patched children."""
+    model = tiny("llama")
+    model.model.layers[1].extra = torch.nn.Identity()
+    with torch.no_grad():
+        want = model(IDS[:4], attention_mask=MASK[:4]).logits
+    patched = flashgen.patch(model)
+    assert "model.layers.0" in patched and "model.layers.1" not in patched and "model.layers.1.mlp" in patched
+    assert type(model.model.layers[1]) is transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    with torch.no_grad():
+        got = model(IDS[:4], attention_mask=MASK[:4]).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    patched.unpatch()
 
 
 def _dequantized(q) -> torch.Tensor:
@@ -136,7 +188,8 @@ def test_quantized_logits_are_those_of_their_codes(mode, kind):
     calls = []
     for lin in model.modules():
         if isinstance(lin, PatchedLinear):
-            lin.register_forward_hook(lambda lin, args, out: calls.append((lin, args[0], out)))
+            lin.register_forward_hook(lambda lin, args, kw, out: calls.append((lin, args[0], kw.get("residual"), out)),
+                                      with_kwargs=True)
     if mode == "w8a8":
         for name, lin in ref.named_modules():
             if isinstance(lin, torch.nn.Linear) and name != "lm_head":
@@ -150,8 +203,10 @@ def test_quantized_logits_are_those_of_their_codes(mode, kind):
     assert err < (quant_err / 2 if mode == "w8a8" else 1e-5) and quant_err > 1e-3, (err, quant_err)
     if mode == "w8a8":
         assert len(calls) == 2 * 6
-        for lin, x, y in calls:
+        for lin, x, residual, y in calls:
             y_ref = _int8_product(lin, x)
+            if residual is not None:  # (the down linear's: y adds it)
+                y_ref = y_ref + residual.reshape(y_ref.shape).double()
             assert (y.reshape(y_ref.shape).double() - y_ref).abs().max() < 1e-5 * y_ref.abs().max()
     assert any(mode in f for f in patched.fallbacks)  # the CPU's linears are torch products, and say so
     patched.unpatch()
@@ -237,32 +292,48 @@ def test_benchmark_smoke_run(tmp_path, monkeypatch):
     assert bench.main(["--config", "tiny", "--prompt-len", "60", "--new-tokens", "8", "--out-dir", str(tmp_path)]) == 2
 
 
-@pytest.mark.gpu
-def test_patched_greedy_tokens_on_gpu():
-    """bf16 on the GPU: the prompt's logits, patched against unpatched, within bf16 rounding; then 32 greedy
-    tokens of a batch of 4. A row's tokens may part only where the unpatched model's two best logits lie
-    within that rounding of each other (the ops round once where transformers rounds at each step)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
+def _gpu_llama() -> torch.nn.Module:
+    """A bf16 Llama of random weights on the GPU, in eval mode."""
     cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                                    eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-        ids = torch.randint(1, 1024, (4, 40))
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+def _assert_greedy_agrees(new: torch.Tensor, want: torch.Tensor, logits: tuple[torch.Tensor, ...]) -> None:
+    """Each row of greedy tokens `new` is `want`'s but where they part, which only a near-tie may cause:
+    the reference's two best logits at the first token that differs lie within bf16 rounding of each other
+    (the ops round once where transformers rounds at each step)."""
+    for row in range(want.shape[0]):
+        differ = (new[row] != want[row]).nonzero()
+        if len(differ):
+            step = logits[int(differ[0])][row].float()
+            top2 = step.topk(2).values
+            assert top2[0] - top2[1] < 2e-2 * step.abs().max(), (row, new[row], want[row])
+
+
+@pytest.mark.gpu
+def test_patched_greedy_tokens_on_gpu(monkeypatch):
+    """bf16 on the GPU: the prompt's logits, patched against unpatched, within bf16 rounding; then 32 greedy
+    tokens of a batch of 4 (`_assert_greedy_agrees`), computed with add_rmsnorm and a GEMM adding the
+    residual in its epilogue."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    model = _gpu_llama()
+    ids = torch.randint(1, 1024, (4, 40), device="cuda")
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=32, do_sample=False, output_logits=True, return_dict_in_generate=True)
         prompt = model(ids).logits.float()
     patched = flashgen.patch(model)
+    ran, kernel = [], dispatcher().kernel
+    monkeypatch.setattr(dispatcher(), "kernel", lambda op, tensors, *a, **kw: ran.append((op, "residual" in tensors))
+                        or kernel(op, tensors, *a, **kw))
     with torch.no_grad():
         assert (model(ids).logits.float() - prompt).abs().max() < 2e-2 * prompt.abs().max()
         out = model.generate(ids, max_new_tokens=32, do_sample=False)
-    new, want = out[:, ids.shape[1]:], ref.sequences[:, ids.shape[1]:]
-    for row in range(ids.shape[0]):
-        differ = (new[row] != want[row]).nonzero()
-        if len(differ):
-            logits = ref.logits[int(differ[0])][row].float()
-            top2 = logits.topk(2).values
-            assert top2[0] - top2[1] < 2e-2 * logits.abs().max(), (row, new[row], want[row])
+    assert ("add_rmsnorm", True) in ran and any("gemm" in op and residual for op, residual in ran), sorted(set(ran))
+    _assert_greedy_agrees(out[:, ids.shape[1]:], ref.sequences[:, ids.shape[1]:], ref.logits)
     patched.unpatch()
+
