@@ -2,7 +2,8 @@
 the greedy tokens of `generate` are the unpatched model's and flashgen's ops computed them, the residual
 adds fused; the quantized modes' logits are those of the same model in float64 with the weights their
 codes stand for; the fused layers' recorded hidden states and a whole-graph trace; refusals; unpatch. On
-a GPU (-m gpu): bf16 greedy tokens, patched against unpatched."""
+a GPU (-m gpu): bf16 greedy tokens, patched against unpatched, and generate's compiled decode (CUDA
+graphs) at two batch sizes in one process against the eager one."""
 from __future__ import annotations
 
 import copy
@@ -337,3 +338,28 @@ def test_patched_greedy_tokens_on_gpu(monkeypatch):
     _assert_greedy_agrees(out[:, ids.shape[1]:], ref.sequences[:, ids.shape[1]:], ref.logits)
     patched.unpatch()
 
+
+@pytest.mark.gpu
+def test_patched_decode_under_cuda_graphs_at_two_batch_sizes():
+    """generate's compiled decode of a patched bf16 Llama (static cache: torch.compile with mode
+    "reduce-overhead", CUDA graphs in one memory pool) at batch 1 and then 16 in one process, each twice
+    (the second replays what the first recorded): its greedy tokens agree with the same patched model
+    decoding eagerly (`_assert_greedy_agrees`). State a patched forward kept across calls would be
+    overwritten by the other batch size's graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    model = _gpu_llama()
+    patched = flashgen.patch(model)
+    kw = dict(max_new_tokens=16, do_sample=False, cache_implementation="static", pad_token_id=0)
+    torch._dynamo.reset()
+    try:
+        for batch in (1, 16):
+            ids = torch.randint(1, 1024, (batch, 40), device="cuda")
+            with torch.no_grad():
+                want = model.generate(ids, disable_compile=True, output_logits=True, return_dict_in_generate=True, **kw)
+                for _ in range(2):
+                    out = model.generate(ids, **kw)
+                    _assert_greedy_agrees(out[:, 40:], want.sequences[:, 40:], want.logits)
+    finally:
+        torch._dynamo.reset()
+        patched.unpatch()
