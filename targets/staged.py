@@ -15,6 +15,7 @@ turn.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -23,6 +24,7 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir.op import Contract, eval_int
 from flashgen.ir.variants import DEQUANT, count, dense_schedule
+from flashgen.targets.buffers import kept_buffer
 from flashgen.targets.descriptor import Target
 from flashgen.targets.kernel import Kernel, Launcher
 from flashgen.kernel_classes import kernel_class
@@ -75,9 +77,9 @@ class StagedLauncher:
     def weight(self, device: torch.device) -> torch.Tensor:
         w = self._weights.get(str(device))
         if w is None:
-            w = self._weights[str(device)] = torch.empty(
-                self.stage_wl.shape(STAGE_OUTPUT), dtype=dtypes.TORCH[self.stage_wl.tensor_dtype(STAGE_OUTPUT)],
-                device=device)
+            shape = self.stage_wl.shape(STAGE_OUTPUT)
+            w = self._weights[str(device)] = kept_buffer(math.prod(shape), dtypes.TORCH[
+                self.stage_wl.tensor_dtype(STAGE_OUTPUT)], device).view(shape)
         return w
 
     def side_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]]:

@@ -1041,3 +1041,29 @@ def test_w4a16_rows_never_run_a_one_row_gemv_tile_on_gpu(rows, monkeypatch):
     s = ScheduleSpace(d.workload, TARGET).complete(d.schedule)
     assert flat_of(d.workload, s)["block_m"] >= rows, d.source
     assert "bucket M=1," not in d.source.split(" (")[0], d.source
+
+
+def test_kept_buffers_stay_out_of_a_cudagraph_tree_pool():
+    """A launcher's kept buffer made while the thread's allocations go to a CUDA-graph pool (as
+    torch.compile's CUDA-graph trees route them on a graph's first calls) lies outside that pool, zeroed;
+    an ordinary allocation at the same moment lies inside it."""
+    from flashgen.targets.buffers import kept_buffer
+
+    pool = torch.cuda.graph_pool_handle()
+    dev = torch.cuda.current_device()
+    torch._C._cuda_beginAllocateCurrentThreadToPool(dev, pool)
+    try:
+        kept = kept_buffer(3 << 20, torch.int32, DEVICE, zeroed=True)
+        ordinary = torch.empty(3 << 20, dtype=torch.int32, device=DEVICE)
+    finally:
+        torch._C._cuda_endAllocateToPool(dev, pool)
+    pools = {}
+    for seg in torch.cuda.memory_snapshot():
+        for t in (kept, ordinary):
+            if seg["address"] <= t.data_ptr() < seg["address"] + seg["total_size"]:
+                pools[t.data_ptr()] = tuple(seg["segment_pool_id"])
+    assert pools[ordinary.data_ptr()] == tuple(pool)
+    assert pools[kept.data_ptr()] != tuple(pool)
+    assert int(kept.abs().max()) == 0
+    del ordinary
+    torch._C._cuda_releasePool(dev, pool)

@@ -11,6 +11,7 @@ from triton.runtime import _allocation
 
 from flashgen.errors import FlashgenError
 from flashgen.ir.op import eval_int
+from flashgen.targets.buffers import kept_buffer
 from flashgen.targets.descriptor import Target
 from flashgen.targets.device import device_arch
 from flashgen.targets.triton.build import DIVISIBILITY, interpreting, load_function, stride_hints, uses_pdl
@@ -70,8 +71,7 @@ class TritonLauncher:
             if buf is not None:
                 self._outgrown.append(buf)
                 n = max(n, 2 * buf.numel())
-            make = torch.zeros if sc.zeroed else torch.empty
-            buf = self._scratch[key] = make(n, dtype=dtypes.TORCH[sc.dtype], device=device)
+            buf = self._scratch[key] = kept_buffer(n, dtypes.TORCH[sc.dtype], device, sc.zeroed)
         return buf
 
     def args(self, tensors: Mapping[str, torch.Tensor], params: Mapping[str, float],
