@@ -65,3 +65,47 @@ def test_cpu_kernel_takes_a_row_with_size1_strides():
     want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     got = torch.ops.flashgen.rmsnorm(x, w, 1e-5)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def as_qkv_columns(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q, k and v as the decoder passes them: views of one fused [M, (Hq + 2 Hkv) * D] qkv output."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    m, d = q.shape[0], q.shape[2]
+    qkv = torch.cat([t.reshape(m, -1) for t in (q, k, v)], dim=1)
+    nq, nk = q.shape[1] * d, k.shape[1] * d
+    views = {"q": qkv[:, :nq], "k": qkv[:, nq:nq + nk], "v": qkv[:, nq + nk:]}
+    return {**inputs, **{n: t.reshape(m, -1, d) for n, t in views.items()}}
+
+
+def _rope_cache_in_child(wl_json: dict, seed: int) -> list[dict]:
+    """Interpreter child: rope_cache on q, k, v viewed in a fused qkv output, against float64."""
+    from flashgen.check import check
+    from flashgen.targets.kernel import bind_dims
+    from flashgen.targets.triton.codegen import generate
+    from flashgen.targets.triton.launch import TritonLauncher
+
+    wl, target = Workload.from_json(wl_json), get_target("h100")
+    launcher = TritonLauncher(generate(wl, ScheduleSpace(wl, target).default()), wl, target)
+
+    def run(inputs, outputs, params):
+        inputs = as_qkv_columns(inputs)
+        assert wl.dim["M"] == 1 or not inputs["q"].is_contiguous()
+        launcher({**inputs, **outputs}, params, bind_dims(wl, inputs))
+
+    return [asdict(c) for c in check(wl, run, seed)]
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_rope_cache_takes_q_k_v_as_columns_of_the_qkv_output(interpreter, m):
+    """The decoder hands rope_cache its q, k and v as column views of the qkv GEMM's output (no copies):
+    the GPU kernel (interpreted) and the CPU's compute them as on contiguous tensors."""
+    wl = flashgen.workload("rope_cache", M=m, Hq=4, Hkv=2, D=64, L=32, NS=24, dtype="bf16", style="neox")
+    for c in (OutputCheck(**r) for r in interpreter.pool.apply(_rope_cache_in_child, (wl.to_json(), m))):
+        assert c.ok, c
+    from flashgen.check import check
+    from flashgen.runtime import register_all
+
+    register_all()
+    cpu = flashgen.compile(wl, get_target("cpu"))
+    for c in check(wl, lambda i, o, p: cpu.run(as_qkv_columns(i), o, p), m):
+        assert c.ok, c

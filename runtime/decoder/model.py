@@ -417,12 +417,11 @@ class Decoder:
             nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             q = qkv[:, :nq].reshape(-1, c.num_heads, c.head_dim)
             k = qkv[:, nq:nq + nk].reshape(-1, c.num_kv_heads, c.head_dim)
-            v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)
-            v = v.contiguous()
+            v = qkv[:, nq + nk:].reshape(-1, c.num_kv_heads, c.head_dim)  # (views: the kernels take row strides)
             if c.qk_norm:  # Qwen3: each head RMS-normalised over its head_dim
                 q = torch.ops.flashgen.rmsnorm(q.reshape(-1, c.head_dim), L["q_norm"], c.rms_norm_eps).view(q.shape)
                 k = torch.ops.flashgen.rmsnorm(k.reshape(-1, c.head_dim), L["k_norm"], c.rms_norm_eps).view(k.shape)
-            q, k = torch.ops.flashgen.rope_cache(q.contiguous(), k.contiguous(), batch.positions, cos_sin, v,
+            q, k = torch.ops.flashgen.rope_cache(q, k, batch.positions, cos_sin, v,
                                                  batch.slots, *cache.slot_views(i))
             a = self.attention(q, k, v, cache, i, batch, keys).reshape(-1, nq)
             x = self.row_linear(a, L["o"], L.get("o_bias"), residual=x)
