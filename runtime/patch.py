@@ -42,7 +42,7 @@ from torch import nn
 
 from flashgen.errors import FlashgenError
 from flashgen.ir import dtypes
-from flashgen.runtime.decoder.linear import apply
+from flashgen.runtime.decoder.linear import CallForm, apply
 from flashgen.runtime.decoder.mixed import ModePlan
 from flashgen.runtime.decoder.quant_modes import QuantLinear, quant_mode
 from flashgen.runtime.serving.torch_ops import dispatcher, register_all
@@ -280,13 +280,15 @@ def _check_tensors(modules: dict[str, nn.Module], mode: type[QuantLinear]) -> No
 def _linear(linears: list[nn.Linear], mode: type[QuantLinear], plans: dict, fallbacks: set[str],
             gated: bool = False) -> PatchedLinear:
     """One PatchedLinear of `linears` stacked along their outputs, its weight quantized in `mode` as the
-    decoder's are (`QuantLinear.prepare`, `settle`)."""
+    decoder's are (`QuantLinear.prepare`, `settle` in the form a fused layer calls it: a gated linear is
+    the down linear, which adds the residual)."""
     w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
     key = (w.device, w.dtype)
     if key not in plans:
         plans[key] = ModePlan(dispatcher().target_for(w.device), dispatcher().db_path, w.dtype)
     bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
-    return PatchedLinear(mode.prepare(w).settle(plans[key]), bias, plans[key], fallbacks, gated)
+    form = CallForm(gated=gated, residual=gated, bias=bias is not None)
+    return PatchedLinear(mode.prepare(w).settle(plans[key], form), bias, plans[key], fallbacks, gated)
 
 
 def patch(model: nn.Module, quant: str = "bf16") -> Patch:
