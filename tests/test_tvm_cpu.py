@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from flashgen.workload import Workload, domain, workload
 from tests.cases import case_id, numerics_cases
 
 tvm_backend = pytest.importorskip("flashgen.targets.tvm_backend")
+from flashgen.targets.tvm_backend import lower
 
 CPU = get_target("cpu")
 _KERNELS: dict = {}
@@ -50,8 +52,7 @@ def run_check(wl: Workload, schedule: dict | None = None, seed: int = 0, built_f
 # shapes (so every op meets each), int8 quant outputs; rope at the brief's small shape in fp32 and bf16.
 # The row ops over half of that grid, a checkerboard turning with the op (each op meets every M, N and
 # dtype; the interpreter, tests/test_interpreter_numerics.py, runs the whole grid). moe_route once per
-# expert count (M turning with E) at top-2, and at top-8 over 8 experts: a TVM build of a top-8 over
-# 60-128 experts takes 9-26 s, and tests/test_moe_route.py builds those (ties, sigmoid_bias scoring).
+# expert count (M turning with E), each at top-2, top-8 and sigmoid_bias top-8 (about 2 s a build).
 GRID = ((1, 3, 17), (1, 127, 5120, 11008))
 
 
@@ -59,8 +60,7 @@ def _kept(wl: Workload) -> bool:
     if wl.op_name in ROW_OPS:  # (the checkerboard)
         return (GRID[0].index(wl.dim["M"]) + GRID[1].index(wl.dim["N"]) + ROW_OPS.index(wl.op_name)) % 2 == 0
     if wl.op_name == "moe_route":
-        return (1, 3, 17).index(wl.dim["M"]) == (8, 60, 128).index(wl.dim["E"]) and \
-            wl.attr["scoring"] == "softmax" and (wl.attr["topk"] == "2" or wl.dim["E"] == 8)
+        return (1, 3, 17).index(wl.dim["M"]) == (8, 60, 128).index(wl.dim["E"])
     return True
 
 
@@ -76,6 +76,9 @@ CASES += [workload(op, M=17, N=5120, dtype=dt, **({"out_dtype": "int8"} if "quan
 CASES += [workload("dequant_w4a16", N=33, K=320, G=64, zp="asym", dtype="bf16"),
           workload("dequant_w4a16", N=7, K=256, G=256, group="channel", dtype="fp16"),
           workload("dequant_w8a16", N=17, K=200, dtype="bf16")]
+# a row that keeps a value for a later pass in a buffer TVM takes from its workspace (over 1 KiB), in
+# tasks run in parallel (70 rows of 1000: over PARALLEL_MIN_ELEMENTS)
+CASES += [workload("softmax", M=70, N=1000, dtype="bf16")]
 
 
 def test_cases_cover_the_brief():
@@ -98,7 +101,8 @@ ROWWISE = [op for op in ROW_OPS if OPS[op].kclass == "rowwise"]
 # 17 rows in tasks of 4 (a ragged last task); and the widest tile the cpu space allows.
 NARROW = [workload(op, M=17, N=n, dtype=dt, **({"out_dtype": "int8"} if "quant" in op else {}))
           for op in ROWWISE for n, dt in ((5120, "bf16"), (127, "fp32"))]
-NARROW += [workload("moe_route", M=17, E=60, topk="8", renorm="no", dtype="fp32")]
+NARROW += [workload("moe_route", M=17, E=e, topk="8", renorm=rn, dtype=dt)
+           for e, rn, dt in ((128, "yes", "bf16"), (60, "no", "fp32"))]
 
 
 @pytest.mark.parametrize("wl", NARROW, ids=case_id)
@@ -453,3 +457,63 @@ def test_call_signatures_remembered_are_bounded(monkeypatch):
         ref = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
         torch.testing.assert_close(k.run({"x": x, "w": w})["y"], ref, rtol=1e-5, atol=1e-5)
         assert len(k._calls) <= 3
+
+
+# ---- the shape of the TIR, which sets the build's time: TVM's passes carry each binding in scope (and
+# CompactBufferAllocation every integer one of the function) to every later statement, and FlattenBuffer
+# each loop before, so kernels with many passes (a top-8 router: 24) took 8-26 s to build ----
+ROUTER = workload("moe_route", M=17, E=60, topk="8", scoring="sigmoid_bias", renorm="yes", dtype="bf16")
+
+
+def script(wl: Workload, schedule: dict | None = None) -> str:
+    return lower.generate(wl, schedule or ScheduleSpace(wl, CPU).default()).script
+
+
+def lets_outside_column_loops(src: str) -> list[str]:
+    """The T.let lines of a script that are not in a loop over a row's columns (`for ci`)."""
+    out, loops = [], []  # loops: the indents of the `for ci` loops around the current line
+    for line in src.splitlines():
+        indent = len(line) - len(line.lstrip())
+        loops = [i for i in loops if i < indent]
+        if line.lstrip().startswith("for ci in "):
+            loops.append(indent)
+        elif "T.let[" in line and not loops:
+            out.append(line.strip())
+    return out
+
+
+@pytest.mark.parametrize("wl", [ROUTER, workload("rope", M=3, Hq=4, Hkv=2, D=64, L=50, style="gptj", dtype="bf16"),
+                                workload("dequant_w4a16", N=33, K=320, G=64, zp="asym", dtype="bf16")],
+                         ids=case_id)
+def test_lets_bind_column_values_only_and_no_integers(wl):
+    """A row's values (reductions and what they make) are slots of a local buffer, and integers in a
+    column loop are written inline: the only T.let outside a column loop is a task's row index, and
+    the only integer one."""
+    src = script(wl)
+    block_r = ScheduleSpace(wl, CPU).default()["block_r"]
+    assert set(lets_outside_column_loops(src)) <= {f"r: T.let[T.int64] = rb * {block_r} + ri"}
+    assert {line.strip().split(":")[0] for line in src.splitlines() if "T.let[T.int" in line} <= {"r"}
+    assert "T.let" in src  # (column values are still bound)
+
+
+def test_a_value_several_passes_need_is_computed_once_a_row():
+    """The router's score (a sigmoid, expanded into an exp polynomial) is computed in the first pass and
+    kept for the others: its code does not grow with k, whose ranks take 3 passes each."""
+    routers = {k: workload("moe_route", M=17, E=60, topk=k, scoring="sigmoid_bias", renorm="yes", dtype="bf16")
+               for k in ("1", "4", "8")}
+    exps = {k: script(wl).count("# exp(") for k, wl in routers.items()}
+    assert exps["8"] == exps["4"] == exps["1"] == 2, exps  # (once in the serial loop, once in the parallel)
+    assert "kept" in script(ROUTER)
+    long = workload("softmax", M=3, N=lower.KEEP_MAX_COLS + 1, dtype="bf16")  # a longer row computes again
+    assert "kept" not in script(long) and "kept" in script(long.with_dims(N=lower.KEEP_MAX_COLS))
+
+
+@pytest.mark.parametrize("wl", [workload("rmsnorm", M=3, N=5120, dtype="bf16"), ROUTER], ids=case_id)
+def test_partial_results_fold_in_vector_statements(wl):
+    """The partial results of a pass fold (and start) in statements on vectors, not in loops: the only
+    loops over columns walk the row, in tiles of block_c and a ragged end."""
+    block_c, cols = ScheduleSpace(wl, CPU).default()["block_c"], domain(wl)[1]
+    src = script(wl)
+    widths = {int(w) for w in re.findall(r"for ci in T\.vectorized\((\d+)\)", src)}
+    assert widths and widths <= {block_c, cols % block_c}, widths
+    assert "T.Ramp(0, 1, 2)" in src

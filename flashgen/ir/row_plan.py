@@ -8,7 +8,9 @@ needs is done; a row-level Let or store is computed between passes, as soon as t
 needs are done. A store counts as column-varying and needs what its value, mask and indices need.
 
 The plan is computed once from the op's body, so the backends (Triton's tile loops, TVM's column
-loops) differ only in the code each writes for a step, never in which step a statement belongs to.
+loops) differ only in the code each writes for a step, never in which step a statement belongs to. (A
+row-level Let is a value, not an effect: a backend may compute it later, where a step first uses it, as
+TVM's does.)
 """
 from __future__ import annotations
 

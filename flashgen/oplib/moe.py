@@ -38,14 +38,15 @@ def _route(a: Attrs) -> tuple[Stmt, ...]:
     `x`, the score ranked, has NaN raised to +inf, so the order is total, each rank has a pick, and
     every id is in [0, E). With sigmoid_bias a NaN also ranks above a +inf score (torch's sort order):
     its column is ranked less E. (x >= -inf is false for NaN only. It tests the loads a score is made
-    of, not the score: TVM expands every use of a value, so each pass would compute the score again.)"""
+    of, not the score, which the test defines.) The sigmoid is named `s`: the weights' passes need it
+    too, and the CPU kernel computes a named value that several passes need once a row."""
     logit, bias = Load("logits", (r, c)), Load("bias", (c,))
     sigmoid_scoring = a["scoring"] == "sigmoid_bias"
     topk = int(a["topk"])
     col: Expr
     if sigmoid_scoring:  # (a sigmoid is NaN of a NaN only; plus a bias, of a NaN bias too)
         number = Binary("and", logit >= float("-inf"), bias >= float("-inf"))
-        out: list[Stmt] = [Let("x", where(number, sigmoid(logit) + bias, float("inf"))),
+        out: list[Stmt] = [Let("s", sigmoid(logit)), Let("x", where(number, Ref("s") + bias, float("inf"))),
                            Let("col", where(number, c, c - E))]
         col = Ref("col")
     else:  # (a row holding a NaN gets ids 0..k-1 below: how its NaN ranks is not seen)
@@ -62,7 +63,7 @@ def _route(a: Attrs) -> tuple[Stmt, ...]:
             hit = where(Ref(f"after{j}"), hit, E)
         out.append(Reduce(f"id{j}", "min", hit))
         if sigmoid_scoring:  # the pick's own sigmoid: the bias steered the choice only
-            out.append(Reduce(f"e{j}", "sum", where(Binary("eq", col, Ref(f"id{j}")), sigmoid(logit), 0.0)))
+            out.append(Reduce(f"e{j}", "sum", where(Binary("eq", col, Ref(f"id{j}")), Ref("s"), 0.0)))
         else:
             out.append(Let(f"e{j}", exp(Ref(f"m{j}") - Ref("m0"))))
     ids: list[Expr] = [Ref(f"id{j}") for j in range(topk)]

@@ -10,21 +10,27 @@ The generated text is plain TVMScript, readable and parseable as is:
   loop (LLVM splits a wide tile into several registers, so a tile of 64 fp32 is 4 AVX-512 or 8 AVX2
   operations); a ragged end is one more, narrower vectorized loop, so no lane is ever masked.
 - A rowwise op walks the row once per reduction, each pass keeping `block_c` partial results in a local
-  buffer that is folded by halving at the end of the pass; a last pass makes the stores that need every
-  reduction, and each store goes into the earliest pass that can make it (the row plan of
-  flashgen/ir/row_plan.py, which the Triton backend walks too). Rows of LLM ops fit in L1/L2, so the
-  repeated reads are cache hits.
+  buffer that is folded by halving at the end of the pass (one vector statement a step); a last pass
+  makes the stores that need every reduction, and each store goes into the earliest pass that can make
+  it (the row plan of flashgen/ir/row_plan.py, which the Triton backend walks too). Rows of LLM ops fit
+  in L1/L2, so the repeated reads are cache hits. A value of the row that several passes need (a Let;
+  a router's score, which a top-k ranks in 2k passes) is computed by the first and kept in a local row
+  buffer for the others, where the row is at most KEEP_MAX_COLS long.
 - Every float computes in fp32. bf16 tensors are `uint16` buffers converted by hand (shift to load;
   round to nearest even, NaN kept, to store) because TVM's own bf16 legalization miscompiles values
   bound by `T.let` (it converts the integer bits as numbers). "rint" is `T.round`, which TVM lowers to
   llvm.nearbyint: half to even, vectorized (vroundps/vrndscaleps on x86). exp (and sigmoid through it)
   is expanded inline into a polynomial that vectorizes; LLVM would call libm's scalar expf per lane.
-- Named values are `T.let` bindings, never plain assignments: in TIRX `x = e` declares a mutable local
-  scalar, which the vectorizer turns into garbage. A masked load reads a clamped (always valid) address
-  and selects 0 where the mask is false, so it stays vectorizable. TVM's vectorizer cannot scalarize a
-  loop that holds `T.let`s (the build fails with "variables ... are used, but are not passed in as API
-  arguments"), and it scalarizes for an `if` on a lane-varying condition and for some calls (see
-  UNARY); such column loops are emitted serial.
+- Named values in a column loop are `T.let` bindings, never plain assignments: in TIRX `x = e` declares
+  a mutable local scalar, which the vectorizer turns into garbage; integers there are written inline
+  (`_Gen.temp`). A row's own values (reductions' results and what is computed from them) are elements
+  of local buffers (`_Slots`), computed where first needed. With the partial results folded in vector
+  statements and values kept for later passes, the build's time grows with the kernel's size, not
+  faster: a top-8 router over 128 experts builds in about 2.5 s, not 8-26 s. A masked load reads a
+  clamped (always valid) address and selects 0 where the mask is false, so it stays vectorizable.
+  TVM's vectorizer cannot scalarize a loop that holds `T.let`s (the build fails with "variables ...
+  are used, but are not passed in as API arguments"), and it scalarizes for an `if` on a lane-varying
+  condition and for some calls (see UNARY); such column loops are emitted serial.
 """
 from __future__ import annotations
 
@@ -34,13 +40,18 @@ from dataclasses import dataclass, field
 
 from flashgen.ir import dtypes
 from flashgen.ir import expr as E
-from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, eval_int
-from flashgen.ir.row_plan import RowLevel, row_plan
+from flashgen.ir.op import Let, Reduce, Stmt, Store, depends_on_cols, eval_int, refs
+from flashgen.ir.row_plan import RowLevel, RowPlan, row_plan
 from flashgen.workload import Schedule, Workload, domain
 
 PARALLEL_MIN_ELEMENTS = 1 << 16  # smaller domains run serially (a parallel launch costs ~5 us)
+KEEP_MAX_COLS = 4096  # rows up to this long keep a value later passes need (a local row of it: 16 KiB)
+KEEP_CALLS = ("exp", "sigmoid", "log", "tanh", "erf", "sin", "cos")  # functions of tens of instructions a lane
+KEEP_DTYPE = {"f32": "float32", "i32": "int32", "i64": "int64"}  # kinds of value kept (booleans: recomputed)
 # Names the generated function uses for itself; tensors or params that collide are renamed.
-RESERVED = {"T", "r", "rb", "ri", "c", "c0", "ci"}
+RESERVED = {"T", "r", "rb", "ri", "c0", "ci", "row_f32", "row_i32", "row_i64", "row_u32"}
+SLOTS = {"f32": ("row_f32", "float32"), "i32": ("row_i32", "int32"), "i64": ("row_i64", "int64"),
+         "u32": ("row_u32", "uint32")}  # a value kind's buffer of row values (`_Slots`) and its type
 # Only calls TVM can vectorize: T.rsqrt, T.nearbyint, T.copysign, T.isnan and T.erf make its vectorizer
 # scalarize the loop, which breaks the loop's T.let bindings. T.round lowers to llvm.nearbyint (half to
 # even); the fp32 magic-number trick (x + 1.5*2**23) - 1.5*2**23 is simplified away by TVM.
@@ -81,14 +92,40 @@ class TVMSource:
 
 
 @dataclass
+class _Slots:
+    """Where a row's own values live: one element each of a buffer per type (`SLOTS`), written once a
+    row. A `T.let` is in scope to the end of its block, so a row-level one would be in scope for every
+    later pass, and TVM's passes (its simplifiers, CSE, HoistIfThenElse) take time in the bindings in
+    scope at each statement: a top-8 sigmoid router's 24 passes took 9 s of them with row lets, 3.7 s
+    with slots. LLVM keeps the elements in registers (`_stack_buffer`)."""
+    used: dict[str, int] = field(default_factory=dict)
+
+    def take(self, kind: str) -> str:
+        n = self.used.get(kind, 0)
+        self.used[kind] = n + 1
+        return f"{SLOTS[kind][0]}[{n}]"
+
+    def allocs(self) -> list[str]:
+        return [_stack_buffer(SLOTS[kind][0], n, SLOTS[kind][1], "row values")
+                for kind, n in self.used.items()]
+
+
+@dataclass
 class _Scope:
-    """Values visible at one nesting level (the CSE cache) and the lines being written."""
+    """Values visible at one nesting level (the CSE cache) and the lines being written; `slots` where
+    the level is a row's (its values go into slots, not T.lets), `column` inside a column loop."""
     lines: list[str]
     indent: str
     cache: dict = field(default_factory=dict)
+    slots: _Slots | None = None
+    column: bool = False
 
     def child(self, indent: str) -> "_Scope":
-        return _Scope(self.lines, indent, dict(self.cache))
+        return _Scope(self.lines, indent, dict(self.cache), self.slots, self.column)
+
+    def columns(self, indent: str) -> "_Scope":
+        """The level of a loop over the row's columns."""
+        return _Scope(self.lines, indent, dict(self.cache), None, True)
 
     def add(self, line: str) -> None:
         self.lines.append(self.indent + line)
@@ -100,6 +137,21 @@ def _float(v: float) -> str:
     if math.isinf(v):
         return 'T.float32("inf")' if v > 0 else 'T.float32("-inf")'
     return f"T.float32({float(v)!r})"
+
+
+def _stack_buffer(name: str, n: int, dtype: str, note: str) -> str:
+    """A task's buffer of `n` elements in the "global" scope: TVM places one under 1 KiB on the stack,
+    where LLVM keeps elements read at constant indices in registers, and takes a larger one from its
+    workspace. (A T.alloc_local buffer, of the "local" scope, is a workspace allocation of any size:
+    two calls a task, and memory that LLVM cannot promote to registers.)"""
+    return f'{name} = T.alloc_buffer(({n},), "{dtype}", scope="global")  # {note}'
+
+
+def _lanes(start: int, width: int) -> str:
+    """The index of `width` consecutive elements from `start`: a statement on a vector of them is
+    what a T.vectorized loop of one statement becomes, without the loop (TVM's FlattenBuffer takes
+    time in the count of loops before each access: 24 reductions' loops were 0.4 s of it)."""
+    return f"T.Ramp({start}, 1, {width})" if width > 1 else str(start)
 
 
 class _Gen:
@@ -125,6 +177,7 @@ class _Gen:
             taken.add(self.param[p])
         self.ntemp = 0
         self.red_vars: dict[str, str] = {}
+        self.kept: dict[str, tuple[str, int]] = {}  # Let name -> (its row buffer, the pass computing it)
 
     # ---- types -------------------------------------------------------------------------------
     def tdtype(self, tensor: str) -> str:
@@ -164,10 +217,18 @@ class _Gen:
 
     # ---- expressions -------------------------------------------------------------------------
     def temp(self, scope: _Scope, code: str, kind: str) -> str:
-        """Bind `code` to a new T.let name; booleans stay inline (a T.let of a bool fails to
-        vectorize: "IntImm can only take scalar, but boolx32 was supplied")."""
-        if kind == "bool":
+        """Bind `code` to a new T.let name, or at row level to a slot (`_Slots`). Booleans stay inline
+        (a T.let of a bool fails to vectorize: "IntImm can only take scalar, but boolx32 was
+        supplied"), and so do integers in a column loop: TVM's CompactBufferAllocation keeps every
+        integer T.let of the function in a map that it copies at each buffer access after it, so their
+        count times the accesses' (a top-8 moe_route: 172 lets, 4.8 s of that pass against 0.15 s
+        inline); LLVM computes a repeated integer once all the same."""
+        if kind == "bool" or scope.column and kind in ("i32", "i64"):
             return code if code.startswith("(") else f"({code})"
+        if scope.slots is not None:
+            slot = scope.slots.take(kind)
+            scope.add(f"{slot} = {code}")
+            return slot
         name = f"t{self.ntemp}"
         self.ntemp += 1
         ty = {"f32": "T.float32", "i32": "T.int32", "i64": "T.int64", "u32": "T.uint32"}[kind]
@@ -273,19 +334,22 @@ class _Gen:
             return self.static(e.a) and self.static(e.b)
         return False
 
-    def hoist(self, e: E.Expr | None, scope: _Scope) -> None:
-        """Emit the row-level parts (those that do not vary along the row) of `e` at row scope."""
+    def hoist(self, e: E.Expr | None, scope: _Scope, npass: int) -> None:
+        """Emit the row-level parts (those that do not vary along the row) of `e` at row scope, for
+        pass `npass` (a Let an earlier pass kept is loaded whole: none of its parts is needed)."""
         if e is None or isinstance(e, (E.Const, E.Dim, E.Param, E.Index)):
+            return
+        if isinstance(e, E.Ref) and e.name in self.kept and self.kept[e.name][1] < npass:
             return
         if not self.is_vector(e):
             if not (isinstance(e, E.Ref) and e.name in self.red_vars):
                 self.emit(e, scope)
             return
         if isinstance(e, E.Ref):
-            self.hoist(self.lets.get(e.name), scope)
+            self.hoist(self.lets.get(e.name), scope, npass)
             return
         for ch in E.children(e):
-            self.hoist(ch, scope)
+            self.hoist(ch, scope, npass)
 
     def element(self, tensor: str, indices: tuple[E.Expr, ...], scope: _Scope, mask: str | None) -> str:
         """`buf[i, j]`; under a mask every index that could leave the tensor is clamped to 0."""
@@ -341,15 +405,17 @@ class _Gen:
         """Whether a value varies along the row (emitted in the column loops, not hoisted)."""
         return e is not None and depends_on_cols(e, self.lets)
 
-    def column_pass(self, scope: _Scope, stores: tuple[Store, ...], red: Reduce | None, acc: str | None) -> None:
-        """One walk over the row: full tiles of block_c, then the ragged end, both vectorized."""
+    def column_pass(self, scope: _Scope, npass: int, stores: tuple[Store, ...], red: Reduce | None,
+                    acc: str | None) -> None:
+        """Walk `npass` over the row: full tiles of block_c, then the ragged end, both vectorized. It
+        stores the kept Lets (`keep`) it is the first to compute and loads those of earlier passes."""
         bc, cols = self.bc, self.cols
         full, tail = divmod(cols, bc)
         for st in stores:
             for e in (st.value, st.mask, *st.indices):
-                self.hoist(e, scope)
+                self.hoist(e, scope, npass)
         if red is not None:
-            self.hoist(red.value, scope)
+            self.hoist(red.value, scope, npass)
         values = [st.value for st in stores] + ([red.value] if red is not None else [])
         serial = any(st.mask is not None for st in stores) or any(
             self.calls(v, SCALAR_ONLY) for v in values)
@@ -365,37 +431,75 @@ class _Gen:
             s = scope
             if tiles is not None:
                 s.add(f"for c0 in T.serial({tiles}):")
-                s = s.child(s.indent + "    ")
+                s = s.columns(s.indent + "    ")
             s.add(f"for ci in {loop}({width}):")
-            inner = s.child(s.indent + "    ")
-            inner.add(f"c: T.let[T.int32] = {col}")
+            inner = s.columns(s.indent + "    ")
+            inner.cache[E.Index("c")] = c = col if col == "ci" else f"({col})"
+            for name, (buf, first) in self.kept.items():
+                if first < npass:
+                    inner.cache[E.Ref(name)] = f"{buf}[{c}]"
             for st in stores:
                 self.store(st, inner)
             if red is not None:
                 v = self.emit_as(red.value, inner, "f32")
                 inner.add(f"{acc}[ci] = {FOLD[red.kind].format(f'{acc}[ci]', v)}")
+            for name, (buf, first) in self.kept.items():
+                if first == npass:
+                    inner.add(f"{buf}[{c}] = {self.emit(E.Ref(name), inner)}")
 
     def fold(self, scope: _Scope, red: Reduce, acc: str) -> str:
-        """Fold the block_c partial results of a pass by halving; returns the row's value."""
+        """Fold the block_c partial results of a pass by halving, one vector statement a step;
+        returns the row's value."""
         width = self.bc
         while width > 2:
             width //= 2
-            scope.add(f"for ci in T.vectorized({width}):")
-            scope.add(f"    {acc}[ci] = {FOLD[red.kind].format(f'{acc}[ci]', f'{acc}[ci + {width}]')}")
+            lo, hi = f"{acc}[{_lanes(0, width)}]", f"{acc}[{_lanes(width, width)}]"
+            scope.add(f"{lo} = {FOLD[red.kind].format(lo, hi)}")
         code = FOLD[red.kind].format(f"{acc}[0]", f"{acc}[1]") if width == 2 else f"{acc}[0]"
         return self.temp(scope, code, "f32")
 
     def row_level(self, step: RowLevel, scope: _Scope) -> None:
-        """Row-level values and stores, at row scope between the passes."""
-        for name in step.lets:
-            self.emit(E.Ref(name), scope)
+        """A step's row-level stores, at row scope between the passes. Its Lets are computed where a
+        store or pass first needs them (`emit`), as TVM placed them when they were T.lets (it
+        substitutes a let's value into its uses) and cannot now that they are slots it does not see
+        through: a top-k's k weights then compute together at its end, where LLVM vectorizes them,
+        not one between each two passes (10% of a top-8 router's time over 60 experts)."""
         for st in step.stores:
             self.store(st, scope)
+
+    def keep(self, plan: RowPlan) -> dict[str, int]:
+        """The column-varying Lets that more than one pass needs, each with the first pass needing it,
+        which stores its row in a local buffer for the later ones to load. Computed again in every
+        pass, a value would be as many copies of its code (a top-8 sigmoid router's score: 24, each
+        with its exp) for TVM and LLVM to compile and for the CPU to run; kept, later passes agree
+        with the first on it by construction. A Let that two passes need is kept where it applies a
+        function of KEEP_CALLS, one that more need where it is more than a tensor's element: else
+        computing it again costs no more than keeping it (a row over 1 KiB is a workspace allocation
+        a task). A Let needed only through a kept one is not kept."""
+        if self.cols > KEEP_MAX_COLS:
+            return {}
+        need: dict[str, set[int]] = {name: set() for name in self.lets}
+        for n, p in enumerate(plan.passes):
+            values = [x for st in p.stores for x in (st.value, st.mask, *st.indices) if x is not None]
+            for x in values + ([p.reduce.value] if p.reduce is not None else []):
+                for name in refs(x) & need.keys():
+                    need[name].add(n)
+        kept: dict[str, int] = {}
+        for name in reversed(self.lets):  # a Let names only Lets before it: each is done before those
+            value = self.lets[name]
+            element = isinstance(value, (E.Load, E.Ref))
+            costly = self.calls(value, KEEP_CALLS) or len(need[name]) > 2 and not element
+            if len(need[name]) > 1 and costly and self.is_vector(value) and self.kind(value) in KEEP_DTYPE:
+                kept[name] = min(need[name])
+            for inner in refs(value) & need.keys():
+                need[inner] |= {kept[name]} if name in kept else need[name]
+        return kept
 
     def row(self, scope: _Scope, accs: dict[str, str]) -> None:
         """The body for one row r: the row plan's passes over its columns (flashgen/ir/row_plan.py),
         row-level values and stores between them."""
         plan = row_plan(self.body)
+        self.kept = {name: (f"kept{i}", first) for i, (name, first) in enumerate(self.keep(plan).items())}
         self.row_level(plan.before, scope)
         for n, p in enumerate(plan.passes):
             red = p.reduce
@@ -406,9 +510,9 @@ class _Gen:
             if red is not None:
                 if not self.is_vector(red.value):
                     raise NotImplementedError(f"{self.op.name}: reduction {red.name} does not vary along the row")
-                scope.add(f"for ci in T.vectorized({self.bc}):")
-                scope.add(f"    {acc}[ci] = {IDENTITY[red.kind]}")
-            self.column_pass(scope, p.stores, red, acc)
+                init = f"T.Broadcast({IDENTITY[red.kind]}, {self.bc})" if self.bc > 1 else IDENTITY[red.kind]
+                scope.add(f"{acc}[{_lanes(0, self.bc)}] = {init}")
+            self.column_pass(scope, n, p.stores, red, acc)
             if red is not None:
                 self.red_vars[red.name] = self.fold(scope, red, acc)
             self.row_level(p.after, scope)
@@ -452,7 +556,8 @@ class _Gen:
         rows = self.emit_as(op.domain[0], scope, "i64")
         var, extent = ("r", rows) if self.br == 1 else ("rb", f"({rows} + {self.br - 1}) // {self.br}")
         task_lines: list[str] = []  # the body of one parallel task, indented relative to its loop
-        task = _Scope(task_lines, "", dict(scope.cache))
+        slots = _Slots()
+        task = _Scope(task_lines, "", dict(scope.cache), slots)
         body = task
         accs = {red.name: f"acc{i}" for i, red in enumerate(self.reduces)}
         for red in self.reduces:
@@ -464,6 +569,9 @@ class _Gen:
             guard.add(f"if r < {rows}:")
             body = guard.child(guard.indent + "    ")
         self.row(body, accs)
+        task_lines[:0] = slots.allocs() + [
+            _stack_buffer(buf, self.cols, KEEP_DTYPE[self.kind(E.Ref(name))], f"the row of {name}")
+            for name, (buf, _) in self.kept.items()]
 
         def loop(kind: str, indent: str) -> None:
             lines.append(f"{indent}for {var} in {kind}({extent}):")
