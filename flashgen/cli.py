@@ -666,7 +666,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     from flashgen.runtime.checkpoints.gptq_quantize import GptqOptions, calibration_tokens, check, quantize_folder
 
-    options = GptqOptions(args.bits, args.group, not args.asym, args.samples, args.seq_len, args.damp)
+    options = GptqOptions(args.bits, args.group, not args.asym, args.damp)
     config = check(folder, out, options)  # (before the calibration text is tokenized and the model loads)
     tokens = calibration_tokens(folder, config, text, args.samples, args.seq_len)
     _status(f"GPTQ {args.bits}-bit, group {args.group}, {'asymmetric' if args.asym else 'symmetric'}: "

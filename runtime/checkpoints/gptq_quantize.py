@@ -44,8 +44,6 @@ class GptqOptions:
     bits: int = 4
     group: int = 128        # k per scale; -1: one scale per output channel
     symmetric: bool = True  # zero point 2^(bits - 1); False: a zero point per group (4 bits)
-    samples: int = 64       # calibration sequences
-    seq_len: int = 512      # tokens each
     damp: float = 0.01      # of the Hessian's mean diagonal, added to its diagonal
     batch: int = 8          # sequences per forward
 
@@ -76,9 +74,6 @@ def check(folder: Path, out: Path, options: GptqOptions) -> ModelConfig:
                             "give group -1, without zero points")
     if options.group != -1 and options.group < 1:
         raise FlashgenError(f"the group must be a positive number of inputs or -1 (per channel), got {options.group}")
-    if options.samples < 1 or options.seq_len < 2 or options.seq_len > config.max_position_embeddings:
-        raise FlashgenError(f"{options.samples} samples of {options.seq_len} tokens: need at least one sample of "
-                            f"2 to {config.max_position_embeddings} tokens (the model's positions)")
     if not 0 <= options.damp < 1:
         raise FlashgenError(f"the damping must be a fraction in [0, 1), got {options.damp}")
     per, shapes = 32 // options.bits, linear_shapes(config)
@@ -98,11 +93,18 @@ def calibration_tokens(folder: Path, config: ModelConfig, text: str, samples: in
     tokens), spread evenly over it without overlapping."""
     from flashgen.runtime.checkpoints.tokenizer import load_tokenizer
 
+    _check_tokens(config, samples, seq_len)
     ids = load_tokenizer(folder, config.vocab_size).encode(text, add_special_tokens=False).ids
     if len(ids) < samples * seq_len:
         raise FlashgenError(f"the calibration text has {len(ids)} tokens, fewer than {samples} samples of {seq_len}")
     step = (len(ids) - seq_len) // max(1, samples - 1)
     return torch.tensor([ids[i * step:i * step + seq_len] for i in range(samples)], dtype=torch.int64)
+
+
+def _check_tokens(config: ModelConfig, samples: int, seq_len: int) -> None:
+    if samples < 1 or not 2 <= seq_len <= config.max_position_embeddings:
+        raise FlashgenError(f"{samples} samples of {seq_len} tokens: need at least one sample of 2 to "
+                            f"{config.max_position_embeddings} tokens (the model's positions)")
 
 
 class _Caught(Exception):
@@ -186,6 +188,7 @@ def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor, options: Gptq
     from flashgen.extras import require
 
     config = check(folder, out, options)
+    _check_tokens(config, *tokens.shape)
     transformers = require("transformers", "flashgen quantize")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     group = None if options.group == -1 else options.group
