@@ -1,6 +1,6 @@
 """GPTQ (flashgen/quant.py `quantize_gptq`, `flashgen quantize`): on inputs with correlated features
 its codes keep a linear's output closer than round-to-nearest's on the same grid, and on uncorrelated
-ones it is round-to-nearest; the checkpoint it writes of a tiny random Llama loads in the decoder,
+ones it is round-to-nearest (`--method rtn` writes those codes); the checkpoint it writes of a tiny random Llama loads in the decoder,
 whose logits match transformers in float64 holding the weights the stored codes stand for (decoded
 here from the packed tensors); bad input is one line, exit code 2, nothing written."""
 from __future__ import annotations
@@ -111,6 +111,21 @@ def test_the_checkpoint_loads_as_the_weights_its_codes_stand_for(tiny, tmp_path,
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
 
 
+def test_rtn_writes_round_to_nearest_codes(tiny, tmp_path):
+    """--method rtn: each weight rounded to the nearest step of its group's stored (fp16) scale amax / 7
+    (the control beside GPTQ), stored as GPTQ's are."""
+    from safetensors.torch import load_file
+    _, folder, _ = tiny
+    assert main(["quantize", "--method", "rtn", "--group", "32", str(folder), str(tmp_path / "q")]) == 0
+    stored, source = load_file(str(tmp_path / "q" / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+    for name in ("model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj"):
+        w = source[name + ".weight"].double()
+        s = (w.reshape(w.shape[0], -1, 32).abs().amax(-1) / 7).half()
+        want = torch.round(w / s.double().repeat_interleave(32, 1)).clamp(-8, 7) + 8
+        assert torch.equal(stored[name + ".scales"].T, s)
+        assert torch.equal(_unpack(stored[name + ".qweight"], 4, 0).T, want.long())
+
+
 @pytest.mark.parametrize("args,message", [
     (["--calib", "CALIB", "NOWHERE", "OUT"], "NOWHERE: no such folder"),
     (["--bits", "3", "--calib", "CALIB", "FLOAT", "OUT"], "argument --bits: invalid choice: 3"),
@@ -119,6 +134,8 @@ def test_the_checkpoint_loads_as_the_weights_its_codes_stand_for(tiny, tmp_path,
     (["--calib", "NOWHERE", "FLOAT", "OUT"], "--calib NOWHERE: cannot read it"),
     (["--samples", "100", "--seq-len", "48", "--group", "32", "--calib", "CALIB", "FLOAT", "OUT"], "fewer than 100 samples of 48"),
     (["--calib", "CALIB", "FLOAT", "FLOAT"], "exists: give a new folder"),
+    (["FLOAT", "OUT"], "--method gptq takes --calib TEXTFILE"),
+    (["--method", "rtn", "--calib", "CALIB", "FLOAT", "OUT"], "--method rtn takes no --calib"),
 ])
 def test_bad_input_is_one_line(tiny, tmp_path, capsys, args, message):
     _, folder, root = tiny

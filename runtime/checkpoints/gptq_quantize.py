@@ -15,6 +15,10 @@ holds it. Symmetric codes (zero point 2^(bits - 1), the grid of the decoder's RT
 in the original format (`checkpoint_format: gptq`, each zero point stored less one); codes with
 zero points in `gptq_v2`, which stores them as they are (the original cannot store a zero point of
 0). The folder is written whole under a temporary name and renamed: a failed run leaves nothing.
+
+Without calibration tokens (`--method rtn`) each linear is GPTQ with an identity Hessian, which is
+round-to-nearest on the same grid with the same stored scales: the control that shows what GPTQ's
+error feedback alone gains.
 """
 from __future__ import annotations
 
@@ -179,27 +183,31 @@ def quantization_config(options: GptqOptions) -> dict:
             "checkpoint_format": "gptq" if options.symmetric else "gptq_v2"}
 
 
-def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor, options: GptqOptions,
+def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor | None, options: GptqOptions,
                     progress: Callable[[str], None] = lambda line: None) -> dict[str, QuantizedWeight]:
-    """GPTQ of `folder`'s decoder linears on calibration `tokens` [samples, seq_len], written to `out`
-    (module docstring); returns each linear's codes by its full name (`model.layers.0.mlp.down_proj`)."""
+    """GPTQ of `folder`'s decoder linears on calibration `tokens` [samples, seq_len] (None: round to
+    nearest), written to `out` (module docstring); returns each linear's codes by its full name
+    (`model.layers.0.mlp.down_proj`)."""
     from safetensors.torch import save_file
 
     from flashgen.extras import require
 
     config = check(folder, out, options)
-    _check_tokens(config, *tokens.shape)
+    if tokens is not None:
+        _check_tokens(config, *tokens.shape)
     transformers = require("transformers", "flashgen quantize")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     group = None if options.group == -1 else options.group
     codes: dict[str, QuantizedWeight] = {}
     with torch.no_grad():
-        inputs = _layer_inputs(hf, tokens, options.batch)
+        inputs = _layer_inputs(hf, tokens, options.batch) if tokens is not None else None
         for i, layer in enumerate(hf.model.layers):
-            hessians = _hessians(layer, inputs)
+            hessians = _hessians(layer, inputs) if inputs is not None else None
             for stack in STACKS:
                 linears = [layer.get_submodule(name) for name in stack]
-                q = quantize_gptq(torch.cat([m.weight for m in linears]), hessians[stack[0]], options.bits, group,
+                k = linears[0].weight.shape[1]
+                h = hessians[stack[0]] if hessians is not None else torch.eye(k, dtype=torch.float64)
+                q = quantize_gptq(torch.cat([m.weight for m in linears]), h, options.bits, group,
                                   options.symmetric, options.damp, scale_dtype=torch.float16)
                 dq, row = q.dequantize(), 0
                 for name, m in zip(stack, linears):
@@ -208,7 +216,7 @@ def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor, options: Gptq
                     codes[f"model.layers.{i}.{name}"] = QuantizedWeight(
                         q.codes[rows], q.scales[rows], None if q.zeros is None else q.zeros[rows], q.bits, q.group)
                     row = rows.stop
-            inputs = _run(layer, inputs)
+            inputs = _run(layer, inputs) if inputs is not None else None
             progress(f"layer {i + 1}/{config.num_layers} quantized")
     tensors = {name: t.detach().contiguous() for name, t in hf.state_dict().items()
                if name.removesuffix(".weight") not in codes}
