@@ -374,7 +374,8 @@ def run(args: argparse.Namespace) -> None:
     def save() -> None:  # after every row: a run cut short keeps what it measured
         write_results(args.name, HEADER, table(scores, paths, bits), meta, args.out_dir, notes, FORMATS)
 
-    runs = [] if args.no_reference else [(REFERENCE, "bf16", torch.float32, folder), (PEER, None, torch.float32, folder)]
+    runs = [] if args.no_reference else [(REFERENCE, "bf16", torch.float32, folder),
+                                         (PEER, None, torch.float32, folder)]
     runs += [(m, m, torch.bfloat16, folder) for m in modes]
     runs += [(name, "bf16", torch.bfloat16, pq) for name, pq in prequant.items()]  # (bf16: the checkpoint's own mode)
     for name, mode, dtype, where in runs:

@@ -657,7 +657,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     folder, out = Path(args.model), Path(args.out)
     if not (folder / "config.json").is_file():
-        raise FlashgenError(f"{args.model}: " + ("the folder holds no config.json" if folder.is_dir() else "no such folder"))
+        raise FlashgenError(f"{args.model}: " + ("the folder holds no config.json" if folder.is_dir()
+                                                 else "no such folder"))
     if out.exists():
         raise FlashgenError(f"{args.out} exists: give a new folder to write the checkpoint in")
     if (args.calib is None) != (args.method == "rtn"):

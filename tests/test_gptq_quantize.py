@@ -27,8 +27,9 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 def _correlated(t: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """t inputs of k features that mostly move together (a few directions and some noise), as a layer's
     activations do."""
-    return (torch.randn(t, 6, generator=gen, dtype=torch.float64) @ torch.randn(6, k, generator=gen, dtype=torch.float64)
-            + 0.3 * torch.randn(t, k, generator=gen, dtype=torch.float64))
+    f64 = torch.float64
+    return (torch.randn(t, 6, generator=gen, dtype=f64) @ torch.randn(6, k, generator=gen, dtype=f64)
+            + 0.3 * torch.randn(t, k, generator=gen, dtype=f64))
 
 
 @pytest.mark.parametrize("bits,group,sym", [(4, 32, True), (4, 32, False), (4, None, True), (8, None, True)])
@@ -129,10 +130,12 @@ def test_rtn_writes_round_to_nearest_codes(tiny, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--calib", "CALIB", "NOWHERE", "OUT"], "NOWHERE: no such folder"),
     (["--bits", "3", "--calib", "CALIB", "FLOAT", "OUT"], "argument --bits: invalid choice: 3"),
-    (["--group", "48", "--seq-len", "48", "--calib", "CALIB", "FLOAT", "OUT"], "group 48 does not divide self_attn.q_proj's 64 inputs"),
+    (["--group", "48", "--seq-len", "48", "--calib", "CALIB", "FLOAT", "OUT"],
+     "group 48 does not divide self_attn.q_proj's 64 inputs"),
     (["--bits", "8", "--calib", "CALIB", "FLOAT", "OUT"], "8-bit codes load per channel and symmetric only"),
     (["--calib", "NOWHERE", "FLOAT", "OUT"], "--calib NOWHERE: cannot read it"),
-    (["--samples", "100", "--seq-len", "48", "--group", "32", "--calib", "CALIB", "FLOAT", "OUT"], "fewer than 100 samples of 48"),
+    (["--samples", "100", "--seq-len", "48", "--group", "32", "--calib", "CALIB", "FLOAT", "OUT"],
+     "fewer than 100 samples of 48"),
     (["--calib", "CALIB", "FLOAT", "FLOAT"], "exists: give a new folder"),
     (["FLOAT", "OUT"], "--method gptq takes --calib TEXTFILE"),
     (["--method", "rtn", "--calib", "CALIB", "FLOAT", "OUT"], "--method rtn takes no --calib"),

@@ -63,7 +63,8 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 def check(folder: Path, out: Path, options: GptqOptions) -> ModelConfig:
     """Everything that can be refused before the model loads, one line each."""
     if not (folder / "config.json").is_file():
-        raise FlashgenError(f"{folder}: " + ("the folder holds no config.json" if folder.is_dir() else "no such folder"))
+        raise FlashgenError(f"{folder}: " + ("the folder holds no config.json" if folder.is_dir()
+                                             else "no such folder"))
     if out.exists():
         raise FlashgenError(f"{out} exists: give a new folder to write the checkpoint in")
     config = ModelConfig.from_folder(folder)
