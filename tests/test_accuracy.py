@@ -111,6 +111,40 @@ def test_linears_as_names_the_modes_that_computed(tiny):
         assert accuracy.linears_as(used(), name) == expect
 
 
+def test_a_prequant_row_scores_the_checkpoint_beside_the_modes(tiny, tmp_path, monkeypatch):
+    """--prequant NAME=FOLDER: a GPTQ checkpoint of the model (flashgen quantize's) scored as its own row,
+    in the mode its codes load as, beside the RTN modes; --no-reference leaves the float32 rows out."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from flashgen.runtime.checkpoints.gptq_quantize import GptqOptions, quantize_folder
+    _, folder, _ = tiny
+    gen = torch.Generator().manual_seed(2)
+    quantize_folder(folder, tmp_path / "gptq", torch.randint(0, VOCAB, (4, 32), generator=gen), GptqOptions(group=32))
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{t}" for t in TOKENS))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))  # (the words of TOKENS: w0 .. w95; removed after)
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--model", str(folder), "--text", str(text), "--tokens",
+                                      str(len(TOKENS)), "--window", str(WINDOW), "--stride", str(STRIDE), "--modes",
+                                      "w4a16", "--prequant", f"GPTQ={tmp_path / 'gptq'}", "--no-reference",
+                                      "--out-dir", str(tmp_path), "--name", "t"])
+    try:
+        accuracy.main()
+    finally:
+        (folder / "tokenizer.json").unlink()
+    got = json.loads((tmp_path / "t.json").read_text())
+    rows = {r[0]: dict(zip(got["columns"], r)) for r in got["rows"]}
+    assert list(rows) == ["w4a16", "GPTQ"] and rows["GPTQ"]["linears_as"] == "w4a16"
+    assert rows["GPTQ"]["bits_per_weight"] == 4 + 16 / 32  # (symmetric: no zero points held)
+    assert got["meta"]["prequant"]["GPTQ"]["quantization_config"]["quant_method"] == "gptq"
+    logits, _ = accuracy.decoder_logits(tmp_path / "gptq", "bf16", torch.bfloat16, load_weights(tmp_path / "gptq"))
+    direct = accuracy.score(logits, TOKENS, WINDOW, STRIDE, "GPTQ").perplexity
+    assert rows["GPTQ"]["perplexity"] == pytest.approx(direct, rel=1e-12) != rows["w4a16"]["perplexity"]
+
+
 def test_non_finite_logits_are_refused_naming_the_window():
     calls = []
 
@@ -133,6 +167,9 @@ def test_non_finite_logits_are_refused_naming_the_window():
     (["--gguf", "{tmp}/empty.whl"], "--gguf {tmp}/empty.whl: the archive holds no .gguf file"),
     (["--gguf", "{tmp}/bad.whl"], "--gguf {tmp}/bad.whl: not a .gguf file, nor a wheel or zip holding one"),
     (["--text", "{tmp}/none.txt"], "--text {tmp}/none.txt: cannot read it as UTF-8 text"),
+    (["--prequant", "gptq"], "--prequant takes NAME=FOLDER, got 'gptq'"),
+    (["--prequant", "gptq={tmp}/none"], "--prequant gptq={tmp}/none: no config.json"),
+    (["--modes", "w4a16", "--prequant", "w4a16={tmp}"], "--prequant w4a16={tmp}: the row 'w4a16' is named twice"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argv, message):
     with zipfile.ZipFile(tmp_path / "empty.whl", "w") as z:

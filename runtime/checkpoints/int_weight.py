@@ -50,6 +50,26 @@ def unpack_cols(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = 
     return vals.reshape(words.shape[0], -1)
 
 
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def pack_rows(vals: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack_rows`' inverse: [R, C] values of `bits` -> int32 [R * bits / 32, C]."""
+    per = 32 // bits
+    v = vals.to(torch.int64).reshape(-1, per, vals.shape[1])
+    shifts = torch.arange(per, device=vals.device) * bits
+    return _int32((v << shifts[None, :, None]).sum(1))
+
+
+def pack_cols(vals: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack_cols`' inverse (columns in order): [R, C] values of `bits` -> int32 [R, C * bits / 32]."""
+    per = 32 // bits
+    v = vals.to(torch.int64).reshape(vals.shape[0], -1, per)
+    shifts = torch.arange(per, device=vals.device) * bits
+    return _int32((v << shifts[None, None, :]).sum(2))
+
+
 def shape_fits(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
     """A stored shape against the one its format implies; a single scale ([1]) may be stored as a
     scalar or [1, 1] too, as versions of the formats' writers differ."""
