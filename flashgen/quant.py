@@ -114,7 +114,7 @@ def quantize_rtn(w: torch.Tensor, bits: int, group: int | None = None, symmetric
 
 
 def quantize_gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int | None = None,
-                  symmetric: bool = True, damp: float = 0.01, scale_dtype: torch.dtype = torch.float32,
+                  symmetric: bool = True, damp: float = 0.01, scale_dtype: torch.dtype | None = None,
                   block: int = 128) -> QuantizedWeight:
     """GPTQ (Frantar et al., 2022): `quantize_rtn`'s codes grid, the columns quantized in k order, each
     column's rounding error spread over the columns still to come so as to keep the layer's output on
@@ -122,7 +122,9 @@ def quantize_gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int 
     mean diagonal; its inverse's upper Cholesky factor U gives each column's update: the error divided
     by U's diagonal entry, times U's row. Columns go in blocks of `block`, the later blocks updated once
     per block; a group's scale and zero point come from its columns as they stand when the group
-    starts (rounded to `scale_dtype`, the dtype they are stored in, before any code is chosen)."""
+    starts (rounded to `scale_dtype`, the dtype they are stored in, float32 if None, before any code is
+    chosen)."""
+    scale_dtype = scale_dtype or torch.float32
     g = _check(w, bits, group, symmetric)
     n, k = w.shape
     if hessian.shape != (k, k):
