@@ -27,7 +27,9 @@ turns at the program's tiles, so that one's epilogue runs while the other's MMAs
 (gluon*_store: an output a TMA can write, each tile's result goes to shared memory and a TMA copy
 writes it while the next tile computes); gluon_int4 (symmetric int4 codes copied as words); lanes
 (tile_lanes: gemm_w4a8's `lanes` layout, four int8 lanes per AND in the matrix instruction's k order,
-int8 matrix tiles computed transposed, a group's int32 sum times its integer scale; every target);
+int8 matrix tiles computed transposed, a group's int32 sum times its integer scale; every target;
+operand_scale on lanes, tile_lanes_scaled: each group's integer scale multiplied into its lanes before the
+instruction, two integer instructions per four codes, so that every group sums into one int32 tile);
 dequant_first (dq_*: ops with a weight prologue, at DEQUANT_FIRST_MIN_M rows or more, the weight
 dequantized by a pointwise kernel of its own and a dense form's tiles, with the dense op's knobs and
 rules, run on it; targets/staged.py).
@@ -119,7 +121,8 @@ def _flat_knobs(wl: Workload, target: Target) -> dict[str, tuple[int, ...]]:
           "ptx_unpack": ((0, 1, 2) if gemv_rows and whole_block_groups(wl) else (0, 1))
                         if target.vendor == "nvidia" and int4_affine(wl) else (0,),
           "early_load": (0, 1) if gemv_rows and target.pdl else (0,),
-          "operand_scale": (0, 1) if target.vendor == "nvidia" and symmetric_block_groups(wl) else (0,),
+          "operand_scale": (0, 1) if (target.vendor == "nvidia" and symmetric_block_groups(wl)) or lane_group_scales(wl)
+                           else (0,),
           "backend": (0, 1) if gluon_target(target) and gluon_operands(wl) else (0,),
           "producer_warps": (0, 1) if gluon_target(target) and gluon_operands(wl) else (0,),
           "tma_store": (0, 1) if gluon_target(target) and tma_operands(wl) and tma_output(wl) else (0,),
@@ -247,6 +250,12 @@ def accumulator_tiles(wl: Workload) -> int:
     return 2 if affine and prologue.segment_sums(affine) else 1
 
 
+def lane_group_scales(wl: Workload) -> bool:
+    """Whether the workload's `lanes` codes have integer group scales (what tile_lanes_scaled multiplies in)."""
+    lanes = int8_lanes(wl)
+    return lanes is not None and lanes[1] is not None
+
+
 def lane_bytes(wl: Workload) -> float:
     """Bytes a `lanes` tile loads per weight element: half a byte of code, and its group's scale."""
     scale = int8_lanes(wl)[1]
@@ -312,8 +321,10 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
                     f"(block_k={s['block_k']})")
     if s["ptx_unpack"] == 2 and s["block_m"] >= MMA_MIN_ROWS:
         return f"PTX quads of words serve GEMV tiles of fewer than {MMA_MIN_ROWS} rows"
-    if s["operand_scale"] and (s["block_m"] < MMA_MIN_ROWS or s["ptx_unpack"] != 1):
-        return f"operand scaling serves PTX-unpacked matrix tiles of at least {MMA_MIN_ROWS} rows"
+    if s["operand_scale"] and (s["block_m"] < MMA_MIN_ROWS or s["ptx_unpack"] + s["lanes"] != 1
+                               or (s["lanes"] and not lane_group_scales(wl))):
+        return (f"operand scaling serves matrix tiles of at least {MMA_MIN_ROWS} rows: PTX-unpacked int4 codes, "
+                "or lanes codes in groups")
     if s["ptx_unpack"] and s["block_m"] < MMA_MIN_ROWS and not whole_block_groups(wl):
         return f"PTX unpacking of GEMV tiles pairs codes 64 k apart: groups must span {INT4_PERIOD} k"
     if s["num_stages"] < min_stages(target, s):
@@ -333,7 +344,7 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
             return f"a {s['block_m']}x{s['block_k']}x{s['block_n']} product tile leaves some of {threads} threads idle"
         return None
     tiles = 1 if s["operand_scale"] else accumulator_tiles(wl)
-    if s["lanes"] and int8_lanes(wl)[1] is not None:
+    if s["lanes"] and int8_lanes(wl)[1] is not None and not s["operand_scale"]:
         tiles = 2  # a group's int32 sum beside the accumulator
     if tiles * s["block_m"] * s["block_n"] > threads * MAX_ACC_PER_THREAD:
         return f"{tiles} {s['block_m']}x{s['block_n']} accumulator tile(s) do not fit {threads} threads' registers"

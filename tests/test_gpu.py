@@ -383,16 +383,22 @@ LANES_CASES = [  # (M, N, K, G or None per channel, schedule knobs besides the t
 ]
 
 
-@pytest.mark.parametrize("m, n, k, g, knobs", LANES_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}-g{c[3]}" for c in LANES_CASES])
+# each case in the lanes tile, and where it has groups with their scales in the lanes
+LANES_FORMS = [(*c, f) for c in LANES_CASES for f in ("tile_lanes", "tile_lanes_scaled") if c[3] or f == "tile_lanes"]
+
+
+@pytest.mark.parametrize("m, n, k, g, knobs, form", LANES_FORMS,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-g{c[3]}-{c[5]}" for c in LANES_FORMS])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
-def test_lanes_tiles_on_gpu(m, n, k, g, knobs, dt):
-    """gemm_w4a8's `lanes` tiles (four int8 lanes per AND, a group's int32 sum times its integer scale):
-    every group mode, tails on every side, split and persistent, twice, then replayed from a CUDA graph."""
+def test_lanes_tiles_on_gpu(m, n, k, g, knobs, form, dt):
+    """gemm_w4a8's `lanes` tiles (four int8 lanes per AND, a group's int32 sum times its integer scale;
+    or, tile_lanes_scaled, the scale in the lanes, one int32 sum): every group mode, tails on every
+    side, split and persistent, twice, then replayed from a CUDA graph."""
     wl = flashgen.workload("gemm_w4a8", M=m, N=n, K=k, G=g or k, dtype=dt, group="group" if g else "channel",
                            pack="lanes")
     space = ScheduleSpace(wl, TARGET)
-    s = {"variant": "tile_lanes", "num_stages": 3, "group_m": 1, "split_k": 1, "persistent": 0, **knobs}
-    s = {key: v for key, v in s.items() if key == "variant" or key in space.forms()["tile_lanes"]}
+    s = {"variant": form, "num_stages": 3, "group_m": 1, "split_k": 1, "persistent": 0, **knobs}
+    s = {key: v for key, v in s.items() if key == "variant" or key in space.forms()[form]}
     assert space.is_valid(s), space.why_invalid(s)
     _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 43)
 

@@ -114,7 +114,7 @@ def test_space_offers_no_block_group_form(target):
     """For groups of 64 and 32, the space leaves out the forms that need a block of 128 k to share one
     scale, at every regime, and its rules refuse such schedules when given; the default is valid, and
     no schedule the space yields (a random sample of its points that pass the rules) unpacks GEMV
-    codes in PTX or scales code pairs."""
+    codes in PTX or scales code pairs (lanes tiles scale int8 lanes by any group of whole 32-k blocks)."""
     t = get_target(target)
     rng = random.Random(576)
     for op, kw, g, m in SPACES:
@@ -126,7 +126,7 @@ def test_space_offers_no_block_group_form(target):
             s = space.sample(rng)
             if space.is_valid(s):
                 f = flat_of(wl, s)
-                assert not (f["ptx_unpack"] and f["block_m"] < 16) and not f["operand_scale"], s
+                assert not (f["ptx_unpack"] and f["block_m"] < 16) and not (f["operand_scale"] and not f["lanes"]), s
         if m <= 16 and op != "gemm_w4a8":
             assert "groups must span 128" in space.why_invalid(
                 {"variant": "gemv_ptx", "block_m": 1, "block_n": 16, "block_k": 1024, "num_warps": 4, "num_stages": 1,

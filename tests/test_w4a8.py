@@ -122,20 +122,29 @@ LANES = {"variant": "tile_lanes", "block_m": 16, "block_n": 32, "block_k": 128, 
          "split_k": 1, "persistent": 0}
 
 
-@pytest.mark.parametrize("m, n, k, g, s", [
+LANES_NUMERICS = [
     (1, 40, 256, 128, {}),                                   # one row, a column tail
     (19, 48, 384, 64, {"group_m": 1}),                       # two groups per k step, a row tail
     (5, 33, 512, 256, {"block_k": 64, "split_k": 2}),        # a quarter group per k step, split K
     (3, 24, 200, None, {"block_k": 64}),                     # per channel, a k tail (200 = 3 * 64 + 8)
     (17, 40, 160, 32, {"block_m": 32, "block_k": 64, "group_m": 1}),  # groups of 32, a k tail
+]
+
+
+@pytest.mark.parametrize("m, n, k, g, s", LANES_NUMERICS + [
+    # lanes times their group scale before the instruction: the same shapes in groups, and a k step
+    # half past K (K = 192 under 128-deep steps: its second group's lanes and scale masked to zero)
+    *[(m, n, k, g, {**s, "variant": "tile_lanes_scaled"}) for m, n, k, g, s in LANES_NUMERICS if g],
+    (7, 56, 192, 64, {"variant": "tile_lanes_scaled", "block_k": 128}),
 ])
 def test_lanes_tile_numerics(interpreter, m, n, k, g, s):
-    """The lanes tile (Triton's interpreter) against the float64 reference on fresh inputs: the sums
+    """The lanes tiles (Triton's interpreter) against the float64 reference on fresh inputs: the sums
     are exact in int32, so the error is the fp32 scaling and fp16 rounding of the output alone."""
     wl = flashgen.workload("gemm_w4a8", M=m, N=n, K=k, G=g or k, dtype="fp16", group="group" if g else "channel",
                            pack="lanes")
     space = ScheduleSpace(wl, get_target("h200"))
-    sched = {kk: v for kk, v in {**LANES, **s}.items() if kk in space.forms()["tile_lanes"] or kk == "variant"}
+    form = s.get("variant", "tile_lanes")
+    sched = {kk: v for kk, v in {**LANES, **s}.items() if kk in space.forms()[form] or kk == "variant"}
     assert space.is_valid(sched), space.why_invalid(sched)
     checks = interpreter.check(wl, sched, "h200", [m + 1, m + 2])
     assert checks and all(ch.ok and ch.error <= 2 ** -10 for ch in checks), checks
@@ -171,7 +180,8 @@ def test_lanes_tiles_build_ahead_of_time_with_fewer_unpack_instructions():
     """The lanes tile builds for sm_90 (warpgroup int8 MMA), sm_80 (IMMA) and gfx942 (MFMA) without a
     GPU; on sm_90 its k loop (one 128-deep step of a 128 x 128 tile, groups of 128) takes fewer than
     two thirds of the instructions of the k128 layout's integer unpack (543 -> 296 at this commit:
-    PRMT 196 -> 26, LOP3 84 -> 16 for 64 codes per thread), and no shared-memory stores."""
+    PRMT 196 -> 26, LOP3 84 -> 16 for 64 codes per thread), and no shared-memory stores; with the
+    group scales in the lanes (tile_lanes_scaled) fewer still."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
@@ -191,6 +201,12 @@ def test_lanes_tiles_build_ahead_of_time_with_fewer_unpack_instructions():
     assert sum(loops["sm_90", "tile_lanes"].values()) < 2 / 3 * sum(loops["sm_90", "tile"].values())
     unpack = {v: sum(n for op, n in loops["sm_90", v].items() if op.startswith(("PRMT", "LOP3"))) for v in ("tile", "tile_lanes")}
     assert unpack["tile_lanes"] * 4 < unpack["tile"], unpack
+    # group scales multiplied into the lanes: no group epilogue between the instructions (its shift
+    # and multiply per accumulator element: 64 SHF.R.S32.HI and 64 IMAD at this commit), 296 -> 171
+    scaled = loop_opcodes(flashgen.compile(new, "sm_90", schedule={**s, "variant": "tile_lanes_scaled"}).binary)
+    assert any(op.startswith("IGMMA") for op in scaled) and not any(op.startswith("STS") for op in scaled), scaled
+    assert scaled.get("SHF.R.S32.HI", 0) == 0 < loops["sm_90", "tile_lanes"]["SHF.R.S32.HI"], scaled
+    assert sum(scaled.values()) < 0.7 * sum(loops["sm_90", "tile_lanes"].values()), scaled
     amd = flashgen.compile(new, "gfx942", schedule={**s, "variant": "tile_lanes", "num_stages": 2})
     assert "v_mfma" in amd.asm["amdgcn"] and amd.binary
 

@@ -58,6 +58,8 @@ def _table() -> dict[str, Variant]:
     int4 = [Variant("tile_ptx", ptx), Variant("tile_ptx_scaled", {**ptx, "operand_scale": 1})]
     # int4 codes of the `lanes` layout: one AND per four int8 lanes, int8 matrix instructions
     int4 += [Variant("tile_lanes", {"lanes": 1})]
+    # and each group's integer scale multiplied into its lanes before the instruction: one int32 sum
+    int4 += [Variant("tile_lanes_scaled", {"lanes": 1, "operand_scale": 1})]
     g = {"backend": GLUON}
     warp = {**g, "producer_warps": 1}
     gluon = [Variant("gluon", g, counts=("group_m",)), Variant("gluon_warp", warp, counts=("group_m", "persistent")),
