@@ -217,3 +217,32 @@ def test_k_beyond_exact_int32_sums_is_refused():
         flashgen.workload("gemm_w4a8", M=1, N=16, K=131071, G=131071, group="channel", pack=pack)
         with pytest.raises(FlashgenError, match="int32 sums"):
             flashgen.workload("gemm_w4a8", M=1, N=16, K=131072, G=128, pack=pack)
+
+
+def test_forms_from_records_compares_each_form_best_and_the_same_tile(tmp_path, monkeypatch):
+    """benchmarks/studies/forms_from_records.py: per workload each form's fastest ok record, the ratio
+    over the first form's, and with --same-tile the tiles both forms measured; failed records and other
+    ops are left out, a workload without both forms has no row."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
+    import forms_from_records
+
+    tile = {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4}
+
+    def rec(m, form, us, status="ok", op="gemm_w4a8", **knobs):
+        return {"workload": {"op": op, "dims": {"M": m, "N": 64, "K": 128, "G": 128}, "attrs": {"pack": "lanes"}},
+                "target_key": "cuda:sm_90/h100", "device": "H100", "status": status, "latency_us": us,
+                "schedule": {**tile, **knobs, "variant": form}}
+    recs = [rec(256, "tile_lanes", 30.0), rec(256, "tile_lanes", 20.0, block_n=64), rec(256, "tile_lanes_scaled", 24.0),
+            rec(256, "tile_lanes_scaled", 1.0, status="crash"), rec(256, "tile_lanes_scaled", 5.0, op="gemm_w8a8"),
+            rec(16, "tile_lanes", 9.0)]  # M = 16: one form only
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setattr(sys, "argv", ["forms_from_records.py", str(src), "--op", "gemm_w4a8", "--forms",
+                                      "tile_lanes,tile_lanes_scaled", "--same-tile", "--out-dir", str(tmp_path)])
+    forms_from_records.main()
+    rows = json.loads((tmp_path / "forms_from_records.json").read_text())["rows"]
+    assert [r[:5] for r in rows] == [["G=128 K=128 M=256 N=64", "best of each", 20.0, 24.0, 20.0 / 24.0],
+                                     ["G=128 K=128 M=256 N=64", json.dumps(tile, sort_keys=True), 30.0, 24.0, 30.0 / 24.0]]
