@@ -650,9 +650,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    """Quantize a float model folder's linears by GPTQ on calibration text (or round them to nearest on
-    the same grid: --method rtn) into a GPTQ checkpoint folder (runtime/checkpoints/gptq_quantize.py),
-    which the decoder then loads as it is."""
+    """Quantize a float model folder's linears by GPTQ or AWQ on calibration text (or round them to
+    nearest on the same grid: --method rtn) into a GPTQ (AWQ) checkpoint folder
+    (runtime/checkpoints/gptq_quantize.py), which the decoder then loads as it is."""
     from pathlib import Path
 
     folder, out = Path(args.model), Path(args.out)
@@ -662,7 +662,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if out.exists():
         raise FlashgenError(f"{args.out} exists: give a new folder to write the checkpoint in")
     if (args.calib is None) != (args.method == "rtn"):
-        raise FlashgenError("--method gptq takes --calib TEXTFILE" if args.calib is None else
+        raise FlashgenError(f"--method {args.method} takes --calib TEXTFILE" if args.calib is None else
                             "--method rtn takes no --calib: it rounds to nearest without calibration")
     try:
         text = Path(args.calib).read_text(encoding="utf-8") if args.calib is not None else None
@@ -671,7 +671,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     from flashgen.runtime.checkpoints.gptq_quantize import GptqOptions, calibration_tokens, check, quantize_folder
 
-    options = GptqOptions(args.bits, args.group, not args.asym, args.damp)
+    options = GptqOptions(args.bits, args.group, not args.asym, args.damp, method=args.method)
     config = check(folder, out, options)  # (before the calibration text is tokenized and the model loads)
     tokens = calibration_tokens(folder, config, text, args.samples, args.seq_len) if text is not None else None
     _status(f"{args.method.upper()} {args.bits}-bit, group {args.group}, {'asymmetric' if args.asym else 'symmetric'}"
@@ -863,21 +863,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_cache_flag(sv)
     sv.set_defaults(func=cmd_serve)
 
-    qz = sub.add_parser("quantize", help="quantize a float model folder into a GPTQ checkpoint (CPU)",
-                        description="Quantize a Hugging Face Llama-family folder's decoder linears by GPTQ on "
-                                    "calibration text, layer by layer on the CPU, into a GPTQ checkpoint folder "
-                                    "that generate and serve load (docs/usage.md).")
+    qz = sub.add_parser("quantize", help="quantize a float model folder into a GPTQ or AWQ checkpoint (CPU)",
+                        description="Quantize a Hugging Face Llama-family folder's decoder linears by GPTQ or AWQ "
+                                    "on calibration text, layer by layer on the CPU, into a GPTQ (AWQ) checkpoint "
+                                    "folder that generate and serve load (docs/usage.md).")
     qz.add_argument("model", metavar="MODEL_FOLDER", help="a float model folder (config.json, safetensors, tokenizer)")
     qz.add_argument("out", metavar="OUT_FOLDER", help="the checkpoint folder to write (must not exist)")
-    qz.add_argument("--method", choices=("gptq", "rtn"), default="gptq",
-                    help="gptq (default), or rtn: round to nearest on the same grid, stored alike (no calibration)")
+    qz.add_argument("--method", choices=("gptq", "awq", "rtn"), default="gptq",
+                    help="gptq (default); awq: activation-aware input scales, then round to nearest, in AWQ's "
+                         "format (4 bits); rtn: round to nearest on GPTQ's grid, stored alike (no calibration)")
     qz.add_argument("--bits", type=int, choices=(4, 8), default=4,
                     help="4 (default), or 8 (per channel and symmetric: --group -1)")
     qz.add_argument("--group", type=int, default=128,
                     help="inputs per scale, dividing every linear's inputs; -1: one per output channel (default 128)")
     qz.add_argument("--asym", action="store_true",
                     help="a zero point per group (default: symmetric, the grid of the decoder's RTN modes)")
-    qz.add_argument("--calib", metavar="TEXTFILE", help="calibration text, UTF-8 (gptq)")
+    qz.add_argument("--calib", metavar="TEXTFILE", help="calibration text, UTF-8 (gptq, awq)")
     qz.add_argument("--samples", type=_checked(int, at_least(1), "an integer of at least 1"), default=64,
                     help="calibration sequences, spread over the text (default 64)")
     qz.add_argument("--seq-len", type=_checked(int, at_least(2), "an integer of at least 2"), default=512,

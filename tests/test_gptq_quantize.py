@@ -139,6 +139,9 @@ def test_rtn_writes_round_to_nearest_codes(tiny, tmp_path):
     (["--calib", "CALIB", "FLOAT", "FLOAT"], "exists: give a new folder"),
     (["FLOAT", "OUT"], "--method gptq takes --calib TEXTFILE"),
     (["--method", "rtn", "--calib", "CALIB", "FLOAT", "OUT"], "--method rtn takes no --calib"),
+    (["--method", "awq", "FLOAT", "OUT"], "--method awq takes --calib TEXTFILE"),
+    (["--method", "awq", "--bits", "8", "--group", "-1", "--calib", "CALIB", "FLOAT", "OUT"],
+     "AWQ checkpoints hold 4-bit codes"),
 ])
 def test_bad_input_is_one_line(tiny, tmp_path, capsys, args, message):
     _, folder, root = tiny
@@ -148,3 +151,94 @@ def test_bad_input_is_one_line(tiny, tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert message.replace("NOWHERE", names["NOWHERE"]) in err and err.count("\n") == 1, err
     assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()
+
+
+def test_awq_scales_keep_salient_channels_closer_and_never_lose_on_their_inputs():
+    """awq_scales.best_scale: on inputs where a few channels carry most of the magnitude, scaling those
+    columns up before rounding keeps the output closer than rounding alone; where every channel is alike
+    the search may pick no scale, and it never returns more error than rounding alone (alpha 0 is tried)."""
+    from flashgen.runtime.checkpoints.awq_scales import best_scale, output_error
+
+    gen = torch.Generator().manual_seed(11)
+    n, k, t = 48, 128, 1024
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64)
+    for salient in (True, False):
+        x = torch.randn(t, k, generator=gen, dtype=torch.float64)
+        if salient:
+            x[:, :6] *= 30.0
+        h = 2 * x.T @ x / t
+        s, err, plain = best_scale(w, x.abs().mean(0), h, 4, 32, True)
+        rtn = quantize_rtn(w, 4, 32, True).dequantize()
+        assert plain == pytest.approx(output_error(w, rtn, h)) and err <= plain
+        dq = quantize_rtn(w * s, 4, 32, True).dequantize() / s
+        assert err == pytest.approx(float((x @ (w - dq).T).pow(2).sum()) * 2 / t)
+        if salient:
+            assert err < 0.8 * plain and float(s[:6].min()) > float(s[6:].max()), (err, plain)
+
+
+def test_awq_folding_keeps_the_float_layer_output():
+    """awq_scales.fold: each stack's columns times s and 1 / s in its producer (norms; up's rows; v's rows
+    and bias where every query head has its own value head) leave a layer's output as it was; with
+    grouped heads o is left alone."""
+    from flashgen.runtime.checkpoints.awq_scales import fold
+    from flashgen.runtime.checkpoints.gptq_quantize import STACKS
+
+    for heads, kv in ((4, 4), (4, 2)):
+        torch.manual_seed(heads + kv)
+        cfg = transformers.Qwen2Config(**{**COMMON, "num_key_value_heads": kv}, use_sliding_window=False)
+        hf = transformers.Qwen2ForCausalLM(cfg).double().eval()
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.1 * torch.randn_like(p))  # (norm weights and biases away from 1 and 0)
+            tokens = torch.tensor([PROMPTS[1]])
+            want = hf(tokens).logits
+            layer = hf.model.layers[0]
+            o_before = layer.self_attn.o_proj.weight.clone()
+            folded = [fold(layer, stack, torch.rand(layer.get_submodule(stack[0]).weight.shape[1],
+                                                    dtype=torch.float64) * 3 + 0.2) for stack in STACKS]
+            got = hf(tokens).logits
+        assert folded == [True, kv == heads, True, True]
+        assert float((got - want).abs().max()) < 1e-9 * float(want.abs().max())
+        assert torch.equal(layer.self_attn.o_proj.weight, o_before) == (kv != heads)
+
+
+def test_awq_checkpoint_loads_as_the_weights_its_codes_and_norms_stand_for(tiny, tmp_path, capsys):
+    """--method awq writes AWQ's GEMM format (codes, zero points 8 where symmetric, fp16 scales) and the
+    norms and up rows that absorbed the scales; the decoder loads it as w4a16 and matches transformers in
+    float64 holding what the stored tensors stand for."""
+    from safetensors.torch import load_file
+
+    from flashgen.runtime.checkpoints.prequant import AWQ_ORDER
+    hf, folder, root = tiny
+    out = tmp_path / "q"
+    assert main(["quantize", "--method", "awq", "--group", "32", "--calib", str(root / "calib.txt"), "--samples", "6",
+                 "--seq-len", "48", str(folder), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "layer 2/2: output error against rounding alone: q " in err and "o unscaled" in err, err
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True}
+    stored = load_file(str(out / "model.safetensors"))
+    ref = transformers.LlamaForCausalLM(hf.config).double().eval()
+    ref.load_state_dict({k: v for k, v in stored.items() if k.endswith("weight")}, strict=False)
+    order = torch.tensor(AWQ_ORDER).argsort()
+    changed = 0
+    for i in range(hf.config.num_hidden_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            p = f"model.layers.{i}.{norm}.weight"
+            changed += not torch.equal(stored[p], hf.state_dict()[p])
+        for lin in LINEARS:
+            p = f"model.layers.{i}.{lin}."
+            codes = _unpack(stored[p + "qweight"], 4, 1)                      # [K, N], nibble order
+            codes = codes.reshape(codes.shape[0], -1, 8)[:, :, order].reshape(codes.shape[0], -1).T.double()
+            zeros = _unpack(stored[p + "qzeros"], 4, 1)
+            zeros = zeros.reshape(zeros.shape[0], -1, 8)[:, :, order].reshape(zeros.shape[0], -1).T.double()
+            assert torch.all(zeros == 8)
+            g = torch.arange(codes.shape[1]) // 32
+            ref.get_submodule(p[:-1]).weight.data.copy_((codes - zeros[:, g]) * stored[p + "scales"].T.double()[:, g])
+    assert changed == 2 * hf.config.num_hidden_layers  # every norm took its stack's scales
+    model = Decoder(ModelConfig.from_folder(out), load_weights(out))
+    assert model.quant == "w4a16"
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPTS[1]])).logits[0]
+    got = prefill_logits(model, PROMPTS[1]).double()
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4

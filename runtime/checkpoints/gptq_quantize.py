@@ -18,7 +18,10 @@ zero points in `gptq_v2`, which stores them as they are (the original cannot sto
 
 Without calibration tokens (`--method rtn`) each linear is GPTQ with an identity Hessian, which is
 round-to-nearest on the same grid with the same stored scales: the control that shows what GPTQ's
-error feedback alone gains.
+error feedback alone gains. `--method awq` first scales each stack's input channels by its activations
+(runtime/checkpoints/awq_scales.py: the scales searched on the same calibration inputs, folded into the
+norms and the linears before), then rounds to nearest, and writes the AWQ format (`quant_method: awq`,
+`version: gemm`; prequant.py's docstring), zero points included as that format has them.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch
 
 from flashgen.errors import FlashgenError
 from flashgen.quant import QuantizedWeight, quantize_gptq
+from flashgen.runtime.checkpoints import awq_scales
 from flashgen.runtime.checkpoints.int_weight import pack_cols, pack_rows
 from flashgen.runtime.checkpoints.model_config import ModelConfig
 
@@ -43,6 +47,10 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # not copied: t
 NOT_COPIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
+METHODS = ("gptq", "awq", "rtn")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds (prequant.py reads it)
+
+
 @dataclass(frozen=True)
 class GptqOptions:
     bits: int = 4
@@ -50,6 +58,7 @@ class GptqOptions:
     symmetric: bool = True  # zero point 2^(bits - 1); False: a zero point per group (4 bits)
     damp: float = 0.01      # of the Hessian's mean diagonal, added to its diagonal
     batch: int = 8          # sequences per forward
+    method: str = "gptq"    # METHODS: gptq and awq calibrate, rtn does not
 
 
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -72,8 +81,12 @@ def check(folder: Path, out: Path, options: GptqOptions) -> ModelConfig:
         raise FlashgenError(f"{folder} is already quantized ({config.prequant.method}): give a float checkpoint")
     if config.num_experts:
         raise FlashgenError(f"{folder} is a mixture-of-experts model: GPTQ here quantizes dense models")
+    if options.method not in METHODS:
+        raise FlashgenError(f"the method must be one of {', '.join(METHODS)}, got {options.method!r}")
     if options.bits not in (4, 8):
         raise FlashgenError(f"bits must be 4 or 8, got {options.bits}")
+    if options.method == "awq" and options.bits != 4:
+        raise FlashgenError("AWQ checkpoints hold 4-bit codes: give --bits 4")
     if options.bits == 8 and (options.group != -1 or not options.symmetric):
         raise FlashgenError("8-bit codes load per channel and symmetric only (the int8 GEMM's weights): "
                             "give group -1, without zero points")
@@ -146,14 +159,17 @@ def _run(layer: torch.nn.Module, inputs: list[tuple[torch.Tensor, dict]]) -> lis
     return out
 
 
-def _hessians(layer: torch.nn.Module, inputs: list[tuple[torch.Tensor, dict]]) -> dict[str, torch.Tensor]:
-    """2 X X^T / n of the input each stack of linears reads (float64), over every calibration token."""
+def _input_stats(layer: torch.nn.Module, inputs: list[tuple[torch.Tensor, dict]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per stack of linears, by its first name: 2 X X^T / n of the input it reads and the input's mean
+    magnitude per channel (float64), over every calibration token."""
     sums: dict[str, torch.Tensor] = {}
+    mags: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
     def add(name: str, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         sums[name] = sums.get(name, 0) + (x.T @ x).double()
+        mags[name] = mags.get(name, 0) + x.abs().sum(0).double()
         counts[name] = counts.get(name, 0) + x.shape[0]
 
     hooks = [layer.get_submodule(s[0]).register_forward_pre_hook(lambda m, args, name=s[0]: add(name, args[0]))
@@ -163,7 +179,7 @@ def _hessians(layer: torch.nn.Module, inputs: list[tuple[torch.Tensor, dict]]) -
     finally:
         for h in hooks:
             h.remove()
-    return {name: 2 * sums[name] / counts[name] for name in sums}
+    return {name: (2 * sums[name] / counts[name], mags[name] / counts[name]) for name in sums}
 
 
 def gptq_tensors(q: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -178,7 +194,19 @@ def gptq_tensors(q: QuantizedWeight) -> dict[str, torch.Tensor]:
             "scales": q.scales.T.half().contiguous(), "g_idx": (torch.arange(k) // q.group).to(torch.int32)}
 
 
+def awq_tensors(q: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """One linear's 4-bit codes as AWQ's GEMM format stores them (prequant.py's docstring): eight
+    columns of one k per word in AWQ_ORDER, the zero points packed alike (8 where symmetric)."""
+    def packed(vals: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C / 8], nibble j holding column AWQ_ORDER[j]
+        r = vals.to(torch.int64)
+        return pack_cols(r.reshape(r.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(r.shape[0], -1), 4)
+    zeros = q.zeros if q.zeros is not None else torch.full(q.scales.shape, 8, dtype=torch.uint8)
+    return {"qweight": packed(q.codes.T), "qzeros": packed(zeros.T), "scales": q.scales.T.half().contiguous()}
+
+
 def quantization_config(options: GptqOptions) -> dict:
+    if options.method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": options.group, "version": "gemm", "zero_point": True}
     return {"quant_method": "gptq", "bits": options.bits, "group_size": options.group, "sym": options.symmetric,
             "desc_act": False, "damp_percent": options.damp, "true_sequential": False,
             "checkpoint_format": "gptq" if options.symmetric else "gptq_v2"}
@@ -186,14 +214,17 @@ def quantization_config(options: GptqOptions) -> dict:
 
 def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor | None, options: GptqOptions,
                     progress: Callable[[str], None] = lambda line: None) -> dict[str, QuantizedWeight]:
-    """GPTQ of `folder`'s decoder linears on calibration `tokens` [samples, seq_len] (None: round to
-    nearest), written to `out` (module docstring); returns each linear's codes by its full name
+    """`folder`'s decoder linears quantized by `options.method` on calibration `tokens` [samples, seq_len]
+    (rtn: None), written to `out` (module docstring); returns each linear's codes by its full name
     (`model.layers.0.mlp.down_proj`)."""
     from safetensors.torch import save_file
 
     from flashgen.extras import require
 
     config = check(folder, out, options)
+    if (tokens is None) != (options.method == "rtn"):
+        raise FlashgenError(f"{options.method} " + ("takes no calibration tokens" if tokens is not None
+                                                     else "needs calibration tokens"))
     if tokens is not None:
         _check_tokens(config, *tokens.shape)
     transformers = require("transformers", "flashgen quantize")
@@ -203,11 +234,13 @@ def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor | None, option
     with torch.no_grad():
         inputs = _layer_inputs(hf, tokens, options.batch) if tokens is not None else None
         for i, layer in enumerate(hf.model.layers):
-            hessians = _hessians(layer, inputs) if inputs is not None else None
+            stats = _input_stats(layer, inputs) if inputs is not None else None
+            if options.method == "awq":
+                progress(f"layer {i + 1}/{config.num_layers}: " + _awq_fold(layer, stats, options, group))
             for stack in STACKS:
                 linears = [layer.get_submodule(name) for name in stack]
                 k = linears[0].weight.shape[1]
-                h = hessians[stack[0]] if hessians is not None else torch.eye(k, dtype=torch.float64)
+                h = stats[stack[0]][0] if options.method == "gptq" else torch.eye(k, dtype=torch.float64)
                 q = quantize_gptq(torch.cat([m.weight for m in linears]), h, options.bits, group,
                                   options.symmetric, options.damp, scale_dtype=torch.float16)
                 dq, row = q.dequantize(), 0
@@ -223,8 +256,9 @@ def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor | None, option
                if name.removesuffix(".weight") not in codes}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    stored = awq_tensors if options.method == "awq" else gptq_tensors
     for name, q in codes.items():
-        tensors.update({f"{name}.{part}": t for part, t in gptq_tensors(q).items()})
+        tensors.update({f"{name}.{part}": t for part, t in stored(q).items()})
     part = out.with_name(out.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)
     try:
@@ -241,3 +275,21 @@ def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor | None, option
         shutil.rmtree(part, ignore_errors=True)
         raise
     return codes
+
+
+def _awq_fold(layer: torch.nn.Module, stats: dict[str, tuple[torch.Tensor, torch.Tensor]], options: GptqOptions,
+              group: int | None) -> str:
+    """Every stack's AWQ scales searched on the float layer, then folded in (awq_scales.py); a line of
+    each stack's output error against plain rounding's."""
+    scales = {}
+    for stack in STACKS:
+        w = torch.cat([layer.get_submodule(name).weight for name in stack])
+        hessian, mean_abs = stats[stack[0]]
+        s, err, plain = awq_scales.best_scale(w, mean_abs, hessian, options.bits, group, options.symmetric)
+        scales[stack] = (s, err / plain if plain > 0 else 1.0)
+    notes = []
+    for stack, (s, ratio) in scales.items():
+        folded = awq_scales.fold(layer, stack, s)
+        notes.append(f"{stack[0].split('.')[-1].removesuffix('_proj')} {ratio:.2f}" if folded else
+                     f"{stack[0].split('.')[-1].removesuffix('_proj')} unscaled")
+    return "output error against rounding alone: " + ", ".join(notes)
