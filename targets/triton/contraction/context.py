@@ -56,3 +56,13 @@ class Tile:
         top.line(f"{self.acc}_t = tl.zeros([BLOCK_N, BLOCK_M], dtype={acc_dtype})")
         top.line("for k0 in range(k_lo, k_hi, BLOCK_K):")
         return cmask
+
+    def at_k(self, var: str, start: str, cmask: str | None, k_extent: str) -> Scope:
+        """A scope of the transposed tile's columns at the one k `var` = `start` (a group's or segment's
+        first k), masked past K where the tile has a k tail: where a per-group scale or zero loads."""
+        self.body.line(f"{var} = {start}")
+        mask = None
+        if self.kmask:
+            self.body.line(f"{var}m = {var} < {k_extent}")
+            mask = f"{var}m"
+        return self.body.child(axes={"c": ("c_t", cmask), "k": (var, mask)}, fresh=True)

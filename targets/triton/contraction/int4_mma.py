@@ -74,10 +74,7 @@ def mma_int4(t: Tile) -> None:
         x_scope = body.child(axes={"r": ("r_t", "rmask_t"), "k": (f"kx{q}", f"kxm{q}" if kmask else None)}, fresh=True)
         x = operand_tile(t, con.a, x_scope)
         if oscale and j == 0:  # one scale per row and block of 128 k (the rules ask for groups of 128 k or more)
-            body.line(f"ksc{b} = k0 + {INT4_PERIOD * b}")
-            if kmask:
-                body.line(f"kscm{b} = ksc{b} < {k_extent}")
-            sc_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"ksc{b}", f"kscm{b}" if kmask else None)}, fresh=True)
+            sc_scope = t.at_k(f"ksc{b}", f"k0 + {INT4_PERIOD * b}", cmask, k_extent)
             body.line(f"sc{b} = tl.broadcast_to(({em.emit(scale, sc_scope)}).to({dtypes.TL[t.operand]}), [BLOCK_N, {RUN}])")
         runs = []
         for jj in range(j, j + per_dot):
@@ -96,12 +93,7 @@ def mma_int4(t: Tile) -> None:
             body.line(f"xs += tl.sum({x}.to(tl.float32), axis=0)[None, :]")
         if (q + per_dot) % per_segment == 0:
             first = q + per_dot - per_segment
-            body.line(f"kseg{first} = k0 + {RUN * first}")
-            seg_mask = None
-            if kmask:
-                body.line(f"ksegm{first} = kseg{first} < {k_extent}")
-                seg_mask = f"ksegm{first}"
-            seg_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"kseg{first}", seg_mask)}, fresh=True)
+            seg_scope = t.at_k(f"kseg{first}", f"k0 + {RUN * first}", cmask, k_extent)
             value = "seg" if offset is None else f"(seg + (8.0 - {em.emit(offset, seg_scope)}) * xs)"
             body.line(f"{acc}_t += {value}" + (f" * {em.emit(scale, seg_scope)}" if scale is not None else ""))
     top.line(f"{acc} = tl.trans({acc}_t)")

@@ -75,12 +75,7 @@ def mma_lanes(t: Tile, lanes: tuple[E.Load, E.Load | None], segment: int) -> Non
                   + (f", mask={mask}, other=0)" if mask else ")"))
         group_scale = None
         if scale is not None:
-            body.line(f"ksg{q} = k0 + {segment * q}")
-            seg_mask = None
-            if kmask:
-                body.line(f"ksgm{q} = ksg{q} < {k_extent}")
-                seg_mask = f"ksgm{q}"
-            sg_scope = body.child(axes={"c": ("c_t", cmask), "k": (f"ksg{q}", seg_mask)}, fresh=True)
+            sg_scope = t.at_k(f"ksg{q}", f"k0 + {segment * q}", cmask, k_extent)
             group_scale = f"({em.emit(scale, sg_scope)}).to(tl.int32)"
         if scaled:
             body.line(f"sg{q} = tl.reshape({group_scale}, [BLOCK_N, 1, 1])")
