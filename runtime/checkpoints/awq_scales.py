@@ -9,8 +9,10 @@ rows for o where every query head reads a value head of its own (with grouped he
 several o columns, which may want different scales: o is left unscaled there). alpha is chosen on a grid
 in [0, 1) to keep the stack's output on the calibration inputs, ||X (W - Q(W s) / s)^T||^2, which the
 inputs' Hessian 2 X^T X / n gives without the tokens: alpha = 0 (plain round to nearest) is on the
-grid, so the search never does worse on its calibration inputs. Only the scales are searched (AWQ also
-searches a clipping range per group, which is not done here).
+grid, so the search never does worse on its calibration inputs. Then each group of each row of v, o,
+gate, up and down (not q and k, whose errors the attention scores multiply) is clipped to the fraction
+of its range, on a grid from 1 down to 0.55, that keeps that group's share of the output closest
+(`best_clip`: the group's error through its block of the Hessian); 1 is on the grid.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import torch
 from flashgen.quant import quantize_rtn
 
 ALPHAS = tuple(i / 20 for i in range(20))  # the exponents tried
+CLIPS = tuple(1 - i / 20 for i in range(10))  # the fractions of a group's range tried, 1 down to 0.55
+CLIPPED = ("self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def output_error(w: torch.Tensor, dq: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -43,6 +47,33 @@ def best_scale(w: torch.Tensor, mean_abs: torch.Tensor, hessian: torch.Tensor, b
         if best is None or err < best[1]:
             best = (s, err)
     return best[0], best[1], plain
+
+
+def best_clip(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> torch.Tensor:
+    """`w` [N, K] with each (row, group) clipped to the fraction of its range in CLIPS whose rounding to
+    nearest (on `quantize_rtn`'s grid) keeps the group's share of the output closest: the error through
+    the group's diagonal block of `hessian` (float64)."""
+    w64 = w.to(torch.float64)
+    n, k = w64.shape
+    g = k if group is None else group
+    blocks = torch.stack([hessian[i:i + g, i:i + g] for i in range(0, k, g)]).to(torch.float64)  # [K / g, g, g]
+    wg = w64.reshape(n, k // g, g)
+    hi, lo = wg.amax(-1, keepdim=True), wg.amin(-1, keepdim=True)
+    if symmetric:
+        hi = torch.maximum(hi, -lo)
+        lo = -hi
+    best, best_err = wg, None
+    for c in CLIPS:
+        clipped = torch.minimum(torch.maximum(wg, c * lo), c * hi)
+        d = wg - quantize_rtn(clipped.reshape(n, k), bits, group, symmetric).dequantize().reshape(n, k // g, g)
+        err = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best = torch.where(better[..., None], clipped, best)
+        best_err = torch.where(better, err, best_err)
+    return best.reshape(n, k).to(w.dtype)
 
 
 def fold(layer: torch.nn.Module, stack: tuple[str, ...], s: torch.Tensor) -> bool:

@@ -20,7 +20,8 @@ Without calibration tokens (`--method rtn`) each linear is GPTQ with an identity
 round-to-nearest on the same grid with the same stored scales: the control that shows what GPTQ's
 error feedback alone gains. `--method awq` first scales each stack's input channels by its activations
 (runtime/checkpoints/awq_scales.py: the scales searched on the same calibration inputs, folded into the
-norms and the linears before), then rounds to nearest, and writes the AWQ format (`quant_method: awq`,
+norms and the linears before) and clips each group's range where that keeps the output closer, then
+rounds to nearest, and writes the AWQ format (`quant_method: awq`,
 `version: gemm`; prequant.py's docstring), zero points included as that format has them.
 """
 from __future__ import annotations
@@ -279,8 +280,9 @@ def quantize_folder(folder: Path, out: Path, tokens: torch.Tensor | None, option
 
 def _awq_fold(layer: torch.nn.Module, stats: dict[str, tuple[torch.Tensor, torch.Tensor]], options: GptqOptions,
               group: int | None) -> str:
-    """Every stack's AWQ scales searched on the float layer, then folded in (awq_scales.py); a line of
-    each stack's output error against plain rounding's."""
+    """Every stack's AWQ scales searched on the float layer, then folded in, and the ranges of v, o,
+    gate, up and down clipped (awq_scales.py); a line of each stack's output error against plain
+    rounding's (before clipping)."""
     scales = {}
     for stack in STACKS:
         w = torch.cat([layer.get_submodule(name).weight for name in stack])
@@ -292,4 +294,11 @@ def _awq_fold(layer: torch.nn.Module, stats: dict[str, tuple[torch.Tensor, torch
         folded = awq_scales.fold(layer, stack, s)
         notes.append(f"{stack[0].split('.')[-1].removesuffix('_proj')} {ratio:.2f}" if folded else
                      f"{stack[0].split('.')[-1].removesuffix('_proj')} unscaled")
-    return "output error against rounding alone: " + ", ".join(notes)
+        hessian = stats[stack[0]][0]
+        if folded:  # the input is x / s now
+            hessian = hessian / (s[:, None] * s[None, :])
+        for name in stack:
+            if name in awq_scales.CLIPPED:
+                m = layer.get_submodule(name)
+                m.weight.copy_(awq_scales.best_clip(m.weight, hessian, options.bits, group, options.symmetric))
+    return "output error against rounding alone: " + ", ".join(notes) + "; ranges clipped"
