@@ -25,7 +25,9 @@ MMAs and the epilogues, persistent or not; plain gluon: the same warps do both, 
 consumers (gluon_pingpong: persistent, a producer warp, two warpgroups of num_warps = 4 warps take
 turns at the program's tiles, so that one's epilogue runs while the other's MMAs do); tma_store
 (gluon*_store: an output a TMA can write, each tile's result goes to shared memory and a TMA copy
-writes it while the next tile computes); gluon_int4 (symmetric int4 codes copied as words); lanes
+writes it while the next tile computes); gluon_int4 (symmetric int4 codes copied as words); gluon_lanes
+(gemm_w4a8's `lanes` codes copied as bytes, unpacked with their group scale into int8 warpgroup MMAs'
+register operands while the previous MMAs run, targets/gluon/lanes.py); lanes
 (tile_lanes: gemm_w4a8's `lanes` layout, four int8 lanes per AND in the matrix instruction's k order,
 int8 matrix tiles computed transposed, a group's int32 sum times its integer scale; every target;
 operand_scale on lanes, tile_lanes_scaled: each group's integer scale multiplied into its lanes before the
@@ -59,7 +61,7 @@ from flashgen.ir import dtypes
 from flashgen.ir import expr as E
 from flashgen.ir import prologue
 from flashgen.ir.contraction import (MMA_MIN_ROWS, WARPGROUP, WARPGROUP_ROWS, extents, gluon_int4_operands,
-                                     int4_affine, int8_lanes, lane_segment, operand_dtype, symmetric_block_groups, tma_operands, tma_output,
+                                     gluon_lane_operands, int4_affine, int8_lanes, lane_segment, operand_dtype, symmetric_block_groups, tma_operands, tma_output,
                                      whole_block_groups)
 from flashgen.ir.op import Let
 from flashgen.ir.variants import COUNT_DEFAULTS, DEQUANT, OPTIONS, VARIANTS, flat, from_flat, reads  # noqa: F401 (COUNT_DEFAULTS: ScheduleSpace)
@@ -96,6 +98,9 @@ SWIZZLE_BYTES = 128  # a TMA copy into swizzled shared memory takes rows of at m
 # the whole tile, up to 64 KiB (measured on AOT builds: 4 KiB for 16 x 64, 64 KiB for 128 x 128 and 256 x 128).
 GLUON_EPILOGUE_SCRATCH = 65536
 GLUON_INT8_MAX_N = 128  # Triton 3.6 lowers int8 warpgroup MMAs of at most 128 columns (256 fails to build)
+# Registers a thread of a Gluon lanes tile gives the int32 accumulator and a k step's unpacked operands
+# (held until the step's MMAs are done), of its 255: the rest holds addresses, scales and the unpacking.
+GLUON_LANES_MAX_REGS = 160
 
 
 def _p2(x: int) -> int:
@@ -138,15 +143,18 @@ def gluon_target(target: Target) -> bool:
 
 
 def gluon_operands(wl: Workload) -> bool:
-    """Whether a Gluon tile takes the workload's operands: plain TMA copies, or symmetric int4 codes."""
-    return bool(tma_operands(wl) or gluon_int4_operands(wl))
+    """Whether a Gluon tile takes the workload's operands: plain TMA copies, symmetric int4 codes, or
+    `lanes` codes with int8 activations."""
+    return bool(tma_operands(wl) or gluon_int4_operands(wl) or gluon_lane_operands(wl))
 
 
 def gluon_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     """The Gluon tile's own rules (targets/gluon/contraction.py), or None."""
     if not gluon_target(target) or not gluon_operands(wl):
-        return ("Gluon tiles build for NVIDIA sm_90, on operands TMA copies (no prologue) or symmetric int4 codes "
-                f"in whole blocks of {INT4_PERIOD} k")
+        return ("Gluon tiles build for NVIDIA sm_90, on operands TMA copies (no prologue), symmetric int4 codes "
+                f"in whole blocks of {INT4_PERIOD} k, or lanes codes")
+    if gluon_lane_operands(wl):
+        return _gluon_lanes_invalid(wl, target, s)
     if not tma_operands(wl):
         return _gluon_int4_invalid(wl, target, s)
     if s["split_k"] > 1 or s["tma"] or s["ptx_unpack"] or s["early_load"] or s["operand_scale"]:
@@ -186,6 +194,38 @@ def _gluon_int4_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str 
                 f"per warp: block_n={s['block_n']} with {s['num_warps']} warps")
     ring = s["num_stages"] * (s["block_m"] * operand_bytes(wl) + s["block_n"] // 2) * s["block_k"]
     turn = min(s["block_m"] * s["block_n"] * 4, GLUON_EPILOGUE_SCRATCH)  # the accumulator turned for the epilogue
+    limit = int(target.get("smem_per_block", 0))
+    if ring + turn > limit:
+        return f"{ring} bytes of ring slots and {turn} of epilogue scratch exceed the {limit} bytes of shared memory"
+    return None
+
+
+def _gluon_lanes_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    """The Gluon lanes tile's rules (targets/gluon/lanes.py): acc^T, weight rows on the MMA's 64-row
+    side, a producer warp, k steps of whole 64-k byte tiles, the accumulator and a step's unpacked
+    operands in registers."""
+    if not s["lanes"]:
+        return "Gluon tiles read lanes codes as lanes (lanes 1)"
+    if s["persistent"] or s["tma"] or s["early_load"] or s["consumers"] > 1 or s["tma_store"]:
+        return "Gluon lanes tiles are one program per tile (or per split of K), one consumer, with their own TMA copies"
+    if not s["producer_warps"]:
+        return "Gluon lanes tiles are fed by a producer warp"
+    if s["block_k"] % (2 * LANE_BLOCK) or s["block_k"] // 2 > SWIZZLE_BYTES:
+        return (f"a Gluon lanes k step is whole byte tiles of {2 * LANE_BLOCK} k, its rows at most {SWIZZLE_BYTES} "
+                f"bytes (block_k={s['block_k']})")
+    if not MMA_MIN_ROWS <= s["block_m"] <= GLUON_INT8_MAX_N:
+        return (f"a Gluon lanes tile takes {MMA_MIN_ROWS} to {GLUON_INT8_MAX_N} activation rows (the int8 MMA's "
+                "narrow side)")
+    if s["num_warps"] % WARPGROUP or s["block_n"] % (WARPGROUP_ROWS * s["num_warps"]):
+        return (f"a Gluon lanes tile's weight rows are whole warpgroups ({WARPGROUP} warps) of {WARPGROUP_ROWS} rows "
+                f"per warp: block_n={s['block_n']} with {s['num_warps']} warps")
+    threads = s["num_warps"] * target.warp_size
+    regs = (s["block_m"] * s["block_n"] + s["block_n"] * s["block_k"] // 4) // threads
+    if regs > GLUON_LANES_MAX_REGS:
+        return (f"a {s['block_n']}x{s['block_m']} int32 accumulator and a k step's unpacked operands take {regs} "
+                f"registers a thread, more than {GLUON_LANES_MAX_REGS}")
+    ring = s["num_stages"] * (s["block_m"] + s["block_n"] // 2) * s["block_k"]
+    turn = min(s["block_m"] * s["block_n"] * 4, GLUON_EPILOGUE_SCRATCH)
     limit = int(target.get("smem_per_block", 0))
     if ring + turn > limit:
         return f"{ring} bytes of ring slots and {turn} of epilogue scratch exceed the {limit} bytes of shared memory"
@@ -483,8 +523,8 @@ def variants(wl: Workload, target: Target) -> dict[str, dict[str, tuple[int, ...
         options = flat({"variant": v.name}, scales)
         if v.name.startswith(DEQUANT) or any(options[k] not in kn[k] for k in OPTIONS):
             continue
-        if v.gluon and (v.name == "gluon_int4") == bool(tma_operands(wl)):
-            continue  # dense Gluon tiles copy plain operands; the int4 one copies code words
+        if v.gluon and not _gluon_form_offered(wl, v.name):
+            continue
         if v.gemv and options["ptx_unpack"] and not whole_block_groups(wl):
             continue  # PTX-unpacked GEMV tiles pair codes 64 k apart
         values = {k: kn[k] for k in reads(v, rows)}
@@ -501,7 +541,11 @@ def variants(wl: Workload, target: Target) -> dict[str, dict[str, tuple[int, ...
             values["block_k"] = tuple(b for b in values["block_k"] if lane_segment(wl, b))
         if v.gluon:
             values["num_warps"] = tuple(w for w in kn["num_warps"] if w % WARPGROUP == 0)
-            if v.name != "gluon_int4":
+            if v.name == "gluon_lanes":
+                values["block_k"] = tuple(b for b in values["block_k"] if b % (2 * LANE_BLOCK) == 0
+                                          and b // 2 <= SWIZZLE_BYTES)
+                values["block_m"] = tuple(b for b in values["block_m"] if b <= GLUON_INT8_MAX_N)
+            elif v.name != "gluon_int4":
                 values["block_k"] = tuple(b for b in values["block_k"] if b * operand_bytes(wl) <= SWIZZLE_BYTES)
         if v.option("consumers") > 1:
             values.update(num_warps=(WARPGROUP,), persistent=tuple(p for p in kn["persistent"] if p))
@@ -517,10 +561,21 @@ def variants(wl: Workload, target: Target) -> dict[str, dict[str, tuple[int, ...
     return out
 
 
+def _gluon_form_offered(wl: Workload, name: str) -> bool:
+    """Whether Gluon variant `name` reads the workload's operands: the dense tiles plain ones, gluon_int4
+    int4 code words, gluon_lanes `lanes` codes."""
+    if name == "gluon_int4":
+        return bool(gluon_int4_operands(wl))
+    if name == "gluon_lanes":
+        return bool(gluon_lane_operands(wl))
+    return bool(tma_operands(wl))
+
+
 def group_scales(wl: Workload) -> bool:
-    """Whether the workload's int4 codes have per-group scales (a Gluon int4 tile multiplies them into the codes)."""
+    """Whether the workload's int4 codes have per-group scales (a Gluon int4 or lanes tile multiplies
+    them into the codes)."""
     affine = int4_affine(wl)
-    return bool(affine) and affine[2] is not None
+    return (bool(affine) and affine[2] is not None) or lane_group_scales(wl)
 
 
 def flat_of(wl: Workload, s: dict[str, Any]) -> dict[str, int]:

@@ -364,3 +364,78 @@ def _ptxas_info(ptx: str) -> str:
         run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
                              capture_output=True, text=True, check=True)
     return run.stderr
+
+
+LANES = {"variant": "gluon_lanes", "block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4,
+         "group_m": 8, "split_k": 1}
+
+
+def _w4a8(m=256, n=1000, k=1152, g=128, pack="lanes"):
+    return flashgen.workload("gemm_w4a8", M=m, N=n, K=k, G=g or k, dtype="bf16", group="group" if g else "channel",
+                             pack=pack)
+
+
+def test_lanes_offered_on_sm90_for_lanes_codes_and_int8_rows_16_bytes_apart():
+    assert "gluon_lanes" in ScheduleSpace(_w4a8(), SM90).forms()
+    assert "gluon_lanes" in ScheduleSpace(_w4a8(g=None), SM90).forms()
+    for other in ("sm_80", "gfx942"):
+        assert "gluon_lanes" not in ScheduleSpace(_w4a8(), get_target(other)).forms()
+    assert "gluon_lanes" not in ScheduleSpace(_w4a8(pack="k128"), SM90).forms()  # words of 128 k: not lanes
+    assert "gluon_lanes" not in ScheduleSpace(_w4a8(k=1000, g=None), SM90).forms()  # rows 1000 bytes apart: no TMA
+    form = ScheduleSpace(_w4a8(), SM90).forms()["gluon_lanes"]
+    assert set(form["block_k"]) == {64, 128, 256} and max(form["block_m"]) <= 128
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"block_k": 32}, "whole byte tiles of 64 k"),
+    ({"block_k": 512}, "at most 128 bytes"),
+    ({"block_m": 256}, "16 to 128 activation rows"),
+    ({"block_n": 64, "num_warps": 8}, "whole warpgroups"),
+    ({"block_m": 128, "block_k": 256}, "registers a thread"),
+    ({"block_m": 128, "num_warps": 8, "block_k": 256, "num_stages": 5}, "shared memory"),
+])
+def test_lanes_rules_name_what_is_wrong(over, why):
+    space = ScheduleSpace(_w4a8(), SM90)
+    assert space.why_invalid(LANES) is None
+    assert why in (space.why_invalid({**LANES, **over}) or ""), space.why_invalid({**LANES, **over})
+    flat = space.flat(LANES)
+    assert flat["lanes"] == flat["backend"] == flat["producer_warps"] == flat["operand_scale"] == 1
+    assert "lanes 1" in space.why_invalid({**flat, "lanes": 0, "operand_scale": 0})
+    assert "producer warp" in space.why_invalid({**flat, "producer_warps": 0})
+
+
+@pytest.mark.parametrize("g, over", [
+    (128, {}),
+    (32, {"block_k": 256, "block_m": 16, "block_n": 64}),  # a scale per 32-k block
+    (None, {"split_k": 2, "block_m": 32}),
+    (64, {"block_m": 128, "num_warps": 8}),
+])
+def test_lanes_aot_build_for_sm90(g, over):
+    """The unpacked bytes are the int8 warpgroup MMA's register operand (two 32-deep MMAs per 64-k byte
+    tile), shared memory holds packed bytes and activations copied by TMA and no unpacked tile, the k
+    loop takes about one integer instruction per code it unpacks (per four: the lanes' LOP3, a shift
+    for half of them, the scale's IMAD and the sign flip; 120 for 128 codes a thread at this commit),
+    and ptxas keeps the MMAs asynchronous."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "studies"))
+    from disasm import loop_opcodes
+
+    wl, s = _w4a8(g=g), {**LANES, **over}
+    assert ScheduleSpace(wl, SM90).why_invalid(s) is None
+    k = flashgen.compile(wl, SM90, schedule=s)
+    ptx, src = k.asm["ptx"], k.source
+    mma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert len(mma) == s["block_k"] // 32 * s["block_n"] // (16 * s["num_warps"])
+    assert all(f"m64n{s['block_m']}k32.s32.s8.s8 {{" in x and "}, {%r" in x for x in mma)  # A in registers
+    assert src.count("tma.async_copy_global_to_shared") == 1 + max(1, s["block_k"] // 128)  # bytes, activations
+    assert ("atomic_add(done_ptr" in src) == (s.get("split_k", 1) > 1)
+    assert ("w_group_ptr" in src) == bool(g)
+    loop = loop_opcodes(k.binary)
+    assert loop["IGMMA.64"] == len(mma) and not any(op.startswith("STS") for op in loop), loop
+    codes = s["block_n"] * s["block_k"] // (32 * s["num_warps"])  # a thread's share of a k step
+    # (besides a PRMT per row and scale, putting the scale in each byte of a register; groups shallower
+    # than the k step add a scale's load and constant per group and row)
+    if g is None or g >= s["block_k"]:
+        assert sum(n for op, n in loop.items() if op.startswith(("LOP3", "IMAD", "SHF"))) <= codes * 1.1, loop
+    assert "C7515" not in _ptxas_info(ptx)

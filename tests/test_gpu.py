@@ -403,6 +403,35 @@ def test_lanes_tiles_on_gpu(m, n, k, g, knobs, form, dt):
     _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 43)
 
 
+GLUON_LANES_CASES = [  # (M, N, K, G or None per channel, schedule knobs besides the tile's)
+    (1, 330, 4096, 128, {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 4}),
+    (17, 1000, 1152, 64, {"block_m": 32, "block_n": 64, "block_k": 128, "num_warps": 4, "split_k": 2}),
+    (17, 1000, 1088, 32, {"block_m": 16, "block_n": 64, "block_k": 256, "num_warps": 4}),  # K: 4 steps and a quarter
+    (256, 4096, 4096, 128, {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8}),
+    (600, 960, 1088, 64, {"block_m": 128, "block_n": 64, "block_k": 64, "num_warps": 4, "split_k": 2}),
+    (300, 1000, 1008, None, {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4}),
+]
+
+
+@pytest.mark.parametrize("m, n, k, g, knobs", GLUON_LANES_CASES,
+                         ids=[f"{c[0]}x{c[1]}x{c[2]}-g{c[3]}" for c in GLUON_LANES_CASES])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_gluon_lanes_tiles_on_gpu(m, n, k, g, knobs, dt):
+    """gemm_w4a8's Gluon lanes tiles (bytes and int8 activations by TMA, two blocks' codes unpacked with
+    their group scales into int8 warpgroup MMAs' register operands): groups of 32-128 k and per
+    channel, tails on every side (N=330 and 1000, K not whole k steps), split K, twice, then replayed
+    from a CUDA graph."""
+    wl = flashgen.workload("gemm_w4a8", M=m, N=n, K=k, G=g or k, dtype=dt, group="group" if g else "channel",
+                           pack="lanes")
+    space = ScheduleSpace(wl, TARGET)
+    if "gluon_lanes" not in space.forms():
+        pytest.skip("the Gluon tiles build for sm_90")
+    s = {"variant": "gluon_lanes", "num_stages": 3, "group_m": 8, "split_k": 1, **knobs}
+    s = {key: v for key, v in s.items() if key == "variant" or key in space.forms()["gluon_lanes"]}
+    assert space.is_valid(s), space.why_invalid(s)
+    _check_then_replay(wl, flashgen.compile(wl, TARGET, schedule=s), 53)
+
+
 @pytest.mark.parametrize("op, kw, k, tma", STAGED_CASES, ids=[f"{o}-{len(kw)}-tma{t}" for o, kw, _, t in STAGED_CASES])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("chunks", [1, 4])

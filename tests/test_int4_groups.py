@@ -69,11 +69,12 @@ NUMERICS = [(op, kw, g, m) for op, kw in INT4_OPS[:4] for g, m in ((64, 1), (32,
 @pytest.mark.parametrize("op, kw, g, m", NUMERICS, ids=_ids(NUMERICS))
 def test_int4_forms_numerics_at_k576(interpreter, op, kw, g, m):
     """One schedule of each form the h200 space offers (`form_schedules`), against the op's float64
-    reference on fresh inputs, two seeds; N=40 leaves a partial column tile. PTX-unpacked tiles run on
-    the GPU (tests/test_gpu.py `test_int4_groups_of_k576_on_gpu`): the interpreter runs no PTX."""
+    reference on fresh inputs, two seeds; N=40 leaves a partial column tile. PTX-unpacked and Gluon
+    tiles run on the GPU (tests/test_gpu.py `test_int4_groups_of_k576_on_gpu`, `test_gluon_lanes_tiles_on_gpu`):
+    the interpreter runs neither."""
     wl = flashgen.workload(op, M=m, N=40, K=K, G=g, dtype="fp16", **kw)
     forms = {f: s for f, s in form_schedules(ScheduleSpace(wl, get_target("h200"))).items()
-             if not flat_of(wl, s)["ptx_unpack"]}
+             if not flat_of(wl, s)["ptx_unpack"] and not flat_of(wl, s)["backend"]}
     assert {"gemv", "tile"} <= set(forms) and ("tile_lanes" in forms) == (kw.get("pack") == "lanes"), sorted(forms)
     for s in forms.values():
         checks = interpreter.check(wl, s, "h200", [g + m, g + m + 1])

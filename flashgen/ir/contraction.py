@@ -110,6 +110,22 @@ def int8_lanes(wl: Workload) -> tuple[E.Load, E.Load | None] | None:
     return (word, scale) if word is not None else None
 
 
+@functools.lru_cache(maxsize=256)
+def gluon_lane_operands(wl: Workload) -> tuple[str, E.Load, E.Load | None] | None:
+    """The activation tensor, the packed-word Load and the group-scale Load (None per channel) when the
+    weight is `lanes` codes (`int8_lanes`) and the activations a plain int8 load a TMA descriptor copies
+    (rows 16 bytes apart): the operands of the Gluon lanes tiles (targets/gluon/lanes.py), which copy
+    the words' bytes to shared memory and unpack them into the int8 MMA's register operand."""
+    lanes = int8_lanes(wl)
+    _, _, k, con = extents(wl)
+    a = con.a
+    plain_a = (isinstance(a, E.Load) and a.mask is None and a.indices == (E.Index("r"), E.Index("k"))
+               and wl.tensor_dtype(a.tensor) == "int8")
+    if lanes is None or not plain_a or k % 16:
+        return None
+    return a.tensor, lanes[0], lanes[1]
+
+
 @functools.lru_cache(maxsize=1024)
 def lane_segment(wl: Workload, block_k: int) -> int | None:
     """The k a `lanes` tile sums apart before a group's scale: its whole k step per channel, else the

@@ -66,11 +66,13 @@ def _table() -> dict[str, Variant]:
              Variant("gluon_pingpong", {**warp, "consumers": 2}, counts=("group_m", "persistent"))]
     gluon += [Variant(f"{v.name}_store", {**v.options, "tma_store": 1}, counts=v.counts) for v in gluon]
     # int4 codes copied as words: a producer warp, PTX unpacking; the scale's place is the workload's
-    gluon_int4 = [Variant("gluon_int4", {**warp, "ptx_unpack": 1}, counts=("group_m", "split_k"))]
+    gluon_codes = [Variant("gluon_int4", {**warp, "ptx_unpack": 1}, counts=("group_m", "split_k"))]
+    # `lanes` codes copied as bytes: a producer warp, int8 warpgroup MMAs; the scale's place is the workload's
+    gluon_codes += [Variant("gluon_lanes", {**warp, "lanes": 1}, counts=("group_m", "split_k"))]
     # a weight dequantized first runs a dense form's tiles; Triton's in chunks, Gluon's in one
     staged = [replace(v, name=DEQUANT + v.name, options={**v.options, "dequant_first": 1},
                       counts=v.counts + (() if v.gluon else ("dequant_chunks",))) for v in tile + gluon]
-    return {v.name: v for v in gemv + tile + int4 + gluon + gluon_int4 + staged}
+    return {v.name: v for v in gemv + tile + int4 + gluon + gluon_codes + staged}
 
 
 VARIANTS = _table()
@@ -100,11 +102,11 @@ def dense_schedule(s: Mapping[str, Any]) -> dict[str, Any]:
 
 def flat(s: Mapping[str, Any], group_scales: bool = False) -> dict[str, int]:
     """`s` with every option and count spelled out, as records were written before variants.
-    `group_scales`: the workload's int4 scales are per group (a Gluon int4 tile multiplies them into
-    the codes: operand_scale 1; per channel, into the sum)."""
+    `group_scales`: the workload's int4 scales are per group (a Gluon int4 or lanes tile multiplies them
+    into the codes: operand_scale 1; per channel, into the sum)."""
     v = variant(s)
     out = {**OPTIONS, **v.options, **COUNT_DEFAULTS, **{k: val for k, val in s.items() if k != "variant"}}
-    if v.name == "gluon_int4":
+    if v.name in ("gluon_int4", "gluon_lanes"):
         out["operand_scale"] = int(group_scales)
     return out
 

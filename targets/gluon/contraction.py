@@ -2,7 +2,8 @@
 mbarrier hand-offs, asynchronous warpgroup MMA, the op's epilogue in the accumulator's own layout.
 
 Workloads whose A and W tiles are plain loads (ir/contraction.py `tma_operands`: 16-bit, int8 and
-fp8 operands, and every weight dequantized first, targets/staged.py). One program computes a
+fp8 operands, and every weight dequantized first, targets/staged.py); int4 codes go to int4.py's tiles,
+gemm_w4a8's `lanes` codes to lanes.py's. One program computes a
 block_m x block_n output tile, numbered as the Triton kernel numbers them (`tile_order`). Its k
 steps flow through `num_stages` ring slots, each with a `ready` barrier (the TMA copy's bytes have
 landed) and a `free` barrier (the MMA that read it is done). With `producer_warps` = 1 one extra
@@ -19,11 +20,12 @@ partition (`_one_partition`). The start and the epilogue are tile.py's, shared w
 from __future__ import annotations
 
 from flashgen.ir import dtypes
-from flashgen.ir.contraction import (WARPGROUP, WARPGROUP_ROWS, gluon_int4_operands, operand_dtype, tma_operands,
-                                     tma_output)
+from flashgen.ir.contraction import (WARPGROUP, WARPGROUP_ROWS, gluon_int4_operands, gluon_lane_operands, operand_dtype,
+                                     tma_operands, tma_output)
 from flashgen.ir.variants import count, variant
 from flashgen.targets.gluon.emit import CONSUMER_REGS, NS, PRODUCER_REGS, def_params, grid_dependency
 from flashgen.targets.gluon.int4 import generate_int4
+from flashgen.targets.gluon.lanes import generate_lanes
 from flashgen.targets.gluon.tile import Tile, epilogue, start
 from flashgen.targets.triton.contraction.kernel import tile_order
 from flashgen.targets.triton.emit import KernelSource, Scope
@@ -110,7 +112,9 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     says which schedules it takes)."""
     pair = tma_operands(wl)
     if pair is None:
-        assert gluon_int4_operands(wl), "Gluon contraction tiles take plain or int4-code W loads"
+        if gluon_lane_operands(wl):
+            return generate_lanes(wl, s)
+        assert gluon_int4_operands(wl), "Gluon contraction tiles take plain, int4-code or lanes-code W loads"
         return generate_int4(wl, s)
     t = start(wl, s, {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"],
                       "GROUP_M": count(s, "group_m"), "STAGES": s["num_stages"]})

@@ -15,10 +15,10 @@ Group scales for the next k step are loaded while the current one computes. Spli
 sharing a tile store partial tiles, the last one to finish sums them in split order and runs the
 op's epilogue.
 
-One function writes each part of the kernel: the tile's place and share of K (`_tile_place`), the
-rings and barriers (`_rings`), the unpacking helpers (`_code_helpers`), the copy warp (`_load_steps`),
+One function writes each part of the kernel: the tile's place and share of K (`tile_place`), the
+rings and barriers (`rings`), the unpacking helpers (`_code_helpers`), the copy warp (`load_steps`),
 the MMA warps (`_mma_steps`: the first scales, each k step, the transposed epilogue) and the call
-starting both (`_partitions`). The start and the epilogue are tile.py's.
+starting both (`partitions`). The start and the epilogue are tile.py's.
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def _code_helper(operand: str, j: int, scaled: bool) -> tuple[str, list[str]]:
                   f"[{', '.join(inputs)}], dtype={dt}, is_pure=True, pack=2)", "", ""]
 
 
-def _load_steps(parts: int) -> list[str]:
-    """The copy warp: each k step's words tile and activation parts into a ring slot, refilled once
-    the MMAs that read it hand it back."""
+def load_steps(parts: int, k_per_col: int) -> list[str]:
+    """The copy warp: each k step's weight tile (`k_per_col` k per column: 8 for int32 words, 2 for
+    their bytes) and activation parts into a ring slot, refilled once the MMAs that read it hand it back."""
     lines = ["@gluon.jit",
              "def _load_steps(x_desc, w_desc, x_ring, w_ring, ready, free, off_m, off_n, k_lo, k_steps,",
              "                BLOCK_K: gl.constexpr, PART_K: gl.constexpr, STAGES: gl.constexpr):",
@@ -62,7 +62,7 @@ def _load_steps(parts: int) -> list[str]:
              "        mbarrier.wait(free.index(s), ((ki // STAGES) & 1) ^ 1)",
              f"        mbarrier.expect(ready.index(s), {parts} * x_desc.block_type.nbytes + w_desc.block_type.nbytes)",
              "        k = k_lo + ki * BLOCK_K",
-             "        tma.async_copy_global_to_shared(w_desc, [off_n, k // 8], ready.index(s), w_ring.index(s))"]
+             f"        tma.async_copy_global_to_shared(w_desc, [off_n, k // {k_per_col}], ready.index(s), w_ring.index(s))"]
     for p in range(parts):
         lines.append(f"        tma.async_copy_global_to_shared(x_desc, [off_m, k + {p} * PART_K], ready.index(s), "
                      f"x_ring.index(s * {parts} + {p}))")
@@ -90,31 +90,32 @@ def generate_int4(wl: Workload, s: Schedule) -> KernelSource:
     consts = {"BLOCK_M": s["block_m"], "BLOCK_N": s["block_n"], "BLOCK_K": s["block_k"], "GROUP_M": count(s, "group_m"),
               "STAGES": s["num_stages"], **({"SPLIT_K": split_k} if split_k > 1 else {})}
     t = start(wl, s, consts, scratch)
-    _tile_place(t)
-    _rings(t)
+    tile_place(t)
+    x, word = gluon_int4_operands(wl)
+    rings(t, x, word.tensor, byte_view=False)
     # The MMA warps' partition takes every kernel argument, then the ring and the tile's place.
     ring = ["x_ring", "w_ring", "ready", "free", "pid", "off_m", "off_n", "k_lo", "k_hi", "k_steps",
             *(["split"] if split_k > 1 else [])]
     codes, helpers = _code_helpers(t)
-    helpers += _load_steps(_parts(t)) + _mma_steps(t, ring, codes)
-    _partitions(t, ring)
+    helpers += load_steps(parts(t), 8) + _mma_steps(t, ring, codes)
+    partitions(t, ring)
     return KernelSource(t.name, t.module(helpers), t.args, (s["block_m"], s["block_n"]), tile_cols=True,
                         flat=True, grid_z=split_k, scratch=scratch, dialect="gluon")
 
 
-def _operand(t: Tile) -> str:
+def operand(t: Tile) -> str:
     """The MMA's operand dtype, in Gluon's names."""
     return dtypes.TL[operand_dtype(t.wl)].replace("tl.", f"{NS}.")
 
 
-def _part_k(t: Tile) -> int:
-    """The k of one activation copy: COPY_BYTES of a row."""
-    return COPY_BYTES // dtypes.BYTES[operand_dtype(t.wl)]
+def part_k(t: Tile) -> int:
+    """The k of one activation copy: COPY_BYTES of a row, or the whole k step where it is shorter."""
+    return min(COPY_BYTES // dtypes.BYTES[operand_dtype(t.wl)], t.s["block_k"])
 
 
-def _parts(t: Tile) -> int:
+def parts(t: Tile) -> int:
     """Activation copies per k step."""
-    return t.s["block_k"] // _part_k(t)
+    return t.s["block_k"] // part_k(t)
 
 
 def _scaled(t: Tile) -> bool:
@@ -122,7 +123,7 @@ def _scaled(t: Tile) -> bool:
     return int4_affine(t.wl)[2] is not None
 
 
-def _tile_place(t: Tile) -> None:
+def tile_place(t: Tile) -> None:
     """The wait for the previous kernel, then the program's one tile (numbered as the Triton kernel
     numbers them), its offsets and its share of K, which both partitions read."""
     top = t.top
@@ -137,23 +138,29 @@ def _tile_place(t: Tile) -> None:
     top.line(f"k_steps = {NS}.cdiv(k_hi - k_lo, BLOCK_K)")
 
 
-def _rings(t: Tile) -> None:
+def rings(t: Tile, x: str, word: str, byte_view: bool) -> None:
     """TMA descriptors and rings of STAGES slots: a slot holds a k step's packed words (never a
-    dequantized tile) and its activations in copies of COPY_BYTES a row; the `ready` and `free`
-    barriers of each slot, initialized and fenced before any copy signals one."""
-    x, word = gluon_int4_operands(t.wl)
-    op, top, operand = t.wl.op, t.top, _operand(t)
-    top.line(f"PART_K: {NS}.constexpr = {_part_k(t)}")
-    words_shape = ", ".join(t.em.emit(d, top) for d in op.tensors[word.tensor].shape)
+    dequantized tile), as int32 words or, with `byte_view`, as their bytes (k / 2 columns), and its
+    activations in copies of PART_K k a row; the `ready` and `free` barriers of each slot, initialized
+    and fenced before any copy signals one."""
+    op, top, x_dt = t.wl.op, t.top, operand(t)
+    top.line(f"PART_K: {NS}.constexpr = {part_k(t)}")
+    rows, words = (t.em.emit(d, top) for d in op.tensors[word].shape)
+    if byte_view:
+        dt, cols, shape, row = f"{NS}.int8", "BLOCK_K // 2", f"{rows}, {words} * 4", f"{word}_s0 * 4"
+        top.line(f"{word}_bytes = {word}_ptr.to({NS}.pointer_type({NS}.int8), bitcast=True)")
+        base = f"{word}_bytes"
+    else:
+        dt, cols, shape, row, base = f"{NS}.int32", "BLOCK_K // 8", f"{rows}, {words}", f"{word}_s0", f"{word}_ptr"
     x_shape = ", ".join(t.em.emit(d, top) for d in op.tensors[x].shape)
-    top.line(f"w_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 8], {NS}.int32)")
-    top.line(f"w_desc = tma.make_tensor_descriptor({word.tensor}_ptr, shape=[{words_shape}], "
-             f"strides=[{word.tensor}_s0, 1], block_shape=[BLOCK_N, BLOCK_K // 8], layout=w_layout)")
-    top.line(f"w_ring = {NS}.allocate_shared_memory({NS}.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_layout)")
-    top.line(f"x_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, PART_K], {operand})")
+    top.line(f"w_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_N, {cols}], {dt})")
+    top.line(f"w_desc = tma.make_tensor_descriptor({base}, shape=[{shape}], strides=[{row}, 1], "
+             f"block_shape=[BLOCK_N, {cols}], layout=w_layout)")
+    top.line(f"w_ring = {NS}.allocate_shared_memory({dt}, [STAGES, BLOCK_N, {cols}], w_layout)")
+    top.line(f"x_layout: {NS}.constexpr = {NS}.NVMMASharedLayout.get_default_for([BLOCK_M, PART_K], {x_dt})")
     top.line(f"x_desc = tma.make_tensor_descriptor({x}_ptr, shape=[{x_shape}], strides=[{x}_s0, 1], "
              "block_shape=[BLOCK_M, PART_K], layout=x_layout)")
-    top.line(f"x_ring = {NS}.allocate_shared_memory({operand}, [STAGES * {_parts(t)}, BLOCK_M, PART_K], x_layout)")
+    top.line(f"x_ring = {NS}.allocate_shared_memory({x_dt}, [STAGES * {parts(t)}, BLOCK_M, PART_K], x_layout)")
     for bar in ("ready", "free"):
         top.line(f"{bar} = {NS}.allocate_shared_memory({NS}.int64, [STAGES, 1], mbarrier.MBarrierLayout())")
     top.line(f"for i in {NS}.static_range(STAGES):")
@@ -198,7 +205,7 @@ def _mma_steps(t: Tile, ring: list[str], codes: list[str]) -> list[str]:
 def _scale_tile(t: Tile, scope: Scope, k: str, sc_mask: str | None) -> str:
     """The group scales of the k step starting at `k`, as [block_n, 1] in the operand dtype."""
     sc = scope.child(axes={"c": ("c_t", sc_mask), "k": (k, None)}, fresh=True)
-    return f"({t.em.emit(int4_affine(t.wl)[2], sc)}).to({_operand(t)})"
+    return f"({t.em.emit(int4_affine(t.wl)[2], sc)}).to({operand(t)})"
 
 
 def _first_scales(t: Tile, mma: Scope) -> str | None:
@@ -217,7 +224,7 @@ def _k_step(t: Tile, step: Scope, codes: list[str], sc_mask: str | None) -> None
     """One k step: wait for its slot, load the words into the operand's registers, unpack and issue the
     MMAs in two halves, and hand the slot back once they are done."""
     scaled = _scaled(t)
-    runs, part_k, parts = INT4_PERIOD // RUN, _part_k(t), _parts(t)
+    runs, pk, np_ = INT4_PERIOD // RUN, part_k(t), parts(t)
     step.line("s = ki % STAGES")
     if scaled:
         # the next step's scales, loaded while this step computes (the last step reloads its own)
@@ -234,8 +241,8 @@ def _k_step(t: Tile, step: Scope, codes: list[str], sc_mask: str | None) -> None
         for j in half:
             step.line(f"w{j} = " + (f"{codes[j]}(words, sc_w)" if scaled else f"{codes[j]}(words)"))
         for j in half:
-            part, col = divmod(j * RUN, part_k)
-            step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {parts} + {part}).slice({col}, {RUN}, dim=1)"
+            part, col = divmod(j * RUN, pk)
+            step.line(f"acc_t = warpgroup_mma(w{j}, x_ring.index(s * {np_} + {part}).slice({col}, {RUN}, dim=1)"
                       f".permute((1, 0)), acc_t, is_async=True)")
     held = ", ".join(f"w{j}" for j in range(runs))
     step.line(f"acc_t, {held} = warpgroup_mma_wait(0, deps=[acc_t, {held}])")
@@ -244,7 +251,7 @@ def _k_step(t: Tile, step: Scope, codes: list[str], sc_mask: str | None) -> None
         step.line("sc = sc_next")
 
 
-def _partitions(t: Tile, ring: list[str]) -> None:
+def partitions(t: Tile, ring: list[str]) -> None:
     """The kernel's `warp_specialize` call: the MMA warps (the default partition) and one copy warp of
     few registers."""
     top = t.top
