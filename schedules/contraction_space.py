@@ -397,16 +397,19 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
 def _gluon_lanes_default(wl: Workload, target: Target) -> dict[str, int]:
     """`lanes` codes at GLUON_LANES_DEFAULT_M rows or more on sm_90: the Gluon lanes tile of 128
     activation rows by 256 weight rows (8 warps, 128 k a step, 4 stages), narrowed to 128 weight rows
-    and then 64 activation rows while its tiles would leave SMs idle (the H100's records: at M = 4096
-    that tile was the best of five schedules on every Llama-3-8B shape, 1.12-1.15x faster than the
-    weight dequantized first and 1.9-2.1x the Triton lanes tile; at M = 256 the Gluon tile was the best
-    on o, gate_up and down, 1.04-1.33x the Triton lanes tile, and 0.95x it on qkv)."""
+    where its tiles would leave SMs idle, and to 64 activation rows where 128 x 128 tiles would fill
+    fewer than half the SMs. Each narrower tile reads its weight rows again for more row tiles: on the
+    H100 at M = 256, qkv's 96 tiles of 128 x 128 took 20.5 us and its 192 of 64 x 128 36.0, while o's
+    64 tiles of 128 x 128 left half the SMs idle (its records' best: 64 x 128). The H100's records: at
+    M = 4096 the 128 x 256 tile was the best of five schedules on every Llama-3-8B shape, 1.12-1.15x
+    faster than the weight dequantized first and 1.9-2.1x the Triton lanes tile; at M = 256 the Gluon
+    tile was the best on o, gate_up and down, 1.04-1.33x the Triton lanes tile, and 0.95x it on qkv."""
     m, n, _, _ = extents(wl)
     sms = max(int(target.sm_count), 1)
     bm, bn = 128, 256
     if -(-m // bm) * -(-n // bn) < sms:
         bn = 128
-    if -(-m // bm) * -(-n // bn) < sms:
+    if 2 * -(-m // bm) * -(-n // bn) < sms:
         bm = 64
     return {**ADDED_KNOBS, "block_m": bm, "block_n": bn, "block_k": 128, "num_warps": 8, "num_stages": 4,
             "group_m": 8, "backend": 1, "producer_warps": 1, "lanes": 1, "operand_scale": int(lane_group_scales(wl))}

@@ -443,14 +443,16 @@ def test_lanes_aot_build_for_sm90(g, over):
 
 def test_lanes_default_from_256_rows_on_sm90():
     """From GLUON_LANES_DEFAULT_M rows, lanes codes default to the Gluon lanes tile on sm_90: 128 x 256
-    where such tiles fill the SMs, narrower where they would leave SMs idle; below, and on other
-    targets, the Triton lanes tile (or the weight dequantized first at thousands of rows)."""
+    where such tiles fill the SMs, 128 x 128 where those would not, 64 x 128 where 128 x 128 would fill
+    fewer than half; below, and on other targets, the Triton lanes tile (or the weight dequantized
+    first at thousands of rows)."""
     def default(m, n, target="h100"):
         return ScheduleSpace(_w4a8(m=m, n=n, k=4096), get_target(target)).default()
 
     assert default(4096, 4096) == {**default(4096, 4096), "variant": "gluon_lanes", "block_m": 128, "block_n": 256}
     assert (default(256, 28672)["block_m"], default(256, 28672)["block_n"]) == (128, 256)  # 224 tiles
-    assert (default(256, 4096)["block_m"], default(256, 4096)["block_n"]) == (64, 128)  # 128 tiles, not 32
+    assert (default(256, 4096)["block_m"], default(256, 4096)["block_n"]) == (64, 128)  # 128 tiles, not 32 or 64
+    assert (default(256, 6144)["block_m"], default(256, 6144)["block_n"]) == (128, 128)  # 96 tiles, not 192
     assert default(64, 4096)["variant"] == "tile_lanes_scaled"
     assert default(256, 4096, "sm_80")["variant"] == "tile_lanes_scaled"
     assert default(4096, 4096, "sm_80")["variant"] == "dq_tile"
