@@ -394,7 +394,7 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
     return None
 
 
-def _gluon_lanes_default(wl: Workload, target: Target) -> dict[str, int]:
+def _gluon_lanes_default(wl: Workload, target: Target) -> dict[str, int] | None:
     """`lanes` codes at GLUON_LANES_DEFAULT_M rows or more on sm_90: the Gluon lanes tile of 128
     activation rows by 256 weight rows (8 warps, 128 k a step, 4 stages), narrowed to 128 weight rows
     where its tiles would leave SMs idle, and to 64 activation rows where 128 x 128 tiles would fill
@@ -403,23 +403,33 @@ def _gluon_lanes_default(wl: Workload, target: Target) -> dict[str, int]:
     64 tiles of 128 x 128 left half the SMs idle (its records' best: 64 x 128). The H100's records: at
     M = 4096 the 128 x 256 tile was the best of five schedules on every Llama-3-8B shape, 1.12-1.15x
     faster than the weight dequantized first and 1.9-2.1x the Triton lanes tile; at M = 256 the Gluon
-    tile was the best on o, gate_up and down, 1.04-1.33x the Triton lanes tile, and 0.95x it on qkv."""
+    tile was the best on o, gate_up and down, 1.04-1.33x the Triton lanes tile, and 0.95x it on qkv.
+    Tiles stop at the extents' next powers of two (one warpgroup where fewer than 128 weight rows);
+    None where the rules refuse even that (the Triton default then)."""
     m, n, _, _ = extents(wl)
+    kn = _flat_knobs(wl, target)
     sms = max(int(target.sm_count), 1)
     bm, bn = 128, 256
     if -(-m // bm) * -(-n // bn) < sms:
         bn = 128
     if 2 * -(-m // bm) * -(-n // bn) < sms:
         bm = 64
-    return {**ADDED_KNOBS, "block_m": bm, "block_n": bn, "block_k": 128, "num_warps": 8, "num_stages": 4,
-            "group_m": 8, "backend": 1, "producer_warps": 1, "lanes": 1, "operand_scale": int(lane_group_scales(wl))}
+    bm, bn = min(bm, kn["block_m"][-1]), min(bn, kn["block_n"][-1])
+    for warps in (8, WARPGROUP):
+        s = {**ADDED_KNOBS, "block_m": bm, "block_n": bn, "block_k": 128, "num_warps": warps, "num_stages": 4,
+             "group_m": 8, "backend": 1, "producer_warps": 1, "lanes": 1, "operand_scale": int(lane_group_scales(wl))}
+        if _flat_invalid(wl, target, s) is None:
+            return s
+    return None
 
 
 def _flat_default(wl: Workload, target: Target) -> dict[str, int]:
     """Analytic choice per regime, spelled out flat, shrunk until it satisfies the rules."""
     m, n, k, con = extents(wl)
     if m >= GLUON_LANES_DEFAULT_M and gluon_target(target) and gluon_lane_operands(wl):
-        return _gluon_lanes_default(wl, target)
+        gluon = _gluon_lanes_default(wl, target)
+        if gluon is not None:
+            return gluon
     dense = dequant_first_form(wl)
     if dense is not None and m >= DEQUANT_FIRST_DEFAULT_M:
         # Thousands of rows share each weight tile: the dense op's tile on the weight dequantized first,

@@ -453,6 +453,9 @@ def test_lanes_default_from_256_rows_on_sm90():
     assert (default(256, 28672)["block_m"], default(256, 28672)["block_n"]) == (128, 256)  # 224 tiles
     assert (default(256, 4096)["block_m"], default(256, 4096)["block_n"]) == (64, 128)  # 128 tiles, not 32 or 64
     assert (default(256, 6144)["block_m"], default(256, 6144)["block_n"]) == (128, 128)  # 96 tiles, not 192
+    narrow = ScheduleSpace(_w4a8(m=515, n=40, k=576, g=32), SM90)  # 40 columns: one warpgroup's 64 weight rows
+    assert narrow.default() == {**narrow.default(), "variant": "gluon_lanes", "block_n": 64, "num_warps": 4}
+    assert narrow.is_valid(narrow.default())
     assert default(64, 4096)["variant"] == "tile_lanes_scaled"
     assert default(256, 4096, "sm_80")["variant"] == "tile_lanes_scaled"
     assert default(4096, 4096, "sm_80")["variant"] == "dq_tile"
