@@ -180,25 +180,38 @@ def _code_helpers(t: Tile) -> tuple[list[str], list[str]]:
     return names, lines
 
 
-def _mma_steps(t: Tile, ring: list[str], codes: list[str]) -> list[str]:
-    """The MMA warps' partition: the transposed tile accumulated over the program's k steps, then the
-    op's epilogue (after the splits' merge, where K is split)."""
-    lines = ["@gluon.jit", f"def _mma_steps({', '.join(def_params(t.args) + ring)}):",
-             "    # the MMA warps: unpack each k step's words into the MMA's register operand, one MMA per code position",
+def mma_partition(t: Tile, ring: list[str], what: str, mma_k: int, k_width: int, acc: str) -> tuple[list[str], Scope]:
+    """The head of the MMA warps' partition `_mma_steps` (what it does: `what`): its signature, the
+    warpgroup MMA's layouts (`mma_k` deep, the weight operand `k_width` elements a register) and the
+    transposed `acc` accumulator; returns its lines and the scope its body goes on in."""
+    lines = ["@gluon.jit", f"def _mma_steps({', '.join(def_params(t.args) + ring)}):", f"    # the MMA warps: {what}",
              f"    mma_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
-             f"warps_per_cta=[{t.s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_M, {RUN}])",
-             f"    w_operand: {NS}.constexpr = {NS}.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)"]
+             f"warps_per_cta=[{t.s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_M, {mma_k}])",
+             f"    w_operand: {NS}.constexpr = {NS}.DotOperandLayout(operand_index=0, parent=mma_layout, k_width={k_width})"]
     mma = Scope(lines, "    ", dict(t.top.axes))
     # k_steps > 0 (every split has steps): with no path around the loop, ptxas keeps the MMAs asynchronous
     mma.line(f"{NS}.assume(k_steps > 0)")
-    mma.line(f"acc_t = {NS}.zeros([BLOCK_N, BLOCK_M], {NS}.float32, mma_layout)")
+    mma.line(f"acc_t = {NS}.zeros([BLOCK_N, BLOCK_M], {dtypes.TL[acc].replace('tl.', NS + '.')}, mma_layout)")
+    return lines, mma
+
+
+def transposed_epilogue(t: Tile, mma: Scope, acc: str) -> None:
+    """The op's epilogue in a row-major layout (coalesced stores), the tile transposed back, after the
+    splits' merge where K is split."""
+    mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{t.s['num_warps']}, 1], [1, 0])")
+    mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
+    epilogue(t, merge_splits(mma, "acc", acc, "acc_layout") if count(t.s, "split_k") > 1 else mma, None)
+
+
+def _mma_steps(t: Tile, ring: list[str], codes: list[str]) -> list[str]:
+    """The MMA warps' partition: the transposed tile accumulated over the program's k steps, then the
+    op's epilogue."""
+    lines, mma = mma_partition(t, ring, "unpack each k step's words into the MMA's register operand, one MMA per "
+                               "code position", RUN, 2, "fp32")
     sc_mask = _first_scales(t, mma) if _scaled(t) else None
     mma.line("for ki in range(k_steps):")
     _k_step(t, mma.child(mma.indent + "    "), codes, sc_mask)
-    # The op's epilogue in a row-major layout (coalesced stores), the tile transposed back.
-    mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{t.s['num_warps']}, 1], [1, 0])")
-    mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
-    epilogue(t, merge_splits(mma, "acc", t.con.acc, "acc_layout") if count(t.s, "split_k") > 1 else mma, None)
+    transposed_epilogue(t, mma, t.con.acc)
     return lines + ["", ""]
 
 

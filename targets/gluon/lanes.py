@@ -21,13 +21,14 @@ targets/triton/contraction/int8_lanes.py.
 """
 from __future__ import annotations
 
-from flashgen.ir.contraction import WARPGROUP_ROWS, gluon_lane_operands, lane_segment
+from flashgen.ir.contraction import gluon_lane_operands, lane_segment
 from flashgen.ir.variants import count
 from flashgen.quant import LANE_BLOCK
-from flashgen.targets.gluon.emit import NS, def_params
-from flashgen.targets.gluon.int4 import load_steps, part_k, parts, partitions, rings, tile_place
-from flashgen.targets.gluon.tile import Tile, epilogue, start
-from flashgen.targets.triton.contraction.split_k import merge_splits, split_scratch
+from flashgen.targets.gluon.emit import NS
+from flashgen.targets.gluon.int4 import (load_steps, mma_partition, part_k, parts, partitions, rings, tile_place,
+                                         transposed_epilogue)
+from flashgen.targets.gluon.tile import Tile, start
+from flashgen.targets.triton.contraction.split_k import split_scratch
 from flashgen.targets.triton.emit import KernelSource, Scope
 from flashgen.workload import Schedule, Workload
 
@@ -111,14 +112,8 @@ def _mma_steps(t: Tile, ring: list[str]) -> list[str]:
     """The MMA warps' partition: per k step and 64-k chunk, the byte tile loaded into the MMA
     operand's registers, both blocks' operands unpacked (`_lanes_pair`) and their MMAs issued while
     the next chunk unpacks; then the op's epilogue (after the splits' merge, where K is split)."""
-    lines = ["@gluon.jit", f"def _mma_steps({', '.join(def_params(t.args) + ring)}):",
-             "    # the MMA warps: unpack each chunk's bytes into two MMAs' register operands while the last ones run",
-             f"    mma_layout: {NS}.constexpr = {NS}.NVMMADistributedLayout(version=[3, 0], "
-             f"warps_per_cta=[{t.s['num_warps']}, 1], instr_shape=[{WARPGROUP_ROWS}, BLOCK_M, {MMA_K}])",
-             f"    w_operand: {NS}.constexpr = {NS}.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)"]
-    mma = Scope(lines, "    ", dict(t.top.axes))
-    mma.line(f"{NS}.assume(k_steps > 0)")  # as int4.py's: no path around the loop keeps the MMAs asynchronous
-    mma.line(f"acc_t = {NS}.zeros([BLOCK_N, BLOCK_M], {NS}.int32, mma_layout)")
+    lines, mma = mma_partition(t, ring, "unpack each chunk's bytes into two MMAs' register operands while the "
+                               "last ones run", MMA_K, 4, "int32")
     mma.line(f"c_t = off_n + {NS}.arange(0, BLOCK_N, layout={NS}.SliceLayout(1, w_operand))[:, None]")
     sc_mask = None
     if t.cmask:
@@ -127,9 +122,7 @@ def _mma_steps(t: Tile, ring: list[str]) -> list[str]:
     _scales(t, mma, "k_lo", "sc", sc_mask)
     mma.line("for ki in range(k_steps):")
     _k_step(t, mma.child(mma.indent + "    "), sc_mask)
-    mma.line(f"acc_layout: {NS}.constexpr = {NS}.BlockedLayout([1, 8], [4, 8], [{t.s['num_warps']}, 1], [1, 0])")
-    mma.line(f"acc = {NS}.convert_layout({NS}.permute(acc_t, (1, 0)), acc_layout)")
-    epilogue(t, merge_splits(mma, "acc", "int32", "acc_layout") if count(t.s, "split_k") > 1 else mma, None)
+    transposed_epilogue(t, mma, "int32")
     return lines + ["", ""]
 
 
