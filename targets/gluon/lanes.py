@@ -136,7 +136,6 @@ def _k_step(t: Tile, step: Scope, sc_mask: str | None) -> None:
         step.line(f"k_next = {NS}.minimum(k_lo + (ki + 1) * BLOCK_K, k_hi - 1)")
         _scales(t, step, "k_next", "sn", sc_mask)
     step.line("mbarrier.wait(ready.index(s), (ki // STAGES) & 1)")
-    held = []
     for p in range(chunks):
         k0, k1 = p * CHUNK, p * CHUNK + MMA_K
         step.line(f"b{p} = w_ring.index(s).slice({p * CHUNK // 2}, {CHUNK // 2}, dim=1).load(w_operand)")
@@ -147,7 +146,6 @@ def _k_step(t: Tile, step: Scope, sc_mask: str | None) -> None:
             part, col = divmod(kk, pk)
             step.line(f"acc_t = warpgroup_mma({name}, x_ring.index(s * {np_} + {part}).slice({col}, {MMA_K}, dim=1)"
                       f".permute((1, 0)), acc_t, is_async=True)")
-        held += [f"wa{p}", f"wb{p}"]
     # (Triton 3.6 keeps no int8 operand alive through the wait: ptxas holds a warpgroup MMA's register
     # operands until the wait_group retiring it)
     step.line("acc_t = warpgroup_mma_wait(0, deps=[acc_t])")
