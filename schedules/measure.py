@@ -44,7 +44,11 @@ class MeasureResult:
 
 
 def feed_error(producer: Workload, consumer: Workload) -> str | None:
-    """Why the producer's first output cannot be the consumer's first input (element count, dtype), or None."""
+    """Why the producer's first output cannot be the consumer's first input (element count, dtype), or None.
+    A producer that only updates an input in place (a MoE down projection adding into its accumulator)
+    has no output to hand on."""
+    if not producer.outputs:
+        return f"{producer.op_name} writes no output of its own (it updates an input in place): nothing to feed {consumer.op_name}"
     out, inp = producer.outputs[0].name, consumer.inputs[0].name
     have, want = producer.shape(out), consumer.shape(inp)
     if math.prod(have) != math.prod(want) or producer.tensor_dtype(out) != consumer.tensor_dtype(inp):

@@ -81,14 +81,16 @@ def test_tiny_mixtral_step_counts(batch, routing):
     assert (up.attr.get("routing") == "ids") == (routing == "ids")
 
 
-def test_plan_lines_parse_and_order_by_share(tmp_path):
+@pytest.mark.parametrize("config, modes", [(TINY, ["bf16", "w4a16"]), (MOE, ["w4a16", "w8a16"])])
+def test_plan_lines_parse_and_order_by_share(config, modes, tmp_path):
     """Every line parses as a --workloads line; lines come by share, each share its launches' part of
     each step's time averaged over the steps, all shares adding to the whole on a target that builds
-    every op."""
+    every op. (A MoE down projection adds into its accumulator in place: the norm after it is timed
+    alone.)"""
     target = resolve_target("sm_90", None)
     db = str(tmp_path / "t.db")
     Database(db).close()
-    st = steps(TINY, ["bf16", "w4a16"], [1, 16], target, db)
+    st = steps(config, modes, [1, 16], target, db)
     est = Estimates(target, db)
     lines, skipped = plan_lines(st, target, est)
     assert not skipped and [ln.share for ln in lines] == sorted((ln.share for ln in lines), reverse=True)
