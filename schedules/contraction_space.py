@@ -64,7 +64,7 @@ from flashgen.ir.contraction import (MMA_MIN_ROWS, WARPGROUP, WARPGROUP_ROWS, ex
                                      gluon_lane_operands, int4_affine, int8_lanes, lane_segment, operand_dtype, symmetric_block_groups, tma_operands, tma_output,
                                      whole_block_groups)
 from flashgen.ir.op import Let
-from flashgen.ir.variants import COUNT_DEFAULTS, DEQUANT, OPTIONS, VARIANTS, flat, from_flat, reads  # noqa: F401 (COUNT_DEFAULTS: ScheduleSpace)
+from flashgen.ir.variants import COUNT_DEFAULTS, DEQUANT, OPTIONS, VARIANTS, flat, from_flat, reads
 from flashgen.quant import INT4_PERIOD, LANE_BLOCK
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload, dequant_forms
@@ -620,8 +620,19 @@ def flat_of(wl: Workload, s: dict[str, Any]) -> dict[str, int]:
 def current(wl: Workload, s: dict[str, Any]) -> dict[str, Any]:
     """`s` in today's form: a schedule of the flat form records were written in before variants
     (missing the knobs added since, ADDED_KNOBS) as its variant form; where no form has its options,
-    `s` as it is, which the space refuses as the rules always did."""
-    if "variant" in s or not set(FLAT_KNOBS) <= set(s) | set(ADDED_KNOBS):
+    `s` as it is, which the space refuses as the rules always did. A variant-form schedule tuned at
+    another row count gets group_m as `wl`'s rows read it (`reads`): 1 where a 16-row record, which
+    has one row of tiles and no group_m, serves 32 rows; none where a 64-row record serves 16, whose
+    one row of tiles its group_m would not change. Without this a tile tuned at 16 rows served no
+    call of 17-32 rows, and mixed's plan knew the 4-bit modes there by their rooflines only."""
+    if "variant" in s:
+        v = VARIANTS.get(s["variant"])
+        if v is None or "group_m" not in v.counts:
+            return dict(s)
+        if "group_m" not in reads(v, extents(wl)[0]):
+            return {k: val for k, val in s.items() if k != "group_m"}
+        return {"group_m": COUNT_DEFAULTS["group_m"], **s}
+    if not set(FLAT_KNOBS) <= set(s) | set(ADDED_KNOBS):
         return dict(s)
     mapped = from_flat({**ADDED_KNOBS, **s}, extents(wl)[0], group_scales(wl))
     return mapped if mapped is not None else dict(s)

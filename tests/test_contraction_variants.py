@@ -124,6 +124,31 @@ def test_dispatch_serves_the_shipped_records_schedules(tmp_path):
     assert served > 20
 
 
+def test_a_tile_serves_other_row_counts_with_group_m_as_they_read_it(tmp_path):
+    """group_m is read only where a form's smallest tile leaves more than one row of tiles: a tile tuned
+    at 16 rows (no group_m) serves 32 rows as group_m = 1, and a 16-row tile tuned at 64 rows with
+    group_m = 8 serves 16 rows without it; dispatch then serves a 32-row call from the 16-row record,
+    a bucket of its own form, where it ran the analytic default before."""
+    from flashgen.db import Database, Record
+    from flashgen.runtime.serving.dispatch import Dispatcher
+
+    h100 = get_target("h100")
+    wl16 = flashgen.workload("gemm_w4a8", M=16, N=1000, K=1024, G=128, dtype="bf16", pack="lanes")
+    tuned16 = {"variant": "tile_lanes", "block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4,
+               "num_stages": 3, "split_k": 1, "persistent": 0}
+    assert ScheduleSpace(wl16, h100).why_invalid(tuned16) is None
+    space32 = ScheduleSpace(wl16.with_dims(M=32), h100)
+    assert space32.why_invalid(tuned16) is None and space32.complete(tuned16) == {**tuned16, "group_m": 1}
+    tuned64 = {**tuned16, "group_m": 8}
+    assert ScheduleSpace(wl16.with_dims(M=64), h100).why_invalid(tuned64) is None
+    assert ScheduleSpace(wl16, h100).complete(tuned64) == tuned16
+    with Database(tmp_path / "db.sqlite") as db:
+        db.add(Record(workload_key=wl16.key, workload=wl16.to_json(), target_key=h100.id, schedule=tuned16,
+                      status="ok", latency_us=9.0, device="NVIDIA H100 80GB HBM3"))
+    d = Dispatcher(h100, tmp_path / "db.sqlite").choose(wl16.with_dims(M=32), h100)
+    assert d.source == "bucket M=16" and space32.complete(d.schedule) == {**tuned16, "group_m": 1}
+
+
 def test_flat_pins_keep_the_variants_they_stand_for():
     """`--fix backend=1`, `--fix tma=1` (flat knob names) keep the variants holding them; `--fix
     variant=...` one variant; a count a variant never reads keeps it only at its default."""
