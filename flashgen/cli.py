@@ -249,7 +249,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"{wl}: best {res.best.latency_us:.2f} us{where}{gain}; {res.measured} measured in "
               f"{res.wall_s:.0f} s; schedule {json.dumps(res.best.schedule, sort_keys=True)}", flush=True)
 
-    options = TuneOptions(args.trials, args.strategy, args.seed, fixed, args.retry_failed)
+    options = TuneOptions(args.trials, args.strategy, args.seed, fixed, args.retry_failed,
+                          served=_served(plan, target, args.db))
     try:
         if args.ray:
             fan_out_ray(plan, target, args.db, options, args.ray, report)
@@ -275,6 +276,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if failed:
         raise FlashgenError(f"{len(failed)} of {len(plan)} workloads were not tuned; the first: {failed[0]}")
     return 0
+
+
+def _served(plan: list[tuple], target, db: str | None) -> dict[str, dict]:
+    """The schedule dispatch serves each planned workload with before the run, where a record gives it
+    (not the default): each tune measures it right after the default (schedules/tuner.py)."""
+    from flashgen.runtime.serving.dispatch import Dispatcher
+
+    dispatcher = Dispatcher(target, db)
+    out = {}
+    for wl, _ in plan:
+        d = dispatcher.choose(wl, target)
+        if d.kind != "default":
+            out[wl.key] = d.schedule
+    return out
 
 
 class _ModelPlan:

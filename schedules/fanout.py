@@ -31,7 +31,8 @@ Plan = list[tuple[Workload, Workload | None]]  # (workload, the producer it is t
 
 @dataclass(frozen=True)
 class TuneOptions:
-    """What every line of a plan is tuned with: its `TuneTask` less the workload and the producer."""
+    """What every line of a plan is tuned with: its `TuneTask` less the workload and the producer, and
+    the schedule each workload ran with before the run (`served`, by workload key: dispatch's choice)."""
     trials: int
     strategy: str = "evolutionary"
     seed: int = 0
@@ -39,10 +40,12 @@ class TuneOptions:
     retry_failed: bool = False
     timeout_s: float = MEASURE_TIMEOUT_S
     start_timeout_s: float = START_TIMEOUT_S
+    served: dict[str, Schedule] = field(default_factory=dict)
 
     def task(self, wl: Workload, target: Target, behind: tuple[Workload, Schedule] | None = None) -> TuneTask:
         return TuneTask(wl, target, self.trials, self.strategy, self.seed, TuneTask.pinned(self.fixed), behind,
-                        self.retry_failed, self.timeout_s, self.start_timeout_s)
+                        self.retry_failed, self.timeout_s, self.start_timeout_s,
+                        (self.served[wl.key],) if wl.key in self.served else ())
 
 
 def gpu_slots(spec: str, gpus: int) -> list[str]:

@@ -2,11 +2,12 @@
 
 Schedules the database already holds for this workload and target are never measured again, so a
 stopped tune resumes where it was; with `retry_failed`, those recorded as timeout or crash (a loaded
-machine's verdicts) are measured again, first. The schedule dispatch serves the workload before the
-tune (a record of a neighbouring row count, the other 16-bit dtype, the plain form or a sibling GPU)
-is measured next. Without it, four trials of a fresh row count found only slower schedules, and
-dispatch, which prefers an exact record, served one: the H100 W4A16 decoder at batch 4 fell from 1105
-to 882 tokens/s after its 4-row GEMMs were tuned (benchmarks/results/model_quant_load.md). Each measurement is recorded the moment it ends, so a
+machine's verdicts) are measured again, first. The schedules the caller serves the workload with
+before the tune (`TuneTask.served`: dispatch's choice, which the CLI looks up; a record of a
+neighbouring row count, the other 16-bit dtype, the plain form or a sibling GPU) are measured next.
+Without them, four trials of a fresh row count found only slower schedules, and dispatch, which
+prefers an exact record, served one: the H100 W4A16 decoder at batch 4 fell from 1105 to 882 tokens/s
+after its 4-row GEMMs were tuned (benchmarks/results/model_quant_load.md). Each measurement is recorded the moment it ends, so a
 killed tune loses none, and a tune claims each schedule in the database before measuring it, so two
 tunes of one workload at once measure different schedules. The analytic default is measured first, so a tune can only end with
 a best at least as fast as what `flashgen compile` gives untuned. A workload whose weight can be
@@ -55,7 +56,8 @@ class TuneTask:
     `space`), how (`trials` new measurements, `strategy`, `seed`), timed alone or `behind` a producer
     (its workload and schedule), whether schedules recorded as timeout or crash are measured again, and
     the Runner's bounds: `timeout_s` per measurement, `start_timeout_s` more for a fresh worker's first
-    (a loaded machine needs more of both)."""
+    (a loaded machine needs more of both); `served`: the schedules the workload runs with now, measured
+    right after the default (dispatch sits above the tuner: its caller looks them up)."""
     workload: Workload
     target: Target
     trials: int
@@ -66,6 +68,7 @@ class TuneTask:
     retry_failed: bool = False
     timeout_s: float = MEASURE_TIMEOUT_S
     start_timeout_s: float = START_TIMEOUT_S
+    served: tuple[Schedule, ...] = ()
 
     @staticmethod
     def pinned(fixed: Mapping[str, int] | None) -> tuple[tuple[str, int], ...]:
@@ -159,16 +162,6 @@ def alone_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
     return []
 
 
-def served_seed(space: ScheduleSpace, db: Database) -> list[Schedule]:
-    """The schedule dispatch would serve the workload now, from a record (none where it runs the default):
-    measured early, so the tune's best is never slower than what the call ran before."""
-    from flashgen.runtime.serving.dispatch import Dispatcher  # (dispatch reads records; tuning writes them)
-
-    d = Dispatcher(space.target, db.path).choose(space.workload, space.target)
-    s = space.complete(d.schedule)
-    return [s] if d.kind != "default" and space.is_valid(s) else []
-
-
 def dense_seeds(space: ScheduleSpace, db: Database) -> list[Schedule]:
     """The fastest few records of the workload's dense form (in either 16-bit dtype) as schedules of
     this space that dequantize first; none where the space cannot."""
@@ -232,8 +225,8 @@ def tune(task: TuneTask, db: Database, *, batch: int = BATCH, builder: Builder |
                           measured=[(r.schedule, r.latency_us if r.status == "ok" else None) for r in in_space])
     default = space.pinned_default()
     seeds = alone_seeds(space, db) if behind is not None else []
-    pending = [c for c in ([default] if default is not None else []) + retry + served_seed(space, db) + seeds +
-               dense_seeds(space, db)
+    served = [c for c in map(space.complete, task.served) if space.is_valid(c)]
+    pending = [c for c in ([default] if default is not None else []) + retry + served + seeds + dense_seeds(space, db)
                if schedule_key(space.complete(c)) not in known]
     # (counting valid schedules only as far as the tune could need: a whole space can hold 10^5; islice
     # takes no stop past sys.maxsize, which a count of trials given through the API may pass)

@@ -206,39 +206,25 @@ def test_alone_seeds_come_from_the_plain_form_where_the_workload_has_none(tmp_pa
         assert [s["num_stages"] for s in alone_seeds(space, db)] == [3]
 
 
-def test_a_tune_first_measures_what_dispatch_serves(tmp_path):
-    """A workload of a fresh row count is seeded with the schedule dispatch serves it before the tune (a
-    neighbouring row count's record), so its best cannot end slower than that; with nothing but the
-    analytic default served, no seed."""
-    from flashgen.db import Record
-    from flashgen.schedules.tuner import served_seed
-    h100 = get_target("h100")
-    wl16 = flashgen.workload("gemm_w4a16", M=16, N=1000, K=1024, G=128, dtype="bf16")
-    space4 = ScheduleSpace(wl16.with_dims(M=4), h100)
-    tile = {**ScheduleSpace(wl16, h100).default(), "num_stages": 3, "split_k": 2}
-    with Database(tmp_path / "db.sqlite") as db:
-        assert served_seed(space4, db) == []
-        db.add(Record(workload_key=wl16.key, workload=wl16.to_json(), target_key=h100.id, schedule=tile,
-                      status="ok", latency_us=9.0, device="NVIDIA H100 80GB HBM3"))
-        assert served_seed(space4, db) == [space4.complete(tile)]
-        assert space4.default() != space4.complete(tile)
-
-
-def test_a_tune_measures_the_served_schedule_after_the_default(tmp_path):
-    """On the CPU, for real: two trials of a fresh row count measure the default and then the schedule
-    a neighbouring row count's record serves it."""
+def test_a_tune_measures_the_served_schedule_after_the_default(tmp_path, capsys):
+    """On the CPU, for real, through the CLI: two trials of a fresh row count measure the default, then
+    the schedule dispatch served it before the tune (a neighbouring row count's record), so a tune of
+    a few trials cannot leave the call slower."""
     from flashgen.db import Record
     cpu = get_target("cpu")
     w8 = flashgen.workload("silu_mul", M=8, N=1000, dtype="fp32")
     served = {"block_r": 1, "block_c": 32, "num_warps": 1}
-    with Database(tmp_path / "db.sqlite") as db:
-        db.add(Record(workload_key=w8.key, workload=w8.to_json(), target_key=cpu.id, schedule=served,
-                      status="ok", latency_us=5.0, device="cpu"))
-        res = tune(TuneTask(w8.with_dims(M=16), cpu, 2), db)
-        space = ScheduleSpace(w8.with_dims(M=16), cpu)
-        assert served != space.default()
-        assert [space.complete(r.schedule) for r in db.records(res.workload.key, cpu.id)] == \
-            [space.default(), space.complete(served)]
+    space = ScheduleSpace(w8.with_dims(M=16), cpu)
+    assert served != space.default()
+    db = str(tmp_path / "db.sqlite")
+    with Database(db) as d:
+        d.add(Record(workload_key=w8.key, workload=w8.to_json(), target_key=cpu.id, schedule=served,
+                     status="ok", latency_us=5.0, device="cpu"))
+    argv = ["tune", "silu_mul", "--dim", "M=16", "--dim", "N=1000", "--dtype", "fp32", "--target", "cpu",
+            "--trials", "2", "--db"]
+    assert main(argv + [db]) == 0
+    with Database(db) as d:
+        assert [space.complete(r.schedule) for r in d.records(space.workload.key, cpu.id)] == [space.default(), served]
 
 
 def test_tune_workloads_file_with_a_producer_per_line(tmp_path, capsys):
