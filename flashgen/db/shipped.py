@@ -194,10 +194,27 @@ def is_current(rec: Record) -> bool:
     return wl is not None and ScheduleSpace(wl, get_target(rec.target_key)).is_valid(rec.schedule)
 
 
-def write_shipped(records: Iterable[Record], device: str, folder: Path = SHIPPED_DIR) -> Path:
-    """Writes `<device>.jsonl` of the selected records and updates the manifest's sha256 for it."""
+def _shipped_keys(path: Path) -> set[tuple[str, str, str]]:
+    """The (workload, target, timing) keys a shipped file holds now (none where there is no file)."""
+    if not path.exists():
+        return set()
+    recs = [Record.from_json(json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {(r.workload_key, r.target_key, r.timing) for r in recs}
+
+
+def write_shipped(records: Iterable[Record], device: str, folder: Path = SHIPPED_DIR, drop: bool = False) -> Path:
+    """Writes `<device>.jsonl` of the selected records and updates the manifest's sha256 for it.
+
+    A rebuild from logs that miss a record the file ships now would silently take a tuned schedule
+    from users; it is refused, naming what would go, unless `drop` says so on purpose."""
     chosen = select(records, is_current)
     path = folder / f"{device}.jsonl"
+    lost = _shipped_keys(path) - {(r.workload_key, r.target_key, r.timing) for r in chosen}
+    if lost and not drop:
+        names = ", ".join(f"{w} ({t}, {timing})" for w, t, timing in sorted(lost)[:5])
+        raise FlashgenError(f"{path.name}: the records given hold nothing for {len(lost)} workload(s) it ships now "
+                            f"({names}{', ...' if len(lost) > 5 else ''}); add the file itself or their logs to "
+                            "the inputs, or pass --drop to remove them")
     data = "".join(canonical_json(r.to_json()) + "\n" for r in chosen).encode("utf-8")
     path.write_bytes(data)
     manifest_path = folder / MANIFEST
