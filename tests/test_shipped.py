@@ -3,7 +3,9 @@ by the user's database, served by compile and listed by `flashgen db --shipped`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -11,10 +13,12 @@ from flashgen.cli import main
 from flashgen.db import Database, Record
 from flashgen.db import shipped as shipped_mod
 from flashgen.db.shipped import ORIGIN, SHIPPED_DIR, TunedRecords, select, shipped_database
+from flashgen.errors import FlashgenError
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import get_target
 from flashgen.workload import recorded_workload, workload
 
+ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_FILES = json.loads((SHIPPED_DIR / "MANIFEST.json").read_text())["files"]  # name -> {records, sha256}
 
 
@@ -341,3 +345,28 @@ def test_an_h100_serves_its_own_shipped_records_and_an_h200_the_h200s(tmp_path):
     assert d.schedule == theirs.schedule
     d = Dispatcher(h200, tmp_path / "none.db").choose(wl.with_dims(M=12), h200)  # no exact record: its own bucket
     assert d.source.startswith("bucket M=16, tuned in fp16") and d.schedule == mine.schedule, d
+
+
+def test_the_h100_record_log_alone_rebuilds_its_shipped_file(tmp_path):
+    """`h100_rows_records.jsonl` holds every record the H100 file ships: the maintainers' rebuild from it
+    writes the same bytes (a record kept only in the shipped file would be lost by the next rebuild)."""
+    folder = _copy(tmp_path)
+    log = Database(":memory:")
+    log.import_jsonl(str(ROOT / "benchmarks" / "results" / "h100_rows_records.jsonl"))
+    shipped_mod.write_shipped(log.records(), "h100", folder)
+    assert (folder / "h100.jsonl").read_bytes() == (SHIPPED_DIR / "h100.jsonl").read_bytes()
+
+
+def test_a_rebuild_that_would_drop_a_shipped_workload_is_refused(tmp_path):
+    folder = _copy(tmp_path)
+    shipped = [Record.from_json(json.loads(line)) for line in (folder / "h100.jsonl").read_text().splitlines()]
+    kept = shipped[1:]
+    before = (folder / "h100.jsonl").read_bytes()
+    with pytest.raises(FlashgenError, match="h100.jsonl: the records given hold nothing for 1 workload.*"
+                       + re.escape(shipped[0].workload_key)):
+        shipped_mod.write_shipped(kept, "h100", folder)
+    assert (folder / "h100.jsonl").read_bytes() == before  # nothing written
+    shipped_mod.write_shipped(kept, "h100", folder, drop=True)
+    written = (folder / "h100.jsonl").read_text().splitlines()
+    assert len(written) == len(kept) == len(shipped) - 1
+    assert json.loads((folder / "MANIFEST.json").read_text())["files"]["h100.jsonl"]["records"] == len(kept)
