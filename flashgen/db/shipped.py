@@ -10,7 +10,8 @@ served, nor a record whose workload is not the one its key names (one warning ea
 alone; a value that is no such word is refused.
 
 Maintainers rebuild a device's file from its record logs with
-`python -m flashgen.db.ship h200 benchmarks/results/h200_gemm_records.jsonl ...` (h100 likewise).
+`python -m flashgen.db.ship h200 benchmarks/results/h200_gemm_records.jsonl ...` (h100 likewise); a rebuild
+whose logs miss a workload the file ships now is refused unless `--drop` says so.
 """
 from __future__ import annotations
 
