@@ -199,7 +199,8 @@ def _shipped_keys(path: Path) -> set[tuple[str, str, str]]:
     """The (workload, target, timing) keys a shipped file holds now (none where there is no file)."""
     if not path.exists():
         return set()
-    recs = [Record.from_json(json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = path.read_text(encoding="utf-8").splitlines()
+    recs = [Record.from_json(json.loads(line)) for line in lines if line.strip()]
     return {(r.workload_key, r.target_key, r.timing) for r in recs}
 
 
