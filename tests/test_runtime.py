@@ -317,8 +317,8 @@ def test_bucket_passes_over_a_stale_top_record(tmp_path):
 
 
 def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
-    """Decode records of one batch size tuned at several context capacities: a call takes the nearest
-    capacity's schedule, whichever record the database lists first."""
+    """Decode records of one batch size tuned at several contexts: a call takes the nearest context's
+    schedule, whichever record the database lists first; the cache's size (NB, MAXB) does not count."""
     h200 = get_target("h200")
     dims = dict(Hq=32, Hkv=8, D=128, BS=16, dtype="bf16")
     near = {"pages": 2, "num_warps": 4, "num_stages": 2, "splits": 8}
@@ -335,6 +335,15 @@ def test_bucket_prefers_the_nearest_other_row_dims(tmp_path):
         assert (d.source, d.schedule) == ("bucket B=1", near)
         call = flashgen.workload("paged_decode_attention", B=1, NB=20000, MAXB=16384, L=131072 * 2, **dims)
         assert Dispatcher(h200, db_path).choose(call, h200).schedule == far
+
+    # the cache's and the tables' sizes do not count: the decoder's 288-token contexts dispatch at L=512
+    # in a cache of 293 blocks, and take the record tuned at L=512 in a cache 28 times larger
+    short = {"pages": 1, "num_warps": 4, "num_stages": 2, "splits": 4}
+    with Database(tmp_path / "short.db") as db:
+        _record(db, flashgen.workload("paged_decode_attention", B=16, NB=8192, MAXB=512, L=512, **dims), short, 5.0)
+        _record(db, flashgen.workload("paged_decode_attention", B=16, NB=293, MAXB=292, L=4096, **dims), far, 5.0)
+    call = flashgen.workload("paged_decode_attention", B=16, NB=293, MAXB=292, L=512, **dims)
+    assert Dispatcher(h200, tmp_path / "short.db").choose(call, h200).schedule == short
 
 
 def test_mixed_estimates_read_the_database_once_per_state(tmp_path, monkeypatch):

@@ -122,6 +122,10 @@ class Op:
     attrs: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: {"dtype": ("bf16", "fp16", "fp32")})
     params: Mapping[str, float] = field(default_factory=dict)
     check_dims: Callable[[Mapping[str, int], Attrs], str | None] = lambda dims, attrs: None
+    # row dims that size a buffer (a paged cache's blocks, its tables' width), not the work: the work
+    # of a decode attention is B x L whatever the cache holds, so dispatch's distance to a tuned bucket
+    # leaves them out (a record tuned at the same context in a larger cache is the nearer)
+    capacity_dims: tuple[str, ...] = ()
     # Where a workload has no tuning records, those of its plain form serve its dispatch: the same
     # dims and weights, this op's `plain` op (a fused variant's base; "" for itself) with the attrs of
     # fused work (`fused_attrs`, such as epilogues) at their first values.

@@ -143,6 +143,7 @@ PAGED_DECODE = Op(
     doc="one query token per sequence against a paged KV cache (bf16/fp16, or fp8 e4m3 with scales); GQA; "
         "head dims 16-256 (multiples of 8); mods window|softcap|alibi",
     dims=("B", "Hq", "Hkv", "D", "BS", "NB", "MAXB", "L"), row_dims=("B", "NB", "MAXB", "L"),
+    capacity_dims=("NB", "MAXB"),
     inputs=(TensorSpec("q", (B, Hq, D), DTYPE),
             TensorSpec("k_cache", (NB, BS, Hkv, D), "$kv", touched=B * L * Hkv * D),
             TensorSpec("v_cache", (NB, BS, Hkv, D), "$kv", touched=B * L * Hkv * D),
@@ -257,6 +258,7 @@ CHUNKED_PREFILL = Op(
     doc="prefill of packed new tokens after per-sequence prefixes already in a paged KV cache "
         "(chunked prefill, prompt-cache reuse); GQA; head dims 16-256 (multiples of 8); mods",
     dims=("T", "B", "Hq", "Hkv", "D", "BS", "NB", "MAXB"), row_dims=("T", "B", "NB", "MAXB"),
+    capacity_dims=("NB", "MAXB"),
     inputs=(*PACKED, TensorSpec("k_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
             TensorSpec("v_cache", (NB, BS, Hkv, D), DTYPE, touched=B * MAXB * BS * Hkv * D),
             TensorSpec("block_tables", (B, MAXB), "int32"), TensorSpec("prefix_lens", (B,), "int32"), ALIBI),

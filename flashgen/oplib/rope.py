@@ -155,7 +155,7 @@ ROPE_CACHE = Op(
     name="rope_cache", kclass="pointwise",
     doc="rope, plus each token's rotated k and its v written to its slot of a KV cache (in place); "
         "slots outside [0, NS), such as -1 for padding, are skipped",
-    dims=("M", "Hq", "Hkv", "D", "L", "NS"), row_dims=("M", "NS"),
+    dims=("M", "Hq", "Hkv", "D", "L", "NS"), row_dims=("M", "NS"), capacity_dims=("NS",),
     inputs=(*ROPE.inputs, TensorSpec("v", (M, Hkv, D), DTYPE), TensorSpec("slots", (M,), "int64"),
             TensorSpec("k_cache", (NS, Hkv, D), DTYPE, touched=M * Hkv * D, written=True),
             TensorSpec("v_cache", (NS, Hkv, D), DTYPE, touched=M * Hkv * D, written=True)),
@@ -177,7 +177,7 @@ ROPE_CACHE_PARTIAL = Op(
     name="rope_cache_partial", kclass="pointwise",
     doc="rope_partial, plus each token's rotated k and its v written to its slot of a KV cache (in place); "
         "slots outside [0, NS) are skipped",
-    dims=("M", "Hq", "Hkv", "D", "R", "L", "NS"), row_dims=ROPE_CACHE.row_dims,
+    dims=("M", "Hq", "Hkv", "D", "R", "L", "NS"), row_dims=ROPE_CACHE.row_dims, capacity_dims=ROPE_CACHE.capacity_dims,
     inputs=(*ROPE_PARTIAL.inputs, *ROPE_CACHE.inputs[4:]),
     outputs=ROPE.outputs, domain=ROPE.domain, attrs=ROPE.attrs,
     build=lambda a: _build_cache(a, partial=True), reference=_reference_cache, make_inputs=_inputs_cache,

@@ -142,8 +142,10 @@ def _notes(skipped: list[str]) -> str:
 
 def _distance(dims: Mapping[str, int], wl: Workload) -> float:
     """How far a record's other row dims are from the call's, as summed |log2| ratios: between records
-    of one bucket size, the nearest wins (a decode schedule tuned for a 4k context, not a 128k one)."""
-    return sum(abs(math.log2(max(1, dims.get(d, 1)) / max(1, wl.dim[d]))) for d in wl.op.row_dims[1:])
+    of one bucket size, the nearest wins (a decode schedule tuned for a 4k context, not a 128k one).
+    Dims that size a buffer, not the work (`Op.capacity_dims`), do not count."""
+    return sum(abs(math.log2(max(1, dims.get(d, 1)) / max(1, wl.dim[d]))) for d in wl.op.row_dims[1:]
+               if d not in wl.op.capacity_dims)
 
 
 def _tuned_on(records: Target, target: Target) -> str:
