@@ -255,7 +255,8 @@ def engine_for(model: Decoder, traffic: Traffic, max_batch: int) -> Engine:
     engine reserves a request's prompt and output blocks as it admits it), warmed up so that the first
     point does not pay for what every later one finds ready: prefills of the shortest and longest
     prompts, alone and together, load their kernels, and on a GPU a decode graph is captured for every
-    batch bucket up to the most requests of the shortest lengths the cache holds. (A prefill of a row
+    batch bucket up to the most requests of the shortest lengths the cache holds, at every attention
+    context bucket up to the longest lengths'. (A prefill of a row
     count not seen here may still choose and load a kernel inside a point, as it would in a server.)"""
     (lo_in, hi_in), (lo_out, hi_out) = (lengths(traffic.prompt_len, traffic.spread),
                                         lengths(traffic.output_len, traffic.spread))
@@ -269,6 +270,7 @@ def engine_for(model: Decoder, traffic: Traffic, max_batch: int) -> Engine:
         most = bucket_for(blocks // -(-(lo_in + lo_out) // 16), sizes) or sizes[-1]
         for b in sizes[:sizes.index(most) + 1]:
             engine.generate([[1] * 16] * b, warm)
+            engine.graphs.prepare(b, hi_in + hi_out)
     return engine
 
 

@@ -167,8 +167,8 @@ def _tune_plan(args: argparse.Namespace) -> list[tuple]:
 def _check_model_args(args: argparse.Namespace) -> None:
     """--model with its options, or the options without --model, refused in one line before any import."""
     if args.model is None:
-        given = [o for o, v in (("--budget", args.budget), ("--quant", args.quant != ["bf16"]),
-                                ("--batches", args.batches != [1, 16, 64, 256])) if v]
+        given = [o for o, v in (("--budget", args.budget), ("--context", args.context),
+                                ("--quant", args.quant != ["bf16"]), ("--batches", args.batches != [1, 16, 64, 256])) if v]
         if given:
             raise FlashgenError(f"{given[0]} goes with --model")
         return
@@ -306,7 +306,7 @@ class _ModelPlan:
         config = _model_config(args.model)
         with Database(args.db) as db:
             self.db_path = db.path
-            self.before = steps(config, args.quant, args.batches, target, self.db_path)
+            self.before = steps(config, args.quant, args.batches, target, self.db_path, args.context)
             self.estimates = Estimates(target, self.db_path)
             lines, skipped = plan_lines(self.before, target, self.estimates)
             for note in skipped:
@@ -343,7 +343,8 @@ class _ModelPlan:
         from flashgen.runtime.decoder.model_tune import Estimates, steps, table
         from flashgen.table import print_table
 
-        after = steps(_model_config(self.args.model), self.args.quant, self.args.batches, self.target, self.db_path)
+        after = steps(_model_config(self.args.model), self.args.quant, self.args.batches, self.target, self.db_path,
+                      self.args.context)
         print_table(["mode", "batch", "step us before", "after", "speedup"],
                     table(self.before, after, self.estimates, Estimates(self.target, self.db_path)))
 
@@ -774,6 +775,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --model: quant modes, comma-separated ({', '.join(QUANT_MODES)}; default bf16)")
     t.add_argument("--batches", type=_batches, default=[1, 16, 64, 256], metavar="B,B,...",
                    help="with --model: decode batch sizes, comma-separated (default 1,16,64,256)")
+    t.add_argument("--context", type=_checked(int, lambda v: v >= 1, "a positive number of tokens"), metavar="TOKENS",
+                   help="with --model: the decode steps' longest context, which picks the attention's context "
+                        "bucket (a power of two from 512; default: the model's whole window)")
     t.add_argument("--budget", type=_checked(float, lambda v: 0 < v < math.inf, "a positive number of minutes"),
                    metavar="MINUTES", help="with --model: start no workload's tune after this much wall time "
                                            "(default: tune them all)")

@@ -822,6 +822,27 @@ def test_engines_with_and_without_graphs_compute_the_same_logits():
     assert eager_out == graphed_out
 
 
+def test_graphs_follow_the_context_bucket_and_match_eager():
+    """Greedy decoding whose contexts cross 512 tokens (tiny's window: 1024): the engine with graphs
+    captures the bucket's step at attention contexts 512 and 1024 (`Decoder.attention_context`) and
+    chains its replays across the new capture (which keeps the tokens the last replay left in the shared
+    inputs); the tokens equal an engine's without graphs, whose eager steps dispatch at the same L."""
+    from flashgen.runtime.decoder.bench import CONFIGS, random_weights
+    from flashgen.runtime.decoder.engine import Engine
+    from flashgen.runtime.decoder.sampling import SamplingParams
+    from flashgen.runtime.decoder.model import Decoder
+    c = CONFIGS["tiny"]
+    model = Decoder(c, random_weights(c, torch.bfloat16, DEVICE), DEVICE, torch.bfloat16)
+    prompts = [list(range(3, 503)), [7, 8] * 240]  # 500 and 480 tokens, 30 more each: contexts up to 530
+    outs, engines = [], []
+    for graphs in (False, True):
+        eng = Engine(model, num_blocks=80, cuda_graphs=graphs)
+        outs.append([r.output for r in eng.generate(prompts, SamplingParams(max_new_tokens=30, stop_tokens=()))])
+        engines.append(eng)
+    assert sorted(engines[1].graphs.graphs[2].replays) == [512, 1024]
+    assert outs[0] == outs[1] and all(len(o) == 30 for o in outs[0])
+
+
 def test_engines_of_any_cache_size_share_one_process():
     """Engines whose block tables are 64 and then 63 blocks wide in one process: the generated attention
     binary built for the first serves the second (a table width is a row dim, never promised divisible

@@ -14,6 +14,7 @@ from flashgen.db import Database
 from flashgen.oplib import OPS
 from flashgen.runtime.decoder.bench import CONFIGS
 from flashgen.runtime.decoder.calls import Recorder
+from flashgen.runtime.decoder.model import context_bucket
 from flashgen.runtime.decoder.model_tune import Estimates, plan_lines, step_us, steps
 from flashgen.runtime.decoder.quant_modes import MODES, W4A16Linear
 from flashgen.runtime.decoder.step_workloads import decode_step
@@ -67,6 +68,20 @@ def test_tiny_llama_step_counts(batch):
     assert {wl.dim["M"] for wl, _ in launches if wl.op.kclass == "contraction"} == {batch}
 
 
+def _attention_context(**kw) -> int:
+    return next(wl.dim["L"] for wl, _ in decode_step(TINY, "bf16", 4, **kw) if wl.op_name == "paged_decode_attention")
+
+
+def test_a_steps_attention_dispatches_at_its_context_bucket():
+    """The attention's L is the longest context rounded up to a power of two from 512, at most the
+    window (tiny's 1024 positions), and the window when no context is given (`tune --model`'s default)."""
+    assert [context_bucket(n, 8192) for n in (1, 288, 512, 513, 2300, 8192, 9000)] == \
+        [512, 512, 512, 1024, 4096, 8192, 8192]
+    assert context_bucket(5000, 2560) == 2560
+    assert _attention_context() == TINY.max_position_embeddings == 1024
+    assert [_attention_context(context=n) for n in (1, 300, 513, 10 ** 6)] == [512, 512, 1024, 1024]
+
+
 @pytest.mark.parametrize("batch, routing", [(4, "ids"), (80, "aligned")])
 def test_tiny_mixtral_step_counts(batch, routing):
     """Per MoE layer: the router's top-k and the two grouped GEMMs (ids routing up to 64 tokens), no
@@ -115,6 +130,8 @@ def test_plan_lines_parse_and_order_by_share(config, modes, tmp_path):
     (["--model", "no/such/folder"], "no such folder"),
     (["--model", "EMPTY"], "no config.json"),
     (["--budget", "1", "--workloads", "w.jsonl", "--model", None], "--budget goes with --model"),
+    (["--context", "300", "--workloads", "w.jsonl", "--model", None], "--context goes with --model"),
+    (["--context", "0"], "--context: must be a positive number of tokens"),
 ])
 def test_bad_input_is_one_line(argv, says, tmp_path, capsys):
     argv = [str(tmp_path) if a == "EMPTY" else a for a in argv]

@@ -2,8 +2,10 @@
 
 A decode step launches a few kernels per layer (about 400 for Llama-3-8B); launched one by one from
 Python they cost more host time than the GPU needs to run them at small batches. A step in which every
-sequence brings one token is therefore captured once per padded batch size (a bucket: 1, 2, 4, ...),
-the first time a step of that size comes, over static input buffers; each later step copies its inputs
+sequence brings one token is therefore captured once per padded batch size (a bucket: 1, 2, 4, ...)
+and attention context bucket (`Decoder.attention_context`: the longest context rounded up to a power of
+two, whose tuned attention schedule the graph holds), the first time such a step comes, over static
+input buffers that every context bucket of a batch size shares; each later step copies its inputs
 into them (one host-to-device copy, plus one of the block tables when the set of sequences changed)
 and replays. Padding rows take token 0 at position 0, write into the cache's pad block and attend to
 that one slot, so they never touch a real sequence. All buckets share one graph memory pool.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,12 +78,19 @@ def input_columns(b: int) -> int:
 
 
 @dataclass
-class _Graph:
+class _Replay:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor   # [4, input_columns(b)] int64: tokens, positions, slots, context lengths
-    tables: torch.Tensor   # [b, width] int32
     logits: torch.Tensor   # [b, vocab]
     chosen: torch.Tensor   # [b] int64: `greedy`'s tokens, NON_FINITE marks kept (the inputs hold them cleared)
+
+
+@dataclass
+class _Graph:
+    """A batch bucket's input buffers and its graphs, one per attention context bucket."""
+    inputs: torch.Tensor   # [4, input_columns(b)] int64: tokens, positions, slots, context lengths
+    tables: torch.Tensor   # [b, width] int32
+    replays: dict[int, _Replay] = field(default_factory=dict)
+    last: _Replay | None = None  # the one replayed last: its `chosen` are the bucket's latest tokens
     rows: tuple[tuple[int, int], ...] = ()  # (sequence, blocks) whose tables `tables` holds
 
 
@@ -105,7 +114,9 @@ class DecodeGraphs:
         `tokens=None` takes the tokens that the previous replay of this bucket chose for the same
         sequences, still on the device (`chosen`)."""
         b = bucket_for(len(seqs), self.sizes)
-        g = self.graphs.get(b) or self._capture(b)
+        g = self.graphs.get(b) or self._buffers(b)
+        context = self.model.attention_context(max(positions) + 1, self.cache)
+        replay = g.replays.get(context) or self._capture(b, g, context)
         host = torch.tensor(padded_inputs(tokens or [0] * len(seqs), positions, slots, input_columns(b),
                                           self.pad_slot), dtype=torch.int64, pin_memory=True)
         first = 0 if tokens is not None else 1
@@ -115,30 +126,56 @@ class DecodeGraphs:
             tables = self.cache.manager.padded_tables(seqs, self.width, b)
             g.tables.copy_(torch.tensor(tables, dtype=torch.int32, pin_memory=True), non_blocking=True)
             g.rows = rows
-        g.graph.replay()
-        return g.logits[:len(seqs)]
+        replay.graph.replay()
+        g.last = replay
+        return replay.logits[:len(seqs)]
+
+    def prepare(self, n: int, longest: int) -> None:
+        """Capture the step of `n` sequences (its bucket's) at every attention context bucket up to that
+        of `longest` tokens, ahead of the steps that need them: a capture while serving holds up every
+        running request for as long as it takes."""
+        b = bucket_for(n, self.sizes)
+        g = self.graphs.get(b) or self._buffers(b)
+        last, context = self.model.attention_context(longest, self.cache), 0
+        while context < last:
+            context = self.model.attention_context(context + 1, self.cache)
+            if context not in g.replays:
+                self._capture(b, g, context)
 
     def chosen(self, n: int) -> torch.Tensor:
         """The greedy tokens [n] (int64, on the device; NON_FINITE marks a row whose logits are not) of the
         last replay of the bucket of n sequences."""
-        return self.graphs[bucket_for(n, self.sizes)].chosen[:n]
+        return self.graphs[bucket_for(n, self.sizes)].last.chosen[:n]
 
-    def _capture(self, b: int) -> _Graph:
-        """Capture the bucket's step over padding-only inputs, after a warm-up call of the same shapes
-        (which builds or loads its kernels and fills the dispatcher's caches: capture allows neither)."""
+    def _buffers(self, b: int) -> _Graph:
+        """The bucket's static inputs, padding only until a step fills them."""
         dev = self.model.device
         inputs = torch.tensor(padded_inputs([], [], [], input_columns(b), self.pad_slot), dtype=torch.int64,
                               device=dev)
         tables = torch.tensor(self.cache.manager.padded_tables([], self.width, b), dtype=torch.int32, device=dev)
+        self.graphs[b] = _Graph(inputs, tables)
+        return self.graphs[b]
 
-        def step() -> torch.Tensor:
-            tokens, positions, slots, ctx = inputs[:, :b]
-            batch = Batch(tokens, positions, slots, [], [1] * b, [], tables=tables, ctx_lens=ctx.to(torch.int32))
+    def _capture(self, b: int, g: _Graph, context: int) -> _Replay:
+        """Capture the bucket's step at attention context `context` over padding-only inputs, after a
+        warm-up call of the same shapes (which builds or loads its kernels and fills the dispatcher's
+        caches: capture allows neither). The buffers' contents are kept around it: a chained replay
+        reads the tokens the last replay wrote into them."""
+        kept = g.inputs.clone()
+        g.inputs.copy_(torch.tensor(padded_inputs([], [], [], input_columns(b), self.pad_slot), dtype=torch.int64))
+        g.tables.copy_(torch.tensor(self.cache.manager.padded_tables([], self.width, b), dtype=torch.int32))
+        g.rows = ()
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            tokens, positions, slots, ctx = g.inputs[:, :b]
+            batch = Batch(tokens, positions, slots, [], [1] * b, [], tables=g.tables, ctx_lens=ctx.to(torch.int32),
+                          context=context)
             logits = self.model.forward(batch, self.cache)
             chosen = greedy(logits)
             tokens.copy_(chosen.clamp(min=0))  # the next step's tokens (a replay with tokens=None): ids the embedding holds
             return logits, chosen
 
-        graph, (logits, chosen) = cuda_graph(step, dev, self.pool)
-        self.graphs[b] = _Graph(graph, inputs, tables, logits, chosen)
-        return self.graphs[b]
+        graph, (logits, chosen) = cuda_graph(step, self.model.device, self.pool)
+        g.inputs.copy_(kept)
+        g.replays[context] = _Replay(graph, logits, chosen)
+        return g.replays[context]

@@ -52,6 +52,15 @@ from flashgen.runtime.checkpoints.weights import moe_names
 # Up to this many tokens the generated experts take the router's ids as they are (`routing="ids"`);
 # more take them aligned: each program's scan of every id would outgrow the alignment's cost.
 IDS_ROUTING_MAX_TOKENS = 64
+SHORTEST_CONTEXT_BUCKET = 512  # the smallest context a decode step's attention dispatches at
+
+
+def context_bucket(longest: int, bound: int) -> int:
+    """The context L a decode attention whose longest context is `longest` dispatches at, so that its
+    schedule is the one tuned for contexts up to about that: `longest` rounded up to a power of two, at
+    least SHORTEST_CONTEXT_BUCKET, at most `bound`. A schedule chosen for 8192-token contexts takes 128
+    keys a loop step and shares a context among 8 programs: 300-token contexts keep 3 of them busy."""
+    return min(bound, max(SHORTEST_CONTEXT_BUCKET, 1 << (longest - 1).bit_length()))
 
 
 @dataclass
@@ -70,6 +79,7 @@ class Batch:
     ctx: list[int]
     tables: torch.Tensor | None = None    # [B, MAXB] int32: block tables, one width for every step
     ctx_lens: torch.Tensor | None = None  # [B] int32
+    context: int | None = None  # a decode step's attention context bucket (`Decoder.attention_context`) if not max(ctx)'s
 
 
 @dataclass
@@ -297,6 +307,11 @@ class Decoder:
             self.cos_sin, self._rope_positions = rope_table(self.c, need).to(self.device), need
         return self.cos_sin
 
+    def attention_context(self, longest: int, cache: PagedKVCache) -> int:
+        """L, the context a decode step's attention dispatches at (`context_bucket` of the step's
+        `longest` context), at most what a table or the whole cache holds."""
+        return context_bucket(longest, min(self.table_width(cache), cache.k[0].shape[0]) * cache.manager.block_size)
+
     def table_width(self, cache: PagedKVCache) -> int:
         """Block-table width: a whole context, so every step of a run is one workload (no new dispatch)
         and a CUDA graph's tables fit any sequence."""
@@ -315,11 +330,9 @@ class Decoder:
         mod = {"mod": "window"} if c.layer_window(layer) else {}
         window = float(c.layer_window(layer) or 1024)
         if all(n == 1 for n in batch.lens):
-            # L, the context the schedule is tuned for: the longest a sequence can reach, which the table
-            # width or the whole cache bounds (a batch-1 cache of 160 blocks holds 2560 tokens, not 8192).
             width = table.shape[1]
-            dims = [len(batch.lens), c.num_heads, c.num_kv_heads, c.head_dim, m.block_size, kc.shape[0], width,
-                    min(width, kc.shape[0]) * m.block_size]
+            longest = batch.context or self.attention_context(max(batch.ctx), cache)
+            dims = [len(batch.lens), c.num_heads, c.num_kv_heads, c.head_dim, m.block_size, kc.shape[0], width, longest]
             return torch.ops.flashgen.paged_decode_attention(q, kc, vc, table, ctx, None, window, dims=dims, **mod)
         cu = torch.tensor([0] + list(torch.tensor(batch.lens).cumsum(0)), dtype=torch.int32, device=self.device)
         prefix = ctx - torch.tensor(batch.lens, dtype=torch.int32, device=self.device)

@@ -61,10 +61,10 @@ class Estimates:
 
 
 def steps(c: ModelConfig, modes: list[str], batches: list[int], target: Target,
-          db_path: str | os.PathLike | None) -> list[Step]:
-    """The decode steps asked for, traced; the mixed mode's calls in the modes its plan picks from the
-    database as it is now."""
-    return [Step(mode, b, decode_step(c, mode, b, ModePlan(target, db_path, DTYPE), DTYPE))
+          db_path: str | os.PathLike | None, context: int | None = None) -> list[Step]:
+    """The decode steps asked for, traced, with their longest context `context` (default: the model's
+    window); the mixed mode's calls in the modes its plan picks from the database as it is now."""
+    return [Step(mode, b, decode_step(c, mode, b, ModePlan(target, db_path, DTYPE), DTYPE, context))
             for mode in modes for b in batches]
 
 

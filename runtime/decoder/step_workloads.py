@@ -27,7 +27,7 @@ from flashgen.runtime.checkpoints.model_config import ModelConfig
 from flashgen.runtime.checkpoints.rope_scaling import rope_table
 from flashgen.runtime.decoder.calls import Recorder
 from flashgen.runtime.decoder.linear import PLAIN, CallForm, apply
-from flashgen.runtime.decoder.model import IDS_ROUTING_MAX_TOKENS
+from flashgen.runtime.decoder.model import IDS_ROUTING_MAX_TOKENS, context_bucket
 from flashgen.runtime.decoder.moe_experts import run_experts
 from flashgen.runtime.decoder.quant_modes import QuantLinear, quant_mode
 from flashgen.schedules.moe_space import touched_experts
@@ -61,9 +61,11 @@ class _Weights:
 
 
 def decode_step(c: ModelConfig, mode: str, batch: int, plan: Callable | None = None,
-                dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
+                dtype: torch.dtype = torch.bfloat16, context: int | None = None) -> list[Launch]:
     """Each kernel a decode step of `batch` sequences launches in `mode`, with the kernel before it
-    (module docstring); `plan` is the mixed mode's chooser (runtime/decoder/mixed.py `ModePlan`)."""
+    (module docstring); `plan` is the mixed mode's chooser (runtime/decoder/mixed.py `ModePlan`);
+    `context`: the step's longest context (default: the model's whole window), which sets the
+    attention's context bucket (`context_bucket`)."""
     cls = quant_mode(mode)
     weights, rec = _Weights(cls, plan, dtype), Recorder()
     h, nq, nk, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
@@ -90,7 +92,9 @@ def decode_step(c: ModelConfig, mode: str, batch: int, plan: Callable | None = N
         views = kc.view(-1, *kc.shape[2:])
         q, k = rec.rope_cache(q, k, positions, cos_sin, v, slots, views, views)
         window = c.layer_window(i)
-        dims = [batch, c.num_heads, c.num_kv_heads, c.head_dim, BLOCK_SIZE, blocks, width, min(width, blocks) * BLOCK_SIZE]
+        bound = min(width, blocks) * BLOCK_SIZE
+        dims = [batch, c.num_heads, c.num_kv_heads, c.head_dim, BLOCK_SIZE, blocks, width,
+                context_bucket(context, bound) if context else bound]
         a = rec.paged_decode_attention(q, kc, kc, table, ctx, None, float(window or 1024), dims=dims,
                                        **({"mod": "window"} if window else {}))
         x = linear(a.reshape(-1, nq), h, c.o_bias, residual=x)
