@@ -404,6 +404,71 @@ def test_decode_graph_buckets_and_padding():
                                                                  [11, 1, 1, 1]]
 
 
+class _Stepper:
+    """A decoder stand-in for `DecodeGraphs`: the real context buckets and table width of tiny (a
+    1024-token window), a forward whose greedy token is the input token + 1, noting what each call saw."""
+
+    def __init__(self):
+        from flashgen.runtime.decoder.bench import CONFIGS
+        from flashgen.runtime.decoder.model import Decoder
+        self.model = Decoder.__new__(Decoder)
+        self.model.c, self.model.device = CONFIGS["tiny"], torch.device("cpu")
+        self.device, self.seen = self.model.device, []
+
+    def table_width(self, cache):
+        return self.model.table_width(cache)
+
+    def attention_context(self, longest, cache):
+        return self.model.attention_context(longest, cache)
+
+    def forward(self, batch, cache):
+        self.seen.append((batch.context, batch.tokens.tolist(), batch.tables.clone()))
+        return torch.nn.functional.one_hot((batch.tokens + 1) % 256, 256).float()
+
+
+class _Replayed:
+    """A CUDA graph stand-in: a replay calls the step again and writes into the captured outputs."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        for kept, new in zip(self.out, self.fn()):
+            kept.copy_(new)
+
+
+def test_decode_graphs_capture_each_context_bucket_and_chain_across_a_capture(monkeypatch):
+    """The real `DecodeGraphs` bookkeeping with eager stand-ins for capture and replay: a step is
+    captured at its longest context's bucket; chained steps (tokens=None) read the tokens the last
+    replay left in the batch size's inputs, also when the step crosses into a new bucket and its capture
+    (over padding) runs in between; the tables are loaded again after a capture; `chosen` is the last
+    replay's; `prepare` captures every bucket up to a context."""
+    from flashgen.runtime.decoder import decode_graphs
+    from flashgen.runtime.decoder.kv_cache import PagedKVCache
+    monkeypatch.setattr(decode_graphs, "cuda_graph", lambda fn, dev, pool: (lambda out: (_Replayed(fn, out), out))(fn()))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    model = _Stepper()
+    cache = PagedKVCache(1, 80, 16, 1, 8, torch.float32, torch.device("cpu"), pad_block=True)
+    for seq, n in ((0, 540), (1, 520)):
+        cache.manager.reserve(seq, n)
+    graphs = decode_graphs.DecodeGraphs(model, cache)
+    tables = torch.tensor(cache.manager.padded_tables([0, 1], graphs.width, 2), dtype=torch.int32)
+    replays = []
+    for positions, tokens in (([500, 480], [5, 9]), ([510, 490], None), ([511, 491], None), ([512, 492], None),
+                              ([513, 493], None)):
+        graphs.run([0, 1], tokens, positions, [0, 0])
+        replays.append(model.seen[-1])
+    assert [r[0] for r in replays] == [512, 512, 512, 1024, 1024]
+    assert [r[1] for r in replays] == [[5, 9], [6, 10], [7, 11], [8, 12], [9, 13]]
+    assert all(torch.equal(r[2], tables) for r in replays)
+    captures = [seen for seen in model.seen if seen not in replays]
+    assert [c[0] for c in captures] == [512, 1024] and all(c[1] == [0, 0] for c in captures)  # over padding
+    assert sorted(graphs.graphs[2].replays) == [512, 1024] and graphs.chosen(2).tolist() == [10, 14]
+    fresh = decode_graphs.DecodeGraphs(model, cache)
+    fresh.prepare(3, 5000)
+    assert sorted(fresh.graphs[4].replays) == [512, 1024]  # the window (1024) bounds the buckets
+
+
 @pytest.mark.parametrize("vocab", [128256, 256, 1031, 3000])
 def test_greedy_is_argmax_with_first_index_on_ties(vocab):
     """The two-reduction greedy choice against torch.argmax on fresh random rows, bf16 (many ties among

@@ -117,14 +117,15 @@ class DecodeGraphs:
         g = self.graphs.get(b) or self._buffers(b)
         context = self.model.attention_context(max(positions) + 1, self.cache)
         replay = g.replays.get(context) or self._capture(b, g, context)
+        pin = self.model.device.type == "cuda"  # (pinned host memory needs a GPU)
         host = torch.tensor(padded_inputs(tokens or [0] * len(seqs), positions, slots, input_columns(b),
-                                          self.pad_slot), dtype=torch.int64, pin_memory=True)
+                                          self.pad_slot), dtype=torch.int64, pin_memory=pin)
         first = 0 if tokens is not None else 1
         g.inputs[first:].copy_(host[first:], non_blocking=True)  # the pinned block is not reused before this copy ran
         rows = tuple((s, len(self.cache.manager.tables[s])) for s in seqs)
         if rows != g.rows:
             tables = self.cache.manager.padded_tables(seqs, self.width, b)
-            g.tables.copy_(torch.tensor(tables, dtype=torch.int32, pin_memory=True), non_blocking=True)
+            g.tables.copy_(torch.tensor(tables, dtype=torch.int32, pin_memory=pin), non_blocking=True)
             g.rows = rows
         replay.graph.replay()
         g.last = replay
