@@ -347,6 +347,27 @@ def test_an_h100_serves_its_own_shipped_records_and_an_h200_the_h200s(tmp_path):
     assert d.source.startswith("bucket M=16, tuned in fp16") and d.schedule == mine.schedule, d
 
 
+def test_the_h100_decoder_serves_a_short_context_its_own_attention_record(tmp_path):
+    """Llama-3-8B's 64-row decode step at a 288-token context dispatches its paged attention at its
+    context bucket (L = 512) and is served the H100's record of that bucket, exact, with fewer splits
+    than the record of contexts up to 8192 that the step at the whole window is served."""
+    from flashgen.runtime.decoder.bench import CONFIGS
+    from flashgen.runtime.decoder.step_workloads import decode_step
+    from flashgen.runtime.serving.dispatch import Dispatcher
+    h100 = get_target("h100")
+    dispatcher = Dispatcher(h100, tmp_path / "none.db")
+
+    def served(context: int | None):
+        wl = next(w for w, _ in decode_step(CONFIGS["llama3-8b"], "w4a16", 64, context=context)
+                  if w.op.name == "paged_decode_attention")
+        return wl.dim["L"], dispatcher.choose(wl, h100)
+
+    (short_l, short), (long_l, whole) = served(288), served(None)
+    assert (short_l, long_l) == (512, 8192)
+    assert short.source == whole.source == "exact (timed behind rope_cache) from shipped records"
+    assert short.schedule["splits"] < whole.schedule["splits"], (short.schedule, whole.schedule)
+
+
 def test_the_h100_record_log_alone_rebuilds_its_shipped_file(tmp_path):
     """`h100_rows_records.jsonl` holds every record the H100 file ships: the maintainers' rebuild from it
     writes the same bytes (a record kept only in the shipped file would be lost by the next rebuild)."""
