@@ -207,6 +207,10 @@ def test_lanes_tiles_build_ahead_of_time_with_fewer_unpack_instructions():
     assert any(op.startswith("IGMMA") for op in scaled) and not any(op.startswith("STS") for op in scaled), scaled
     assert scaled.get("SHF.R.S32.HI", 0) == 0 < loops["sm_90", "tile_lanes"]["SHF.R.S32.HI"], scaled
     assert sum(scaled.values()) < 0.7 * sum(loops["sm_90", "tile_lanes"].values()), scaled
+    # each word's nibble signs flipped once (one XOR for eight codes), not per four codes after their
+    # mask: per four codes a mask and the byte-sign XOR, 2.5 LOP3 with the word's (48 -> 40 at this commit)
+    words = s["block_n"] * s["block_k"] // 8 // (32 * s["num_warps"])
+    assert scaled["LOP3.LUT"] <= 2.5 * 2 * words, scaled
     amd = flashgen.compile(new, "gfx942", schedule={**s, "variant": "tile_lanes", "num_stages": 2})
     assert "v_mfma" in amd.asm["amdgcn"] and amd.binary
 

@@ -12,9 +12,11 @@ instruction's A operand (registers; Hopper's warpgroup MMA reads A from there).
 
 With `operand_scale` (tile_lanes_scaled) each group's integer scale s multiplies its lanes before the
 instruction, so that every group sums into one int32 tile (no group epilogue between the instructions):
-per byte the code u = n ^ 8 (a nibble n masked out and its sign bit flipped, one LOP3), then u * s +
-128 - 8 s in [0, 240] (one IMAD on four lanes: no byte carries into the next), and the bit 128 of each
-byte flipped (one XOR) is (u - 8) * s in [-128, 112] as int8, the operand's exact value.
+per byte the code u = n ^ 8 (every nibble's sign bit flipped once per word, one XOR for eight codes,
+then a nibble n masked out: Triton's code gives ptxas two constants, which it does not fuse into one
+LOP3, so flipping per word saves one instruction in eight codes), then u * s + 128 - 8 s in [0, 240]
+(one IMAD on four lanes: no byte carries into the next), and the bit 128 of each byte flipped (one
+XOR) is (u - 8) * s in [-128, 112] as int8, the operand's exact value.
 
 Otherwise scales stay exact: the products are 16x their value, so a group's int32 sum (a whole k step, or a
 part of one that holds whole groups: `lane_segment`) is a multiple of 16, which an arithmetic shift
@@ -34,7 +36,7 @@ from flashgen.targets.triton.contraction.operands import operand_tile
 MASK = LANE_MASK - (1 << 32)  # 0xF0F0F0F0 as the int32 it is in the word's register
 LANE_SHIFT = 4  # log2 of the 16 by which the high-nibble lanes scale each code
 LOW = 0x0F0F0F0F  # each byte's low nibble
-SIGN = 0x08080808  # each nibble's sign bit: n ^ 8 is the code u
+NIBBLE_SIGNS = 0x88888888 - (1 << 32)  # every nibble's sign bit, as an int32: n ^ 8 is the code u
 BYTE_SIGN = 0x80808080 - (1 << 32)  # each byte's top bit, as an int32
 ONES = 0x01010101  # a byte value in each of four lanes
 
@@ -49,8 +51,9 @@ def _lanes(words: str, depth: str, scale: str | None = None) -> tuple[str, str]:
     if scale is None:
         halves = f"tl.join({v} & {MASK}, ({v} << 4) & {MASK})"
     else:
-        scaled = lambda n: f"((({n} & {LOW}) ^ {SIGN}) * {scale} + (128 - 8 * {scale}) * {ONES}) ^ {BYTE_SIGN}"  # noqa: E731
-        halves = f"tl.join({scaled(f'({v} >> 4)')}, {scaled(v)})"
+        u = f"({v} ^ {NIBBLE_SIGNS})"
+        scaled = lambda n: f"(({n} & {LOW}) * {scale} + (128 - 8 * {scale}) * {ONES}) ^ {BYTE_SIGN}"  # noqa: E731
+        halves = f"tl.join({scaled(f'({u} >> 4)')}, {scaled(u)})"
     return halves, (f"tl.reshape(tl.permute(tl.join(tl.join(h.to(tl.int8), (h >> 16).to(tl.int8)), "
                     f"tl.join((h >> 8).to(tl.int8), (h >> 24).to(tl.int8))), (0, 1, 3, 2, 4, 5)), [BLOCK_N, {depth}])")
 
