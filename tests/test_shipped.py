@@ -368,6 +368,26 @@ def test_the_h100_decoder_serves_a_short_context_its_own_attention_record(tmp_pa
     assert short.schedule["splits"] < whole.schedule["splits"], (short.schedule, whole.schedule)
 
 
+@pytest.mark.parametrize("mode, rows", [("w4a16", r) for r in (2, 4, 16, 32, 64, 128, 256)]
+                         + [("w4a8", r) for r in (2, 32, 256)])
+def test_the_h100_decoder_serves_every_gemm_of_its_step_a_record_of_its_row_count(tmp_path, mode, rows):
+    """Each GEMM of Llama-3-8B's decode step at these row counts is served an H100 record of its own
+    workload, not one of a neighbouring row count (docs/findings.md lists the lines still without one): a 16-row tile served to 64, 128 or 256 rows, or the
+    analytic default, took up to 2.2x the time of the line's own best on that GPU
+    (benchmarks/results/model_quant_load.md#rows64_records, #rows256_new)."""
+    from flashgen.runtime.decoder.bench import CONFIGS
+    from flashgen.runtime.decoder.step_workloads import decode_step
+    from flashgen.runtime.serving.dispatch import Dispatcher
+    h100 = get_target("h100")
+    dispatcher = Dispatcher(h100, tmp_path / "none.db")
+    gemms = {w.key: w for w, _ in decode_step(CONFIGS["llama3-8b"], mode, rows) if w.op.kclass == "contraction"
+             and w.op.name != "gemm"}.values()  # every layer alike; the bf16 lm_head runs torch's GEMM
+    assert len(gemms) == 4, gemms
+    for wl in gemms:
+        choice = dispatcher.choose(wl, h100)
+        assert choice.source.startswith("exact") and choice.source.endswith("from shipped records"), (wl, choice.source)
+
+
 def test_the_h100_record_log_alone_rebuilds_its_shipped_file(tmp_path):
     """`h100_rows_records.jsonl` holds every record the H100 file ships: the maintainers' rebuild from it
     writes the same bytes (a record kept only in the shipped file would be lost by the next rebuild)."""
