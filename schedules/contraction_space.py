@@ -50,7 +50,9 @@ products each thread holds per k step.
 Regimes (`why_other_regime`): a schedule tuned at one row count serves another only in its own regime,
 so that dispatch's buckets never cross one: a GEMV tile where it covers every row of the call (a
 one-row tile over 16 rows reads the whole weight 16 times), a weight dequantized first from
-DEQUANT_FIRST_MIN_M rows, matrix tiles wherever the space allows them.
+DEQUANT_FIRST_MIN_M rows, matrix tiles wherever the space allows them. Dispatch's buckets also leave
+out, where the default's row tile covers every row of the call, a tile that does not
+(`why_not_bucket`: a 16-row tile at 64 rows reads the weight 4 times where the default's reads it once).
 """
 from __future__ import annotations
 
@@ -662,6 +664,23 @@ def why_other_regime(wl: Workload, s: dict[str, Any]) -> str | None:
         return f"a GEMV tile of {bm} row{'s' * (bm > 1)} cannot serve {m} rows"
     if f["dequant_first"] and m < DEQUANT_FIRST_MIN_M:
         return f"a weight dequantized first serves {DEQUANT_FIRST_MIN_M} rows or more, not {m}"
+    return None
+
+
+def why_not_bucket(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
+    """Why a record of `s` tuned at another row count should not serve `wl`'s rows: another regime
+    (`why_other_regime`), or, where the default's row tile covers every row (one pass over the weight:
+    the memory-bound decode sizes), a tile that does not, since each further row tile reads and unpacks
+    the weight again. Replayed from the H100's and H200's logs (benchmarks/studies/bucket_vs_default.py),
+    records of such tiles lost to the default in 12 of 14 pairs, by 1.02-1.74x (16-row tiles at 32-128
+    rows); the two they won (1.15x and 1.43x, at 128 rows) were where the default's one wave of tiles
+    left SMs idle."""
+    why = why_other_regime(wl, s)
+    if why is not None:
+        return why
+    m, bm = extents(wl)[0], (flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s})["block_m"]
+    if bm < m <= _flat_default(wl, target)["block_m"]:
+        return f"a tile of {bm} rows reads the weight {-(-m // bm)} times for {m} rows, the default's once"
     return None
 
 

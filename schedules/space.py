@@ -146,6 +146,13 @@ class ScheduleSpace:
         rule = getattr(self.rules, "why_other_regime", None)
         return rule(self.workload, self.complete(s)) if rule is not None else None
 
+    def why_not_bucket(self, s: Schedule) -> str | None:
+        """Why a record of `s` tuned at another row count should not serve this workload's rows in
+        dispatch: another regime, or the class's own rule (`why_not_bucket` of its rules module: a
+        contraction tile reading the weight more often than the default's)."""
+        rule = getattr(self.rules, "why_not_bucket", None)
+        return rule(self.workload, self.target, self.complete(s)) if rule is not None else self.why_other_regime(s)
+
     def added_knobs(self) -> dict[str, int]:
         """Knobs added after records were written, with the value their absence stands for."""
         return self.rules.added_knobs(self.workload)

@@ -217,6 +217,65 @@ def test_dequant_first_schedules_serve_from_their_row_count(tmp_path):
         assert got.source == "default" and not got.schedule["variant"].startswith("dq_")
 
 
+def test_a_tile_that_reads_the_weight_more_often_than_the_default_is_another_regime(tmp_path):
+    """Where the default's row tile covers every row of a call, a matrix tile tuned at another row count
+    serves it only if it does too: a 16-row tile (the 16-row record) at 64 rows reads the weight 4 times
+    where the default's 64-row tile reads it once, and lost to it by 1.55-1.72x on the H100
+    (benchmarks/studies/bucket_vs_default.py); a 64-row tile tuned at 128 rows serves 64 rows, a 16-row
+    tile serves 8, and 32 rows, with neither, get the default."""
+    h100 = get_target("h100")
+    w4 = lambda m: flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype="bf16")  # noqa: E731
+    tile = lambda bm: {**ScheduleSpace(w4(bm), h100).default(), "split_k": 2}  # noqa: E731
+    t16, t64 = tile(16), tile(64)
+    assert ScheduleSpace(w4(16), h100).flat(t16)["block_m"] == 16 and ScheduleSpace(w4(64), h100).flat(t64)["block_m"] == 64
+    assert ScheduleSpace(w4(64), h100).why_not_bucket(t16) == \
+        "a tile of 16 rows reads the weight 4 times for 64 rows, the default's once"
+    assert ScheduleSpace(w4(32), h100).why_not_bucket(t16) == \
+        "a tile of 16 rows reads the weight 2 times for 32 rows, the default's once"
+    assert ScheduleSpace(w4(64), h100).why_not_bucket(t64) is None
+    assert ScheduleSpace(w4(8), h100).why_not_bucket(t16) is None
+    db_path = tmp_path / "t.db"
+    with Database(db_path) as db:
+        for m, s in ((16, t16), (128, t64)):
+            db.add(Record(workload_key=w4(m).key, workload=w4(m).to_json(), target_key=h100.id, schedule=s,
+                          status="ok", latency_us=10.0 * m, device="NVIDIA H100 80GB HBM3"))
+    d = Dispatcher(h100, db_path)
+    got = {m: d.choose(w4(m), h100) for m in (8, 32, 64)}
+    assert (got[8].source, got[8].schedule) == ("bucket M=16", t16)
+    assert (got[32].source, got[32].schedule) == (  # (a 64-row tile is not in the 32-row space)
+        "default (bucket M=16 skipped: a tile of 16 rows reads the weight 2 times for 32 rows, the default's once)",
+        ScheduleSpace(w4(32), h100).default())
+    assert (got[64].source, got[64].schedule) == ("bucket M=128", t64)
+    d = Dispatcher(h100, tmp_path / "only16.db")
+    with Database(tmp_path / "only16.db") as db:
+        db.add(Record(workload_key=w4(16).key, workload=w4(16).to_json(), target_key=h100.id, schedule=t16,
+                      status="ok", latency_us=10.0, device="NVIDIA H100 80GB HBM3"))
+    got = d.choose(w4(64), h100)
+    assert got.schedule == ScheduleSpace(w4(64), h100).default() and got.source == \
+        "default (bucket M=16 skipped: a tile of 16 rows reads the weight 4 times for 64 rows, the default's once)"
+
+
+def test_a_bucket_farther_than_a_skipped_one_does_not_serve(tmp_path):
+    """Where the nearest tuned row count's record is another regime, a record tuned farther away does
+    not serve in its place: 128 rows skip the 256-row record (a 64-row tile, two passes over the weight
+    where the default's 128-row tile makes one) and get the default, not the 4096-row prefill record; 2048 rows, nearer
+    to 4096 than to 256, are served the 4096-row record."""
+    h100 = get_target("h100")
+    w4 = lambda m: flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype="bf16")  # noqa: E731
+    t64 = {**ScheduleSpace(w4(64), h100).default(), "split_k": 2}
+    t128 = {**ScheduleSpace(w4(128), h100).default(), "num_stages": 2}
+    db_path = tmp_path / "t.db"
+    with Database(db_path) as db:
+        for m, s in ((256, t64), (4096, t128)):
+            db.add(Record(workload_key=w4(m).key, workload=w4(m).to_json(), target_key=h100.id, schedule=s,
+                          status="ok", latency_us=float(m), device="NVIDIA H100 80GB HBM3"))
+    d = Dispatcher(h100, db_path)
+    got = d.choose(w4(128), h100)
+    assert got.schedule == ScheduleSpace(w4(128), h100).default() and got.source == \
+        "default (bucket M=256 skipped: a tile of 64 rows reads the weight 2 times for 128 rows, the default's once)"
+    assert (d.choose(w4(2048), h100).source, d.choose(w4(2048), h100).schedule) == ("bucket M=4096", t128)
+
+
 def test_linear_takes_its_norm_gate_and_residual_on_cpu():
     """runtime/decoder/linear.py on CPU tensors: the norm's and the gate's own kernels, torch's product, the
     residual added; equal to the float64 composition."""

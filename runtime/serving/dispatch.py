@@ -11,10 +11,12 @@ call's own device's records, then another device's of the same architecture (an 
 records: the schedules are valid there and rank alike, far better than a default): an exact record
 of a sibling device comes before a bucket of the call's own. Else the analytic default.
 A bucket never crosses a kernel regime: a record tuned at another row count whose schedule would not
-serve the call's rows as it served its own (`ScheduleSpace.why_other_regime`: a one-row GEMV tile for
-16 rows reads the weight 16 times) is skipped, in every form and on every device, and where a form's
+serve the call's rows as it served its own (`ScheduleSpace.why_not_bucket`: a one-row GEMV tile for
+16 rows reads the weight 16 times; a 16-row tile for 64 rows reads it 4 times where the default's tile
+reads it once) is skipped, in every form and on every device, and where a form's
 nearest record was skipped the decision's source says so ("default (bucket M=1 skipped: a GEMV tile
-of 1 row cannot serve 16 rows)"). A record tuned at the call's own row count serves it as measured.
+of 1 row cannot serve 16 rows)"), and no record of that form tuned farther from the call's rows serves
+in its place. A record tuned at the call's own row count serves it as measured.
 Kernels are compiled once per (workload, schedule) and come from the on-disk artifact cache after
 that, so a warm start compiles nothing. Every decision is kept
 (and logged at DEBUG) for `flashgen explain`.
@@ -135,6 +137,12 @@ def serving(tuned: list[tuple[int, float, Record]], rows: int, space: ScheduleSp
     return [t for t in tuned if t[0] == rows or space.why_other_regime(t[2].schedule) is None]
 
 
+def bucket_records(tuned: list[tuple[int, float, Record]], rows: int, space: ScheduleSpace) -> list[tuple[int, float, Record]]:
+    """Those of `serving`'s triples that dispatch serves a call of `rows` rows as a bucket: also leaving
+    out tiles that would read the weight more often than the default's (`ScheduleSpace.why_not_bucket`)."""
+    return [t for t in tuned if t[0] == rows or space.why_not_bucket(t[2].schedule) is None]
+
+
 def _notes(skipped: list[str]) -> str:
     """The records of another regime a decision passed over, as the end of its source ("" if none)."""
     return f" ({'; '.join(skipped)})" if skipped else ""
@@ -146,6 +154,11 @@ def _distance(dims: Mapping[str, int], wl: Workload) -> float:
     Dims that size a buffer, not the work (`Op.capacity_dims`), do not count."""
     return sum(abs(math.log2(max(1, dims.get(d, 1)) / max(1, wl.dim[d]))) for d in wl.op.row_dims[1:]
                if d not in wl.op.capacity_dims)
+
+
+def _farther(size: int, than: int, rows: int) -> bool:
+    """Whether row count `size` lies farther from `rows` than `than` does (as a ratio)."""
+    return abs(math.log2(size / rows)) > abs(math.log2(than / rows))
 
 
 def _tuned_on(records: Target, target: Target) -> str:
@@ -211,16 +224,21 @@ class Dispatcher:
         the largest below.
         Failing that, the same in the other 16-bit float dtype (fp16 and bf16 kernels of one schedule
         run alike: a schedule tuned in one serves the other), then in the workload's plain form
-        (`Op.plain_form`: the same weights streamed, without the fused norm or epilogue). Records of
-        another regime (`serving`) are left out of each; where a form's nearest record was, its note
-        goes to `skipped`."""
+        (`Op.plain_form`: the same weights streamed, without the fused norm or epilogue). Records that
+        should not serve the call's rows (`bucket_records`) are left out of each; where a form's nearest
+        record was, its note goes to `skipped`, and a record of that form tuned farther from the call's
+        rows does not serve either (a 4096-row prefill tile for 128 rows, where the 256-row record was
+        skipped)."""
         row = wl.op.row_dims[0]
+        rows = wl.dim[row]
         for note, tuned in tuned_forms(wl, self.db_path, records_id, space):
-            pick = nearest(serving(tuned, wl.dim[row], space), wl.dim[row])
-            near = nearest(tuned, wl.dim[row])
+            pick = nearest(bucket_records(tuned, rows, space), rows)
+            near = nearest(tuned, rows)
             if near is not None and (pick is None or near[1] is not pick[1]):
-                why = space.why_other_regime(near[1].schedule)
+                why = space.why_not_bucket(near[1].schedule)
                 skipped.append(f"bucket {row}={near[0]}{note}{tuned_on}{SKIPPED}{why}")
+                if pick is not None and _farther(pick[0], near[0], rows):
+                    continue
             if pick is not None:
                 size, rec = pick
                 return f"bucket {row}={size}{note}", rec.schedule
