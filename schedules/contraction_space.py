@@ -51,8 +51,9 @@ Regimes (`why_other_regime`): a schedule tuned at one row count serves another o
 so that dispatch's buckets never cross one: a GEMV tile where it covers every row of the call (a
 one-row tile over 16 rows reads the whole weight 16 times), a weight dequantized first from
 DEQUANT_FIRST_MIN_M rows, matrix tiles wherever the space allows them. Dispatch's buckets also leave
-out, where the default's row tile covers every row of the call, a tile that does not
-(`why_not_bucket`: a 16-row tile at 64 rows reads the weight 4 times where the default's reads it once).
+out, where the default's row tile covers every row of the call and its programs fill the SMs, a tile
+that does not cover them (`why_not_bucket`: a 16-row tile at 64 rows reads the weight 4 times where
+the default's reads it once).
 """
 from __future__ import annotations
 
@@ -670,16 +671,19 @@ def why_other_regime(wl: Workload, s: dict[str, Any]) -> str | None:
 def why_not_bucket(wl: Workload, target: Target, s: dict[str, Any]) -> str | None:
     """Why a record of `s` tuned at another row count should not serve `wl`'s rows: another regime
     (`why_other_regime`), or, where the default's row tile covers every row (one pass over the weight:
-    the memory-bound decode sizes), a tile that does not, since each further row tile reads and unpacks
-    the weight again. Replayed from the H100's and H200's logs (benchmarks/studies/bucket_vs_default.py),
-    records of such tiles lost to the default in 12 of 14 pairs, by 1.02-1.74x (16-row tiles at 32-128
-    rows); the two they won (1.15x and 1.43x, at 128 rows) were where the default's one wave of tiles
-    left SMs idle."""
+    the memory-bound decode sizes) and its programs fill the SMs, a tile that does not cover them,
+    since each further row tile reads and unpacks the weight again. Replayed from the H100's and
+    H200's logs (benchmarks/studies/bucket_vs_default.py), records of such tiles lost to the default in
+    all 10 such pairs, by 1.02-1.72x (16-row tiles at 32 and 64 rows); where the default left SMs idle
+    (32-48 tiles on 132 SMs) they won two of four."""
     why = why_other_regime(wl, s)
     if why is not None:
         return why
-    m, bm = extents(wl)[0], (flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s})["block_m"]
-    if bm < m <= _flat_default(wl, target)["block_m"]:
+    m, n = extents(wl)[:2]
+    bm = (flat_of(wl, s) if "variant" in s else {**ADDED_KNOBS, **s})["block_m"]
+    d = _flat_default(wl, target)
+    programs = -(-m // d["block_m"]) * -(-n // d["block_n"]) * d.get("split_k", 1)
+    if bm < m <= d["block_m"] and programs >= int(target.sm_count):
         return f"a tile of {bm} rows reads the weight {-(-m // bm)} times for {m} rows, the default's once"
     return None
 

@@ -127,9 +127,8 @@ def test_dispatch_serves_the_shipped_records_schedules(tmp_path):
 def test_a_tile_serves_other_row_counts_with_group_m_as_they_read_it(tmp_path):
     """group_m is read only where a form's smallest tile leaves more than one row of tiles: a tile tuned
     at 16 rows (no group_m) serves 32 rows as group_m = 1, and a 16-row tile tuned at 64 rows with
-    group_m = 8 serves 16 rows without it. Dispatch serves a 16-row call from the 64-row record, read
-    without group_m; a 32-row call gets the default, not the 64-row record's 16-row tile: it would read
-    the weight twice where the default's reads it once (`contraction_space.why_other_regime`)."""
+    group_m = 8 serves 16 rows without it; dispatch then serves a 32-row call from the 16-row record,
+    a bucket of its own form, where it ran the analytic default before."""
     from flashgen.db import Database, Record
     from flashgen.runtime.serving.dispatch import Dispatcher
 
@@ -143,15 +142,11 @@ def test_a_tile_serves_other_row_counts_with_group_m_as_they_read_it(tmp_path):
     tuned64 = {**tuned16, "group_m": 8}
     assert ScheduleSpace(wl16.with_dims(M=64), h100).why_invalid(tuned64) is None
     assert ScheduleSpace(wl16, h100).complete(tuned64) == tuned16
-    wl64 = wl16.with_dims(M=64)
     with Database(tmp_path / "db.sqlite") as db:
-        db.add(Record(workload_key=wl64.key, workload=wl64.to_json(), target_key=h100.id, schedule=tuned64,
-                      status="ok", latency_us=30.0, device="NVIDIA H100 80GB HBM3"))
-    d = Dispatcher(h100, tmp_path / "db.sqlite").choose(wl16, h100)
-    assert d.source == "bucket M=64" and ScheduleSpace(wl16, h100).complete(d.schedule) == tuned16
+        db.add(Record(workload_key=wl16.key, workload=wl16.to_json(), target_key=h100.id, schedule=tuned16,
+                      status="ok", latency_us=9.0, device="NVIDIA H100 80GB HBM3"))
     d = Dispatcher(h100, tmp_path / "db.sqlite").choose(wl16.with_dims(M=32), h100)
-    assert d.schedule == space32.default() and d.source == \
-        "default (bucket M=64 skipped: a tile of 16 rows reads the weight 2 times for 32 rows, the default's once)"
+    assert d.source == "bucket M=16" and space32.complete(d.schedule) == {**tuned16, "group_m": 1}
 
 
 def test_flat_pins_keep_the_variants_they_stand_for():

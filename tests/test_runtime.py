@@ -218,11 +218,12 @@ def test_dequant_first_schedules_serve_from_their_row_count(tmp_path):
 
 
 def test_a_tile_that_reads_the_weight_more_often_than_the_default_is_another_regime(tmp_path):
-    """Where the default's row tile covers every row of a call, a matrix tile tuned at another row count
-    serves it only if it does too: a 16-row tile (the 16-row record) at 64 rows reads the weight 4 times
-    where the default's 64-row tile reads it once, and lost to it by 1.55-1.72x on the H100
-    (benchmarks/studies/bucket_vs_default.py); a 64-row tile tuned at 128 rows serves 64 rows, a 16-row
-    tile serves 8, and 32 rows, with neither, get the default."""
+    """Where the default's row tile covers every row of a call and its programs fill the SMs, a matrix
+    tile tuned at another row count serves it only if it covers every row too: a 16-row tile (the
+    16-row record) at 64 rows reads the weight 4 times where the default's 64-row tile reads it once,
+    and lost to it by 1.55-1.72x on the H100 (benchmarks/studies/bucket_vs_default.py); a 64-row tile
+    tuned at 128 rows serves 64 rows, a 16-row tile serves 8, and 32 rows, with neither, get the
+    default. Where the default's programs leave SMs idle, the bucket still serves."""
     h100 = get_target("h100")
     w4 = lambda m: flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype="bf16")  # noqa: E731
     tile = lambda bm: {**ScheduleSpace(w4(bm), h100).default(), "split_k": 2}  # noqa: E731
@@ -234,6 +235,8 @@ def test_a_tile_that_reads_the_weight_more_often_than_the_default_is_another_reg
         "a tile of 16 rows reads the weight 2 times for 32 rows, the default's once"
     assert ScheduleSpace(w4(64), h100).why_not_bucket(t64) is None
     assert ScheduleSpace(w4(8), h100).why_not_bucket(t16) is None
+    # 128 rows: the default's 32 tiles of 128 x 128 leave most of 132 SMs idle, and such buckets won there
+    assert ScheduleSpace(w4(128), h100).why_not_bucket(t16) is None
     db_path = tmp_path / "t.db"
     with Database(db_path) as db:
         for m, s in ((16, t16), (128, t64)):
@@ -257,11 +260,11 @@ def test_a_tile_that_reads_the_weight_more_often_than_the_default_is_another_reg
 
 def test_a_bucket_farther_than_a_skipped_one_does_not_serve(tmp_path):
     """Where the nearest tuned row count's record is another regime, a record tuned farther away does
-    not serve in its place: 128 rows skip the 256-row record (a 64-row tile, two passes over the weight
-    where the default's 128-row tile makes one) and get the default, not the 4096-row prefill record; 2048 rows, nearer
-    to 4096 than to 256, are served the 4096-row record."""
+    not serve in its place: 128 rows of gate_up skip the 256-row record (a 64-row tile, two passes over
+    the weight where the default's 128-row tile makes one) and get the default, not the 4096-row prefill
+    record; 2048 rows, nearer to 4096 than to 256, are served the 4096-row record."""
     h100 = get_target("h100")
-    w4 = lambda m: flashgen.workload("gemm_w4a16", M=m, N=4096, K=4096, G=128, dtype="bf16")  # noqa: E731
+    w4 = lambda m: flashgen.workload("gemm_w4a16", M=m, N=28672, K=4096, G=128, dtype="bf16")  # noqa: E731
     t64 = {**ScheduleSpace(w4(64), h100).default(), "split_k": 2}
     t128 = {**ScheduleSpace(w4(128), h100).default(), "num_stages": 2}
     db_path = tmp_path / "t.db"

@@ -9,7 +9,7 @@ serve the call with (runtime/serving/dispatch.py `tuned_forms`: the target's rec
 device's of its architecture; the workload's own form, the other 16-bit dtype's, the plain form's),
 only those whose schedules serve that row count in their own regime (`serving`: never a one-row GEMV
 record for 16 rows), their latencies interpolated to the call's rows (`latency_at`): a curve of the
-best time measured at each row count, so a 16-row tile's record still counts at 32 rows, where
+best time measured at each row count, so a 16-row tile's record still counts at 64 rows, where
 dispatch serves the default instead (`dispatch.bucket_records`), which beat such tiles there; a record of another device is scaled
 by the ratio of the two devices' bounds for the workload (an H200's record stands for an H100 call at
 the H100's lower bandwidth: unscaled, a mode known only by the other GPU's records looked 1.4x faster
