@@ -4,6 +4,7 @@ over two actors of a local Ray cluster, that record every workload's measurement
 database. Without a GPU, or on the cpu target, --gpus and --ray are one line."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -149,10 +150,13 @@ def test_gpus_or_ray_without_a_gpu_or_on_the_cpu_target_is_one_line(tmp_path, ca
 
 def test_a_ray_address_with_no_cluster_is_one_line(tmp_path, capsys, monkeypatch):
     """A HOST:PORT nothing listens on is refused at once (Ray would retry it for minutes); 'auto' with no
-    cluster running is refused too."""
-    pytest.importorskip("ray")
+    cluster running is refused too. (Ray's 'auto' joins any local cluster it finds, such as the one a
+    test on another worker runs at the same time: its lookup is made to find none.)"""
+    ray = pytest.importorskip("ray")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray._private.services, "find_gcs_addresses", functools.lru_cache(lambda: []))
+    monkeypatch.setattr(ray._private.services, "find_bootstrap_address", lambda temp_dir: None)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]  # (closed: nothing listens there)
