@@ -12,8 +12,8 @@ records: the schedules are valid there and rank alike, far better than a default
 of a sibling device comes before a bucket of the call's own. Else the analytic default.
 A bucket never crosses a kernel regime: a record tuned at another row count whose schedule would not
 serve the call's rows as it served its own (`ScheduleSpace.why_not_bucket`: a one-row GEMV tile for
-16 rows reads the weight 16 times; a 16-row tile for 64 rows reads it 4 times where the default's tile
-reads it once) is skipped, in every form and on every device, and where a form's
+16 rows reads the weight 16 times; a 16-row tile for 64 rows reads it 4 times where the default's tile,
+filling the SMs, reads it once) is skipped, in every form and on every device, and where a form's
 nearest record was skipped the decision's source says so ("default (bucket M=1 skipped: a GEMV tile
 of 1 row cannot serve 16 rows)"), and no record of that form tuned farther from the call's rows serves
 in its place. A record tuned at the call's own row count serves it as measured.
