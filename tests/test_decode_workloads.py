@@ -77,3 +77,26 @@ def test_the_committed_file_is_what_the_script_writes(tmp_path):
     assert {w["dims"]["M"] for w, _ in pairs} == set(decode_workloads.ROWS)
     small = _read(tmp_path, "\n".join(decode_workloads.lines(SMALL)) + "\n")
     assert _summary(pairs) == _summary(small)
+
+
+def test_rows_records_ab_plans_a_tune_then_alternating_runs(tmp_path, capsys, monkeypatch):
+    """benchmarks/studies/rows_records_ab.py --dry-run writes the rows' GEMM lines (four per mode and row
+    count), then prints the tune, the export and the decoder runs with and without the records,
+    alternating per round; its summary averages each side over the rounds."""
+    import rows_records_ab
+    monkeypatch.setattr(sys, "argv", ["rows_records_ab.py", "--rows", "4,8", "--modes", "w4a8,w8a8", "--target", "h100",
+                                      "--out-dir", str(tmp_path), "--name", "ab", "--dry-run"])
+    rows_records_ab.main()
+    work = tmp_path / "ab_workloads.jsonl"
+    got = _read(tmp_path, work.read_text())
+    assert {(w["op"], w["dims"]["M"]) for w, _ in got} == {(op, m) for op in ("gemm_w4a8", "gemm_w8a8") for m in (4, 8)}
+    assert len(got) == 2 * 2 * 4
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("$ ")]
+    assert "tune --workloads " + str(work) in printed[0] and "--trials 2" in printed[0] and "db export" in printed[1]
+    runs = printed[2:]
+    assert [("FLASHGEN_DB=" + str(tmp_path / "ab.db")) in r for r in runs] == [True, False, True, False]
+    assert all("--batch 4,8" in r and "--quant w4a8,w8a8" in r for r in runs)
+    assert not (tmp_path / "ab.db").exists()  # nothing ran
+    for side, r, tps in (("new", 1, 110.0), ("new", 2, 130.0), ("ship", 1, 100.0), ("ship", 2, 100.0)):
+        (tmp_path / f"ab_{side}_{r}.json").write_text(json.dumps({"rows": [["flashgen w4a8", 4, 0.1, tps]]}))
+    assert rows_records_ab.summary(tmp_path, "ab", 2) == [["flashgen w4a8", 4, 120.0, 100.0, 1.2]]
