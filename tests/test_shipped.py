@@ -369,7 +369,8 @@ def test_the_h100_decoder_serves_a_short_context_its_own_attention_record(tmp_pa
 
 
 @pytest.mark.parametrize("mode, rows", [("w4a16", r) for r in (2, 4, 16, 32, 64, 128, 256)]
-                         + [("w4a8", r) for r in (2, 32, 256)])
+                         + [("w4a8", r) for r in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+                         + [("w8a8", r) for r in (4, 8, 16, 64, 256)])
 def test_the_h100_decoder_serves_every_gemm_of_its_step_a_record_of_its_row_count(tmp_path, mode, rows):
     """Each GEMM of Llama-3-8B's decode step at these row counts is served an H100 record of its own
     workload, not one of a neighbouring row count (docs/findings.md lists the lines still without one): a 16-row tile served to 64, 128 or 256 rows, or the
