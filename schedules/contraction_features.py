@@ -4,8 +4,10 @@ The quantities a GEMM tile choice changes: tiles launched and how they fill the 
 fill), padding waste along M and N, k steps, pipelining depth against shared memory, accumulator
 registers per thread, how often A and W tiles are re-read (each W tile once per row of tiles, each A
 tile once per column of tiles), and the tile's arithmetic intensity. The estimate is the larger of the
-matrix-unit time (at an efficiency that grows with the tile) and the memory time of the bytes really
-moved, stretched by wave quantization, plus a per-k-step latency that deeper pipelines hide.
+compute time (the matrix units at an efficiency that grows with the tile, plus the ALU work of
+unpacking coded weights, again for every row of tiles) and the memory time of the bytes really moved
+(an operand that fits its share of the L2 comes from memory once), stretched by wave quantization,
+plus a per-k-step latency that deeper pipelines hide.
 """
 from __future__ import annotations
 
@@ -31,6 +33,16 @@ FEATURE_NAMES: tuple[str, ...] = (
 )
 MEM_WARPS_PER_SM = 16  # warps per SM that keep enough loads in flight to stream at full bandwidth
 STEP_LATENCY_US = 0.35  # one k step's load latency, hidden in proportion to the pipeline depth
+# The share of the L2 an operand may take and stay resident while tiles re-read it (the rest holds the
+# other operand's tiles and the output): a 1 MB decode activation read by 96 column tiles costs memory
+# bandwidth once, not 96 times (charged 96 times, it ranked a 256-row W4A8 GEMM's fastest tile, 20.4 us
+# on an H100, below 32-row tiles that took 30-104 us).
+L2_RESIDENT_SHARE = 0.5
+# fp32 instruction slots a matrix tile spends per weight code it unpacks (masks, shifts, integer
+# multiply-adds at half the fp32 rate, the scale): about 0.9 integer instructions per code in W4A8's
+# lanes tiles on sm_90 (SASS: 186 against W8A8's 128 per k step of one tile). 4 and 6 rank the
+# recorded GEMM logs best in replay, alike (benchmarks/results/search_quality_replays.md#prior_slots).
+UNPACK_SLOTS = 4.0
 
 
 def _peak_tflops(wl: Workload, target: Target) -> float:
@@ -69,7 +81,11 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     w_reads = np.maximum(1.0, tm / np.where(kv["group_m"] > 1, np.minimum(kv["group_m"], tm), 1.0))
     # Split-K writes each partial tile once and the merging program reads them all back.
     partials = np.where(split > 1, 2.0 * tiles * bm * bn * 4, 0.0)
-    traffic = w_bytes * w_reads + a_bytes * tn + (nbytes - w_bytes - a_bytes) + partials
+    # What comes from memory: an operand that fits its share of the L2 once, however often tiles re-read it.
+    resident = L2_RESIDENT_SHARE * float(target.get("l2_bytes", 0))
+    w_fetches = np.where(w_bytes <= resident, 1.0, w_reads)
+    a_fetches = 1.0 if a_bytes <= resident else tn
+    traffic = w_bytes * w_fetches + a_bytes * a_fetches + (nbytes - w_bytes - a_bytes) + partials
     # A weight dequantized first: the dequant kernel reads the codes and writes the operand-dtype
     # weight, which the GEMM's tiles then read as W.
     staged = kv["dequant_first"] > 0
@@ -81,6 +97,9 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     # Tiles under 16 rows run on the ALUs: about 4 instructions per weight and row (fp32 rate).
     alu_peak = float(target.peak_tflops["fp32"]) * 1e6 / 4.0
     compute_us = np.where(bm < 16, flops / alu_peak, flops / (peak * mma_eff))
+    # A matrix tile unpacks its weight tile's codes again for every row of tiles, on the ALUs.
+    coded = np.asarray([per_depth[b] for b in bk]) < ob
+    compute_us = compute_us + np.where(coded & (bm >= 16) & ~staged, n * k * tm * UNPACK_SLOTS / (alu_peak * 2.0), 0.0)
     # Streaming needs loads in flight on every SM: about 16 warps' worth each, or bandwidth falls.
     in_flight = np.clip(tiles * kv["num_warps"] / (sms * MEM_WARPS_PER_SM), 0.1, 1.0)
     memory_us = traffic / bw / in_flight

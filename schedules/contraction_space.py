@@ -275,7 +275,8 @@ def load_bytes(wl: Workload, block_k: int) -> tuple[float, float]:
             stack.extend(E.children(x))
         return n
 
-    return total(con.a), total(con.b)
+    # (`lanes` codes are signed nibbles the rewrite does not unpack: half a byte each, as `lane_bytes` says)
+    return total(con.a), lane_bytes(wl) if int8_lanes(wl) else total(con.b)
 
 
 @functools.lru_cache(maxsize=256)
@@ -341,8 +342,6 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
     if operand_bytes(wl) == 1 and dtypes.is_float(operand_dtype(wl)) and extents(wl)[2] % s["block_k"]:
         return "fp8 operands cannot be zero-filled past K: block_k must divide K"
     a_bytes, b_bytes = load_bytes(wl, s["block_k"])
-    if s["lanes"]:
-        b_bytes = lane_bytes(wl)
     smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
     if s["tma_store"]:  # the output tile, staged for its copy (one per consumer)
         smem += s["consumers"] * s["block_m"] * s["block_n"] * dtypes.BYTES[wl.tensor_dtype(tma_output(wl))]

@@ -54,7 +54,8 @@ MIN_RECORDS = 32            # fewer ok records of a kernel class than this: use 
 RETRAIN_GROWTH = 0.2        # retrain when the ok records grew by this fraction ...
 RETRAIN_RECORDS = 64        # ... or by this many, whichever comes first
 SIDE_FORMAT = "flashgen-costmodel"
-SIDE_VERSION = 1
+SIDE_VERSION = 2  # the features' meaning: a model saved by another version is retrained (2: GEMM traffic and estimate
+#                   count L2-resident operands once and the unpacking of coded weights)
 
 XGB_PARAMS: dict[str, Any] = {
     "max_depth": 6, "eta": 0.1, "min_child_weight": 2, "subsample": 0.8, "colsample_bytree": 0.8,
@@ -220,7 +221,8 @@ class XGBCostModel:
             raise FlashgenError(f"{sidecar_path(path)} is not a flashgen cost model sidecar")
         if side.get("model_sha256") != hashlib.sha256(raw).hexdigest():
             raise FlashgenError(f"cost model {path} does not match its sidecar (saved concurrently?)")
-        if tuple(side.get("feature_names", ())) not in {feature_names(k) for k in CLASSES}:
+        if tuple(side.get("feature_names", ())) not in {feature_names(k) for k in CLASSES} \
+                or side.get("version") != SIDE_VERSION:
             raise FlashgenError(f"cost model {path} was trained on other features; retrain it")
         m = cls(objective=side["objective"], num_rounds=int(side.get("num_rounds", NUM_ROUNDS)))
         booster = xgb.Booster()

@@ -357,6 +357,11 @@ def test_shared_memory_rule_counts_what_prologues_load():
     wl = flashgen.workload("gemm_w4a16", M=1, N=8192, K=8192, G=128, dtype="fp16")
     assert load_bytes(wl, 128) == (2, 0.5)
     assert load_bytes(wl, 256) == (2, 0.5 + 2 / 128)
+    # gemm_w4a8's `lanes` codes: half a byte, and an int8 group scale per 128 k (none per channel)
+    lanes = flashgen.workload("gemm_w4a8", M=256, N=8192, K=8192, G=128, dtype="bf16", pack="lanes")
+    assert load_bytes(lanes, 128) == (1, 0.5 + 1 / 128)
+    per_channel = flashgen.workload("gemm_w4a8", M=256, N=8192, K=8192, G=8192, dtype="bf16", pack="lanes", group="channel")
+    assert load_bytes(per_channel, 128) == (1, 0.5)
     space = ScheduleSpace(flashgen.workload("gemm_w4a16", M=256, N=8192, K=8192, G=128, dtype="fp16"),
                           get_target("h200"))
     bad = {"block_m": 256, "block_n": 256, "block_k": 512, "num_warps": 8, "num_stages": 5, "group_m": 1}
