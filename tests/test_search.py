@@ -288,3 +288,21 @@ def test_recorded_space_holds_the_records_and_the_default_only():
     other = next(s for s in (full.sample(rng) for _ in range(1000)) if full.is_valid(s) and schedule_key(s) not in keys)
     assert space.why_invalid(other) == "not one of the recorded schedules"
     assert all(schedule_key(space.sample(rng)) in keys for _ in range(20))
+
+
+def test_a_fresh_search_of_a_256_row_w4a8_gemm_proposes_tiles_that_read_the_weight_at_most_twice():
+    """With no trained model (a database too small), the evolutionary search ranks by the analytic
+    estimate. After the two schedules a tune measures first on the H100 (the default, 21.1 us, and a
+    128 x 64 tile, 20.4 us), it once proposed only 32-row tiles, which unpack the weight 8 times and took
+    29.7-103.5 us (benchmarks/results/h100_rows_records.jsonl); now tiles of 128 rows or more."""
+    import flashgen
+    from flashgen.schedules.contraction_space import flat_of
+    from flashgen.targets import get_target
+    wl = flashgen.workload("gemm_w4a8", M=256, N=6144, K=4096, G=128, dtype="bf16", pack="lanes")
+    space = ScheduleSpace(wl, get_target("h100"))
+    served = {"variant": "tile_lanes_scaled", "block_m": 128, "block_n": 64, "block_k": 128, "num_warps": 4,
+              "num_stages": 5, "group_m": 1, "split_k": 1, "persistent": 2}
+    for seed in (0, 1):
+        search = make_strategy("evolutionary", space, None, seed, measured=[(space.default(), 21.05), (served, 20.37)])
+        rows = [flat_of(wl, space.complete(s))["block_m"] for s in search.propose(14)]
+        assert sum(r >= 128 for r in rows) >= 12, rows

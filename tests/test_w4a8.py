@@ -150,6 +150,24 @@ def test_lanes_tile_numerics(interpreter, m, n, k, g, s):
     assert checks and all(ch.ok and ch.error <= 2 ** -10 for ch in checks), checks
 
 
+def test_lanes_codes_are_read_by_lanes_tiles_or_dequantized_first():
+    """A generic matrix tile that unpacks `lanes` codes in its prologue is refused (on an H100 it took
+    1192-5019 us at 64 rows, the lanes tiles 11-37): the same tile as a lanes tile, the weight
+    dequantized first, and the analytic default stay."""
+    h100 = get_target("h100")
+    for m in (64, 256, 4096):
+        wl = flashgen.workload("gemm_w4a8", M=m, N=4096, K=4096, G=128, dtype="bf16", pack="lanes")
+        space = ScheduleSpace(wl, h100)
+        tile = {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 8,
+                "split_k": 1, "persistent": 0}
+        assert "read by lanes tiles" in space.why_invalid({**tile, "variant": "tile"})
+        assert space.is_valid({**tile, "variant": "tile_lanes"}), space.why_invalid({**tile, "variant": "tile_lanes"})
+        assert space.is_valid(space.default()), space.why_invalid(space.default())
+    staged = ScheduleSpace(flashgen.workload("gemm_w4a8", M=4096, N=4096, K=4096, G=128, dtype="bf16", pack="lanes"),
+                           h100)
+    assert any(s["variant"].startswith("dq_") for s in staged)
+
+
 @pytest.mark.parametrize("k", [256, 200])  # groups of 128, and per channel
 def test_w4a8_linears_pack_lanes_at_load_and_call_the_op_with_them(k):
     """W4A8Linear (and mixed's w4a8) pack the codes once in the lanes layout and call gemm_w4a8 with
