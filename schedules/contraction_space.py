@@ -551,7 +551,8 @@ def _flat_default(wl: Workload, target: Target) -> dict[str, int]:
 
 def variants(wl: Workload, target: Target) -> dict[str, dict[str, tuple[int, ...]]]:
     """Each generator form the workload and target offer (flashgen/ir/variants.py), with the values of
-    the knobs it reads. Values the rules refuse for a whole form are left out of it: matrix tiles have
+    the knobs it reads. Forms the rules refuse whole are not offered (a generic matrix tile on `lanes`
+    codes), and values the rules refuse for a whole form are left out of it: matrix tiles have
     16 rows or more, NVIDIA's pipelined stages (`min_stages`) and k steps of at most MAX_MMA_BLOCK_K
     (MAX_TMA_BOX with TMA copies); Gluon tiles whole warpgroups and k steps of SWIZZLE_BYTES rows (a ping-pong's consumers one each, taking turns only when persistent);
     a Gluon int4 k step one block of words."""
@@ -567,6 +568,8 @@ def variants(wl: Workload, target: Target) -> dict[str, dict[str, tuple[int, ...
             continue
         if v.gemv and options["ptx_unpack"] and not whole_block_groups(wl):
             continue  # PTX-unpacked GEMV tiles pair codes 64 k apart
+        if not v.gemv and not options["lanes"] and int8_lanes(wl):
+            continue  # `lanes` codes: matrix tiles are lanes tiles (`_flat_invalid` says why)
         values = {k: kn[k] for k in reads(v, rows)}
         values["block_m"] = tuple(b for b in kn["block_m"] if (b < MMA_MIN_ROWS) == v.gemv)
         if not values["block_m"]:
