@@ -83,23 +83,23 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
     partials = np.where(split > 1, 2.0 * tiles * bm * bn * 4, 0.0)
     # What comes from memory: an operand that fits its share of the L2 once, however often tiles re-read it.
     resident = L2_RESIDENT_SHARE * float(target.get("l2_bytes", 0))
-    w_fetches = np.where(w_bytes <= resident, 1.0, w_reads)
-    a_fetches = 1.0 if a_bytes <= resident else tn
-    traffic = w_bytes * w_fetches + a_bytes * a_fetches + (nbytes - w_bytes - a_bytes) + partials
+    fetches = lambda size, reads: np.where(size <= resident, 1.0, reads)  # noqa: E731
+    a_traffic = a_bytes * fetches(a_bytes, tn)
+    traffic = w_bytes * fetches(w_bytes, w_reads) + a_traffic + (nbytes - w_bytes - a_bytes) + partials
     # A weight dequantized first: the dequant kernel reads the codes and writes the operand-dtype
     # weight, which the GEMM's tiles then read as W.
     staged = kv["dequant_first"] > 0
     if staged.any():
-        coded = n * k * load_bytes(wl, max(min_block_k(wl), 128))[1]
-        traffic = np.where(staged, n * k * ob * w_reads + a_bytes * tn + (nbytes - coded - a_bytes) + partials
-                           + coded + n * k * ob, traffic)
+        coded, dense = n * k * load_bytes(wl, max(min_block_k(wl), 128))[1], n * k * ob
+        traffic = np.where(staged, dense * fetches(dense, w_reads) + a_traffic + (nbytes - coded - a_bytes) + partials
+                           + coded + dense, traffic)
     mma_eff = np.clip((bm * bn) / (128.0 * 256.0), 0.05, 1.0) ** 0.3 * np.clip(bm / 64.0, 0.25, 1.0)
     # Tiles under 16 rows run on the ALUs: about 4 instructions per weight and row (fp32 rate).
     alu_peak = float(target.peak_tflops["fp32"]) * 1e6 / 4.0
     compute_us = np.where(bm < 16, flops / alu_peak, flops / (peak * mma_eff))
     # A matrix tile unpacks its weight tile's codes again for every row of tiles, on the ALUs.
-    coded = np.asarray([per_depth[b] for b in bk]) < ob
-    compute_us = compute_us + np.where(coded & (bm >= 16) & ~staged, n * k * tm * UNPACK_SLOTS / (alu_peak * 2.0), 0.0)
+    unpacks = (np.asarray([per_depth[b] for b in bk]) < ob) & (bm >= 16) & ~staged
+    compute_us = compute_us + np.where(unpacks, n * k * tm * UNPACK_SLOTS / (alu_peak * 2.0), 0.0)
     # Streaming needs loads in flight on every SM: about 16 warps' worth each, or bandwidth falls.
     in_flight = np.clip(tiles * kv["num_warps"] / (sms * MEM_WARPS_PER_SM), 0.1, 1.0)
     memory_us = traffic / bw / in_flight
