@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from flashgen.runtime.decoder.bench import CONFIGS
 from flashgen.workload import read_workload_lines
 
@@ -29,6 +31,18 @@ def _read(tmp_path, text: str) -> list[tuple[dict, dict]]:
 def _summary(pairs: list[tuple[dict, dict]]) -> set[tuple]:
     return {(w["op"], w["dims"]["M"], json.dumps(w["attrs"], sort_keys=True), b["op"], json.dumps(b["attrs"], sort_keys=True))
             for w, b in pairs}
+
+
+def test_linears_pick_a_layers_gemms_by_name(tmp_path):
+    """`--linears qkv,gate_up` writes the two GEMMs behind the norm and leaves o and down (the residual
+    ones) out, at every row count and mode; an unknown name is refused with the known ones."""
+    pairs = _read(tmp_path, "\n".join(decode_workloads.lines(SMALL, ("w4a8", "bf16"), (1, 16), ("qkv", "gate_up"))) + "\n")
+    assert {(w["op"], w["dims"]["M"], w["dims"]["N"]) for w, _ in pairs} == {
+        (op, m, n) for m in (1, 16) for n in (512, 768)
+        for op in ("gemm_w4a8", "rmsnorm_gemm" if m == 1 else "gemm")}
+    assert all(w["attrs"]["with_residual"] == "no" for w, _ in pairs)
+    with pytest.raises(SystemExit, match="unknown linears \\['up'\\]: a dense layer's are qkv, o, gate_up, down"):
+        decode_workloads.lines(SMALL, ("w4a8",), (16,), ("qkv", "up"))
 
 
 def test_lines_name_the_ops_and_attrs_the_decoder_dispatches(tmp_path):

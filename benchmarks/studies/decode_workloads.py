@@ -2,7 +2,8 @@
 regime: each GEMM a Llama-3-8B decode step launches in the bf16, w4a16, w8a8 and w4a8 modes (mixed runs
 the last three), at each row count, behind the kernel it runs behind in the step.
 
-    python benchmarks/studies/decode_workloads.py [--rows 16,32,64,128,256] [--out benchmarks/workloads/decode_rows.jsonl]
+    python benchmarks/studies/decode_workloads.py [--rows 16,32,64,128,256] [--modes w4a8] [--linears qkv,gate_up]
+        [--out benchmarks/workloads/decode_rows.jsonl]
     flashgen tune --workloads benchmarks/workloads/decode_rows.jsonl --target h200 --trials N   # on a GPU
 
 The workloads are read off the decoder's own code, not written by hand: each mode class prepares a
@@ -39,6 +40,7 @@ from flashgen.workload import Workload, workload
 
 OUT = Path(__file__).resolve().parents[1] / "workloads" / "decode_rows.jsonl"
 MODES = ("bf16", "w4a16", "w8a8", "w4a8")
+LINEARS = ("qkv", "o", "gate_up", "down")  # a dense layer's GEMMs, in the order a step launches them
 ROWS = (16, 32, 64, 128, 256)
 BLOCK_SIZE = 16  # the paged cache's tokens per block (runtime/decoder/kv_cache.py's default)
 
@@ -53,8 +55,8 @@ def attention(c: ModelConfig, rows: int, dtype: torch.dtype) -> Workload:
 
 
 def layer_gemms(c: ModelConfig, mode: str, rows_list: tuple[int, ...], dtype: torch.dtype = torch.bfloat16
-                ) -> list[tuple[Workload, Workload | None]]:
-    """(GEMM workload, the kernel before it) of each linear of a dense layer in `mode`, per row count."""
+                ) -> list[tuple[str, Workload, Workload | None]]:
+    """(linear, GEMM workload, the kernel before it) of each linear of a dense layer in `mode`, per row count."""
     h, q, kv, ff = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     weights = {"qkv": prepare(torch.zeros(q + 2 * kv, h, dtype=dtype), mode),
                "o": prepare(torch.zeros(h, q, dtype=dtype), mode),
@@ -73,16 +75,23 @@ def layer_gemms(c: ModelConfig, mode: str, rows_list: tuple[int, ...], dtype: to
             apply(meta(rows, q), weights["o"], None, set(), residual=meta(rows, h), ops=rec)
             apply(meta(rows, h), weights["gate_up"], None, set(), norm=norm, eps=c.rms_norm_eps, ops=rec)
             apply(meta(rows, 2 * ff), weights["down"], None, set(), gated=True, residual=meta(rows, h), ops=rec)
-        out += [(wl, rec.calls[i - 1]) for i, wl in enumerate(rec.calls) if i >= first and wl.op.kclass == "contraction"]
+        gemms = [(wl, rec.calls[i - 1]) for i, wl in enumerate(rec.calls) if i >= first and wl.op.kclass == "contraction"]
+        out += [(name, wl, behind) for name, (wl, behind) in zip(LINEARS, gemms, strict=True)]
     return out
 
 
-def lines(c: ModelConfig, modes: tuple[str, ...] = MODES, rows: tuple[int, ...] = ROWS) -> list[str]:
-    """The workload file's lines: one per (GEMM, producer), in mode then row order, no repeats."""
+def lines(c: ModelConfig, modes: tuple[str, ...] = MODES, rows: tuple[int, ...] = ROWS,
+          linears: tuple[str, ...] = LINEARS) -> list[str]:
+    """The workload file's lines: one per (GEMM, producer) of the `linears` named, in mode then row
+    order, no repeats."""
+    unknown = set(linears) - set(LINEARS)
+    if unknown:
+        raise SystemExit(f"unknown linears {sorted(unknown)}: a dense layer's are {', '.join(LINEARS)}")
     out: dict[str, None] = {}
     for mode in modes:
-        for wl, behind in layer_gemms(c, mode, rows):
-            out[json.dumps({**wl.to_json(), "behind": behind.to_json()})] = None
+        for name, wl, behind in layer_gemms(c, mode, rows):
+            if name in linears:
+                out[json.dumps({**wl.to_json(), "behind": behind.to_json()})] = None
     return list(out)
 
 
@@ -91,10 +100,11 @@ def main() -> None:
     ap.add_argument("--config", default="llama3-8b", choices=sorted(CONFIGS))
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="decode row counts, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--linears", default=",".join(LINEARS), help="the layer's GEMMs to write, comma-separated")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     rows = tuple(int(r) for r in args.rows.split(","))
-    text = "\n".join(lines(CONFIGS[args.config], tuple(args.modes.split(",")), rows)) + "\n"
+    text = "\n".join(lines(CONFIGS[args.config], tuple(args.modes.split(",")), rows, tuple(args.linears.split(",")))) + "\n"
     args.out.write_text(text)
     print(f"{args.out}: {text.count(chr(10))} workloads")
 

@@ -3,7 +3,7 @@ side by side on the current GPU: the GEMM lines of those rows (decode_workloads.
 behind its producer) are tuned into a database of their own, then benchmarks/model.py runs with that
 database and with an empty one, in alternating rounds, each run a fresh process.
 
-    python benchmarks/studies/rows_records_ab.py --rows 4,8,128 --modes w4a8,w8a8 --target h100
+    python benchmarks/studies/rows_records_ab.py --rows 4,8,128 --modes w4a8,w8a8 [--linears qkv,gate_up] --target h100
         [--trials 2] [--quant w4a8,w8a8,mixed] [--batch 4,8,128] [--rounds 2] [--out-dir DIR] [--name rows_ab]
     python benchmarks/studies/rows_records_ab.py ... --dry-run   # the commands, nothing run (no GPU needed)
 
@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from common import RESULTS, environment, print_table, write_results  # noqa: E402
-from decode_workloads import lines  # noqa: E402
+from decode_workloads import LINEARS, lines  # noqa: E402
 
 from flashgen.runtime.decoder.bench import CONFIGS  # noqa: E402
 
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--config", default="llama3-8b", choices=sorted(CONFIGS))
     ap.add_argument("--rows", required=True, help="decode row counts whose GEMM lines are tuned, comma-separated")
     ap.add_argument("--modes", required=True, help="quant modes of those lines (w4a16, w8a8, w4a8, bf16)")
+    ap.add_argument("--linears", default=",".join(LINEARS), help="the layer's GEMMs tuned (default: all four)")
     ap.add_argument("--target", required=True)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--quant", default=None, help="the decoder's modes (default: --modes)")
@@ -80,7 +81,7 @@ def main() -> None:
     rows = tuple(int(r) for r in args.rows.split(","))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     work = args.out_dir / f"{args.name}_workloads.jsonl"
-    text = "\n".join(lines(CONFIGS[args.config], tuple(args.modes.split(",")), rows)) + "\n"
+    text = "\n".join(lines(CONFIGS[args.config], tuple(args.modes.split(",")), rows, tuple(args.linears.split(",")))) + "\n"
     work.write_text(text)
     print(f"{work}: {text.count(chr(10))} GEMM lines", flush=True)
     tune, runs = commands(args)
