@@ -419,7 +419,7 @@ MAX_TRIALS = 1_000_000  # past the valid points of any space (the largest hold a
 _SEED = _checked(int, lambda v: 0 <= v < 2**63, "an integer in 0..2**63-1")  # torch's generators take 64 bits
 # (named here, not imported: a mistake is refused before torch loads; tests check them against the
 # decoder's MODES and bench CONFIGS)
-QUANT_MODES = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "fp8", "mixed")
+QUANT_MODES = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8", "fp8", "w4fp8", "mixed")
 BENCH_CONFIGS = ("llama3-8b", "mixtral-2l", "smollm2-135m", "tiny")
 
 

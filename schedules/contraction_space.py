@@ -339,8 +339,6 @@ def _flat_invalid(wl: Workload, target: Target, s: dict[str, Any]) -> str | None
         return "TMA copies serve operands without a prologue (or a weight dequantized first)"
     if s["block_k"] % min_block_k(wl):
         return f"int4 words interleave {INT4_PERIOD} k: block_k must be a multiple of {INT4_PERIOD}"
-    if operand_bytes(wl) == 1 and dtypes.is_float(operand_dtype(wl)) and extents(wl)[2] % s["block_k"]:
-        return "fp8 operands cannot be zero-filled past K: block_k must divide K"
     a_bytes, b_bytes = load_bytes(wl, s["block_k"])
     smem = s["num_stages"] * (s["block_m"] * a_bytes + s["block_n"] * b_bytes) * s["block_k"]
     if s["tma_store"]:  # the output tile, staged for its copy (one per consumer)

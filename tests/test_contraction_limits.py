@@ -10,18 +10,12 @@ from flashgen.targets import get_target
 
 
 @pytest.mark.parametrize("k", [200, 496, 513])
-@pytest.mark.parametrize("command", ["compile", "explain"])
-def test_fp8_gemm_k_tail_is_one_line_error(capsys, tmp_path, command, k):
-    argv = [command, "gemm_fp8", "--dim", "M=16", "--dim", "N=256", "--dim", f"K={k}", "--target", "h200"]
-    code = main(argv + (["--out", str(tmp_path)] if command == "compile" else []))
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and f"K={k}" in err and "multiple of 32" in err, err
-
-
-def test_fp8_gemm_k_tail_refused_where_the_runtime_binds_a_call():
-    with pytest.raises(flashgen.FlashgenError, match="multiple of 32"):
-        flashgen.workload("gemm_fp8", M=3, N=64, K=200)
-    assert flashgen.workload("gemm_fp8", M=3, N=64, K=224).dim["K"] == 224
+def test_fp8_gemm_k_tail_compiles(capsys, tmp_path, k):
+    """e4m3 loads zero-fill past K (tests/test_w4fp8.py checks the numerics): K needs no multiple of
+    the k step, and the default's k steps run past it."""
+    argv = ["compile", "gemm_fp8", "--dim", "M=16", "--dim", "N=256", "--dim", f"K={k}", "--target", "h200"]
+    assert main(argv + ["--out", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert any(p.suffix == ".cubin" for p in tmp_path.iterdir())
 
 
 TINY = [("gemm", "h200", dict(M=1, N=n, K=k)) for n in (1, 8, 16) for k in (16, 32, 96)] + \

@@ -150,6 +150,32 @@ def test_gemm_on_gpu(wl):
         assert c.ok, (c, kernel.schedule)
 
 
+W4FP8_CASES = [flashgen.workload("gemm_w4fp8", M=m, N=330, K=k, dtype=dt, **kw)
+               for m, k, kw, dt in ((1, 1024, {"G": 128}, "bf16"), (3, 576, {"G": 64}, "fp16"), (17, 1024, {"G": 128}, "bf16"),
+                                    (256, 576, {"G": 576, "group": "channel", "with_residual": "yes"}, "bf16"))]
+
+
+@pytest.mark.skipif("fp8e4m3" not in TARGET.dtypes, reason="e4m3 tensor cores: sm_90")
+@pytest.mark.parametrize("wl", W4FP8_CASES, ids=case_id)
+def test_w4fp8_every_form_on_gpu(wl):
+    """gemm_w4fp8 in every form its space offers, the PTX-unpacked ones too (the interpreter runs no
+    inline PTX), with row (M=3, 17), column (N=330) and k (K=576: 4.5 blocks of 128) tails."""
+    space = ScheduleSpace(wl, TARGET)
+    for form, s in form_schedules(space).items():
+        kernel = flashgen.compile(wl, TARGET, schedule=s)
+        for c in check(wl, _run(kernel), 5, DEVICE):
+            assert c.ok, (form, c, s)
+
+
+@pytest.mark.skipif("fp8e4m3" not in TARGET.dtypes, reason="e4m3 tensor cores: sm_90")
+@pytest.mark.parametrize("m", [3, 300])
+def test_fp8_gemm_k_tail_on_gpu(m):
+    """e4m3 loads zero-filled past K (K = 200 under 64- and 128-deep k steps)."""
+    wl = flashgen.workload("gemm_fp8", M=m, N=320, K=200, dtype="bf16")
+    for c in check(wl, _run(flashgen.compile(wl, TARGET)), 2, DEVICE):
+        assert c.ok, c
+
+
 GEMV_CASES = [(flashgen.workload("gemm_w4a16", M=3, N=330, K=1024, dtype=dt, **kw), bm, bk)
               for dt in ("bf16", "fp16") for kw in ({"G": 128}, {"G": 1024, "group": "channel", "zp": "asym"})
               for bm, bk in ((1, 1024), (2, 256), (4, 128))] + [

@@ -11,7 +11,8 @@ layer's weights, and `linear.apply` runs its four linears as `Decoder.forward` c
 gate_up behind their norm, o adding the residual behind the attention, down gated and adding the
 residual) with `runtime/decoder/calls.Recorder` standing for the GPU's ops, so the ops, dims and attrs
 are those dispatch binds (the fused rmsnorm_gemm / silu_mul_gemm of bf16 up to FUSED_MAX_ROWS, the
-rmsnorm_quant and dynamic_quant producers of the int8 modes). Two layers are traced, so that the first
+rmsnorm_quant and dynamic_quant producers of the int8 modes). `--modes` takes any decoder mode
+(w4fp8's lines: `--modes w4fp8`). Two layers are traced, so that the first
 GEMM of a step in which nothing runs between it and the last layer's (bf16's fused qkv at one row)
 names that GEMM as its producer. The attention the o projection runs behind is the decode attention
 of `rows` sequences over a cache holding each one's whole context (the model's 8192 positions).

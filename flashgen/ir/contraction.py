@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from flashgen.workload import Workload
 
 FLOAT16 = ("bf16", "fp16")
+# Operands int4 codes enter as floats: the 16-bit ones, and e4m3 (codes less 8 are exact in it), whose
+# codes are unpacked in fp16 and converted (targets/triton/contraction/ptx.py UNPACK_FLOAT).
+CODE_FLOATS = (*FLOAT16, "fp8e4m3")
 MMA_MIN_ROWS = 16  # the fewest rows a matrix instruction takes: fewer rows are summed on the ALUs
 WARPGROUP = 4  # warps of a Hopper warpgroup, which issues one warpgroup MMA together
 WARPGROUP_ROWS = 16  # rows of a warpgroup MMA's tile per warp
@@ -30,9 +33,10 @@ def extents(wl: Workload) -> tuple[int, int, int, Contract]:
 
 def contract_int4_affine(con: Contract, attrs: Mapping[str, str], dims: Mapping[str, int]) -> tuple | None:
     """A Contract's B prologue as (packed words, zero, scale) when it is affine int4 codes
-    (`prologue.affine_codes`) entering a 16-bit float operand: the tiles' forms for them put codes under
-    a float's exponent and scale each group's sum. Integer operands (gemm_w4a8) unpack codes in integers."""
-    if con.operand_dtype(attrs) not in FLOAT16:
+    (`prologue.affine_codes`) entering a float operand (`CODE_FLOATS`): the tiles' forms for them put
+    codes under a float's exponent and scale each group's sum. Integer operands (gemm_w4a8) unpack
+    codes in integers."""
+    if con.operand_dtype(attrs) not in CODE_FLOATS:
         return None
     return prologue.affine_codes(con.b, dims)
 
@@ -55,10 +59,11 @@ def whole_block_groups(wl: Workload) -> bool:
 
 
 def symmetric_block_groups(wl: Workload) -> bool:
-    """int4 codes with the symmetric zero point and a scale constant over each block of INT4_PERIOD k:
-    what `operand_scale` needs to multiply the codes by their scale before the matrix instruction."""
+    """int4 codes with the symmetric zero point and a scale constant over each block of INT4_PERIOD k,
+    entering a 16-bit operand: what `operand_scale` needs to multiply the codes by their scale before
+    the matrix instruction (in e4m3 the product would round to 4 significant bits)."""
     affine = int4_affine(wl)
-    return bool(affine) and affine[1] == E.Const(8) and affine[2] is not None and whole_block_groups(wl)
+    return bool(affine) and operand_dtype(wl) in FLOAT16 and affine[1] == E.Const(8) and affine[2] is not None and whole_block_groups(wl)
 
 
 @functools.lru_cache(maxsize=256)
@@ -79,7 +84,7 @@ def tma_operands(wl: Workload) -> tuple[str, str] | None:
 def gluon_int4_operands(wl: Workload) -> tuple[str, E.Load] | None:
     """The activation tensor and the packed-word Load when the weight is symmetric int4 codes
     (zero point 8) whose scale, if any, is constant over each block of INT4_PERIOD k, and the
-    activations a plain load a TMA descriptor copies (16-bit, rows 16 bytes apart, K whole blocks):
+    activations a plain 16-bit load a TMA descriptor copies (rows 16 bytes apart, K whole blocks):
     the operands of the Gluon int4 tiles (targets/gluon/int4.py), which copy packed words to shared
     memory and unpack them into the matrix instruction's register operand."""
     _, _, k, con = extents(wl)
@@ -87,7 +92,7 @@ def gluon_int4_operands(wl: Workload) -> tuple[str, E.Load] | None:
     a = con.a
     plain_a = (isinstance(a, E.Load) and a.mask is None and a.indices == (E.Index("r"), E.Index("k"))
                and wl.tensor_dtype(a.tensor) == operand_dtype(wl))
-    if not (affine and plain_a and affine[1] == E.Const(8) and whole_block_groups(wl) and k % INT4_PERIOD == 0):
+    if not (affine and plain_a and operand_dtype(wl) in FLOAT16 and affine[1] == E.Const(8) and whole_block_groups(wl) and k % INT4_PERIOD == 0):
         return None
     return a.tensor, affine[0]
 

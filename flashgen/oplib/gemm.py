@@ -213,13 +213,6 @@ def _scaled_reference(t, p, d, a) -> torch.Tensor:
     return (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ (f64(t["w"]) * f64(t["w_scale"])[:, None]).T
 
 
-def _fp8_check(d, a) -> str | None:
-    """Triton cannot zero-fill an fp8 load, so k steps (32 deep at the least) must divide K."""
-    if d["K"] % 32:
-        return f"fp8 loads cannot be zero-filled past K: K must be a multiple of 32 (the shallowest k step), got K={d['K']}"
-    return None
-
-
 def _scaled(name: str, qdtype: str, acc: str, doc: str, check=lambda d, a: None) -> Op:
     return _contraction_op(
         name, doc, ("M", "N", "K"),
@@ -234,8 +227,7 @@ W8A8 = _scaled("gemm_w8a8", "int8", "int32",
                "y = (x_int8 @ w_int8.T) * x_scale[m] * w_scale[n]: int8 tensor cores, int32 accumulation, "
                "per-token and per-channel scales fused")
 FP8 = _scaled("gemm_fp8", "fp8e4m3", "fp32",
-              "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90); "
-              "K a multiple of 32", _fp8_check)
+              "y = (x_fp8 @ w_fp8.T) * x_scale[m] * w_scale[n]: e4m3 operands, fp32 accumulation (sm_90)")
 
 
 W4A8_MAX_K = (2 ** 31 - 1) // (128 * 128)  # int32 sums of K products |x| <= 128, |(u - 8) * s_group| <= 128 stay exact
@@ -297,6 +289,36 @@ W4A8 = _contraction_op(
     {"dtype": HALF, "group": ("group", "channel"), "pack": ("k128", "lanes")}, _w4a8_prologue,
     lambda t, p, d, a: (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ _w4a8_weight_ref(t, d, a).T,
     _w4a8_inputs, _w4a8_dims, dequant=("dequant_w4a8", "gemm_w8a8"))
+
+
+def _w4fp8_prologue(a) -> tuple:
+    """e4m3 x times the int4 code u - 8 (exact in e4m3), each group's fp32 sum times its scale (per
+    channel: the whole sum), then x's per-token scale."""
+    sym = {"zp": "sym"}
+    if a["group"] == "channel":
+        return (Contract("acc", Load("x", (r, k)), _w4_codes(sym), K, "fp8e4m3", "fp32"),
+                Ref("acc") * Load("scales", (c, 0)) * Load("x_scale", (r,)))
+    return Contract("acc", Load("x", (r, k)), _w4_weight(sym), K, "fp8e4m3", "fp32"), Ref("acc") * Load("x_scale", (r,))
+
+
+def _w4fp8_inputs(d, a, g) -> dict:
+    from flashgen.oplib._common import quantize_ref
+    xq, xs = quantize_ref(torch.randn((d["M"], d["K"]), generator=g, dtype=torch.float64), "fp8e4m3")
+    t = _w4_inputs(d, {**a, "zp": "sym"}, g)
+    return {**t, "x": xq.to(dtypes.TORCH["fp8e4m3"]), "x_scale": xs.float()}
+
+
+W4FP8 = _contraction_op(
+    "gemm_w4fp8", "y = epilogue(((x_fp8 @ (u_int4 - 8).T) per group * scales[n, k // G]) * x_scale[m]): "
+    "gemm_w4a16's 4-bit weights and group scales (symmetric, pack k128) times e4m3 activations quantized "
+    "per token, on fp8 tensor cores (sm_90), each group's fp32 sum times its scale",
+    ("M", "N", "K", "G"),
+    (TensorSpec("x", (M, K), "fp8e4m3"), TensorSpec("x_scale", (M,), "fp32"),
+     TensorSpec("w_packed", (N, packed_words(K)), "int32"),
+     TensorSpec("scales", (N, K // Dim("G")), DTYPE)),
+    {"dtype": HALF, "group": ("group", "channel"), "pack": ("k128",)}, _w4fp8_prologue,
+    lambda t, p, d, a: (f64(t["x"]) * f64(t["x_scale"])[:, None]) @ int4_weight(t["w_packed"], t["scales"], d["K"]).T,
+    _w4fp8_inputs, _w4_dims)
 
 
 def dequant_form(base: Op, weight, weight_ref, out_dtype: str = DTYPE) -> Op:
@@ -409,5 +431,5 @@ def silu_mul_fused(base: Op) -> Op:
                    make_inputs=make_inputs, plain=base.name, dequant=_fused_dequant(base, "silu_mul_"))
 
 
-OPS = (GEMM, W8A16, W4A16, W8A8, W4A8, FP8, DEQUANT_W8A16, DEQUANT_W4A16, DEQUANT_W4A8) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
+OPS = (GEMM, W8A16, W4A16, W8A8, W4A8, FP8, W4FP8, DEQUANT_W8A16, DEQUANT_W4A16, DEQUANT_W4A8) + tuple(f(op) for f in (rmsnorm_fused, silu_mul_fused)
                                              for op in (GEMM, W8A16, W4A16))

@@ -8,7 +8,8 @@ in groups of 128, 64 or 32 along K, the largest K allows, else per channel: `_gr
 weights and per-token dynamically quantized int8 activations), w4a8 (gemm_w4a8: 4-bit weights with
 integer group scales on int8 tensor cores, activations as w8a8's; flashgen/quant.py `quantize_w4a8`), fp8
 (e4m3 weights with per-channel scales and per-token dynamically quantized e4m3 activations: gemm_fp8,
-sm_90), and mixed, which prepares
+sm_90), w4fp8 (w4a16's weights times per-token e4m3 activations on fp8 tensor cores: gemm_w4fp8, sm_90),
+and mixed, which prepares
 a w4a16, a w8a8 and a w4a8 linear, keeps those its layer shape's plan picks for some row count
 (runtime/decoder/mixed.py `ModePlan`, `settle`) and lets each call take the one planned for its row
 count; its two 4-bit linears hold the same codes, each packed in the layout its GEMM reads (w4a16's
@@ -340,10 +341,22 @@ class W4A8Linear(_QuantizedActivations):
 
 
 @dataclass
-class Fp8Linear(_QuantizedActivations):
+class _Fp8Activations(_QuantizedActivations):
+    """Modes whose activations are quantized per token to e4m3 (sm_90); the CPU keeps the dequantized
+    weight."""
+    activations: ClassVar[str | None] = "fp8e4m3"
+
+    def cpu_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x quantized per token to e4m3 by dynamic_quant's reference (the cpu target has no fp8), times
+        the dequantized weight in float32."""
+        xq, xs = quantize_ref(x.float(), "fp8e4m3")
+        return torch_linear((xq * xs[:, None]).to(x.dtype), self.weight, bias)
+
+
+@dataclass
+class Fp8Linear(_Fp8Activations):
     """e4m3 weights with per-channel scales, times e4m3 activations quantized per token (sm_90)."""
     mode: ClassVar[str] = "fp8"
-    activations: ClassVar[str | None] = "fp8e4m3"
     f8: torch.Tensor | None = None        # float8_e4m3fn [N, K]
     f8_scale: torch.Tensor | None = None  # fp32 [N]
 
@@ -360,11 +373,29 @@ class Fp8Linear(_QuantizedActivations):
     def quantized_gemm(self, ops, xq, xs, dtype, epi):
         return ops.gemm_fp8(xq, xs, self.f8, self.f8_scale, dtype=dtype, **epi)
 
-    def cpu_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x quantized per token to e4m3 by dynamic_quant's reference (the cpu target has no fp8), times
-        the dequantized weight in float32."""
-        xq, xs = quantize_ref(x.float(), "fp8e4m3")
-        return torch_linear((xq * xs[:, None]).to(x.dtype), self.weight, bias)
+
+@dataclass
+class W4Fp8Linear(_Fp8Activations):
+    """w4a16's weights (int4 codes packed as pack_int4 does, group scales in the activation dtype),
+    times e4m3 activations quantized per token, on fp8 tensor cores (gemm_w4fp8, sm_90): each group's
+    fp32 sum times its scale."""
+    mode: ClassVar[str] = "w4fp8"
+    w4: W4A16Linear | None = None  # the codes and scales, as w4a16 keeps them
+
+    @classmethod
+    def prepare(cls, w: torch.Tensor) -> W4Fp8Linear:
+        q = W4A16Linear.prepare(w)
+        return cls(q.shape, q, weight=q.weight)
+
+    @staticmethod
+    def weight_bytes(dtype_bytes: int) -> float:
+        return W4A16Linear.weight_bytes(dtype_bytes)
+
+    def quantized_gemm(self, ops, xq, xs, dtype, epi):
+        n, k = self.shape
+        q = self.w4
+        return ops.gemm_w4fp8(xq, xs, q.w4, q.w4_scales, group="group" if q.group != k else "channel",
+                              dims=[xq.shape[0], n, k, q.group], dtype=dtype, **epi)
 
 
 @dataclass
@@ -412,7 +443,7 @@ class MixedLinear(QuantLinear):
 
 
 MODES: dict[str, type[QuantLinear]] = {cls.mode: cls for cls in (Bf16Linear, W8A16Linear, W4A16Linear, W8A8Linear,
-                                                                  W4A8Linear, Fp8Linear, MixedLinear)}
+                                                                  W4A8Linear, Fp8Linear, W4Fp8Linear, MixedLinear)}
 
 
 def quant_mode(name: str) -> type[QuantLinear]:

@@ -188,9 +188,11 @@ class Emitter:
     def load(self, e: E.Load, scope: Scope, raw: bool = False) -> str:
         addr = self.address(e.tensor, e.indices, scope)
         m = self.mask(e.indices, e.mask, scope)
-        fp8 = self.op.dtype_of(e.tensor, self.attrs) in dtypes.FP8  # Triton cannot cast a literal 0 to fp8
-        other = "" if fp8 else ", other=0"
-        code = f"tl.load({addr}, mask={m}{other})" if m else f"tl.load({addr})"
+        dt = self.op.dtype_of(e.tensor, self.attrs)
+        if m and dt in dtypes.FP8:  # Triton cannot cast a literal 0 to fp8: zero-fill the bytes, then reinterpret
+            code = f"tl.load(({addr}).to(tl.pointer_type(tl.int8)), mask={m}, other=0).to({dtypes.TL[dt]}, bitcast=True)"
+        else:
+            code = f"tl.load({addr}, mask={m}, other=0)" if m else f"tl.load({addr})"
         if not raw and dtypes.is_float(self.op.dtype_of(e.tensor, self.attrs)):
             code += ".to(tl.float32)"
         return code

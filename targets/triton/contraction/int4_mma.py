@@ -29,16 +29,20 @@ def _joined(tiles: list[str]) -> str:
 
 
 def _code_tile(t: Tile, words: str, scale: str, j: int) -> str:
-    """Code j of the words as 16-bit floats less 8: in PTX pairs (times the scale with
-    `operand_scale`), or per element under the 16-bit float's exponent."""
+    """Code j of the words less 8 in the operand dtype: as 16-bit floats (`ptx.UNPACK_FLOAT`) in PTX
+    pairs (times the scale with `operand_scale`) or per element under the float's exponent, then
+    converted where the operand is e4m3."""
     s = t.schedule
     if variant(s).option("operand_scale"):
         return f"{ptx.codes(t, j, scaled=True)}({words}, {scale})"
+    unpack = ptx.UNPACK_FLOAT[t.operand]
     if variant(s).option("ptx_unpack"):
-        return f"{ptx.codes(t, j)}({words})"
-    magic, base = ptx.INT4_MAGIC[t.operand]
-    shifted = words if j == 0 else f"({words} >> {4 * j})"
-    return f"(({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[t.operand]}, bitcast=True) - {base + 8.0}"
+        code = f"{ptx.codes(t, j)}({words})"
+    else:
+        magic, base = ptx.INT4_MAGIC[unpack]
+        shifted = words if j == 0 else f"({words} >> {4 * j})"
+        code = f"((({shifted} & 15) | {magic}).to(tl.int16).to({dtypes.TL[unpack]}, bitcast=True) - {base + 8.0})"
+    return code if unpack == t.operand else f"{code}.to({dtypes.TL[t.operand]})"
 
 
 def mma_int4(t: Tile) -> None:

@@ -15,7 +15,7 @@ from flashgen.targets.triton.contraction.int4_gemv import segment_runs
 from flashgen.targets.triton.contraction.int4_mma import mma_int4
 from flashgen.targets.triton.contraction.int8_lanes import mma_lanes
 from flashgen.targets.triton.contraction.mma import k_loop, tma_k_loop
-from flashgen.targets.triton.contraction.ptx import INT4_MAGIC
+from flashgen.targets.triton.contraction.ptx import UNPACK_FLOAT
 from flashgen.targets.triton.contraction.row_pass import prologue_refs, row_factors, row_pass, row_pass_step
 from flashgen.targets.triton.contraction.split_k import merge_splits, split_scratch
 from flashgen.targets.triton.emit import (Emitter, KernelSource, Scope, grid_dependency, kernel_args,
@@ -113,7 +113,7 @@ def generate_contraction(wl: Workload, s: Schedule) -> KernelSource:
     t = Tile(em, con, lets, s, top, b_scope, kmask, acc, operand, b_expr, affine,
              segment_runs(affine, wl.dim, s["block_k"]) if affine else 0,
              row_pass_step(k_val, 1 if gemv_tile else s["block_m"]), unpacked, grouped)
-    int4_mma = affine and operand in INT4_MAGIC
+    int4_mma = affine and operand in UNPACK_FLOAT
     if em.row_pass and not gemv_tile:
         if int4_mma:  # the transposed int4 tile reads x^T: rows along dim 1
             top.line("r_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]")

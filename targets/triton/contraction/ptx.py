@@ -10,6 +10,9 @@ from flashgen.targets.triton.contraction.context import Tile
 
 # A 16-bit float's bits, and its value, whose low mantissa bits hold a 4-bit code exactly.
 INT4_MAGIC = {"bf16": (0x4300, 128.0), "fp16": (0x6400, 1024.0)}
+# The 16-bit float codes are unpacked in, per operand dtype: e4m3 codes come as fp16 (u - 8 is exact
+# in both) and are converted, two per instruction.
+UNPACK_FLOAT = {"bf16": "bf16", "fp16": "fp16", "fp8e4m3": "fp16"}
 # Per 16-bit float: the PTX type, 1.0 and -(magic + 8) as a pair of 16-bit values.
 PAIR = {"bf16": ("bf16x2", 0x3F803F80, 0xC308C308), "fp16": ("f16x2", 0x3C003C00, 0xE408E408)}
 # fp16 pairs: 1.0, -(1024 + 8), 1/16 and -(64 + 8). A code under 0x6400 reads 1024 + code (or, four bits
@@ -77,11 +80,13 @@ def _dot_asm(words: int) -> str:
 
 
 def codes(t: Tile, j: int, scaled: bool = False) -> str:
-    """The helper giving code j - 8 of a words tile as 16-bit floats (times the scale when `scaled`)."""
-    name = f"_int4_code{j}_{t.operand}" + ("_scaled" if scaled else "")
+    """The helper giving code j - 8 of a words tile as 16-bit floats (`UNPACK_FLOAT` of the operand;
+    times the scale when `scaled`)."""
+    unpack = UNPACK_FLOAT[t.operand]
+    name = f"_int4_code{j}_{unpack}" + ("_scaled" if scaled else "")
     params = ["words", "scale"] if scaled else ["words"]
-    return t.helper(name, _function(name, params, codes_asm(t.operand, j, scaled), "=r,r,r,r" if scaled else "=r,r,r",
-                                    dtypes.TL[t.operand], 2))
+    return t.helper(name, _function(name, params, codes_asm(unpack, j, scaled), "=r,r,r,r" if scaled else "=r,r,r",
+                                    dtypes.TL[unpack], 2))
 
 
 def word_dot(t: Tile) -> str:
