@@ -156,6 +156,29 @@ def test_dispatch_falls_back_to_the_plain_form(tmp_path):
     assert Dispatcher(h200, db_path).choose(normed.workload, h200).source == "exact"
 
 
+def test_call_rows_in_another_form_before_another_row_count(tmp_path):
+    """A record at the call's rows, though of the plain form and tuned on a sibling device, serves before
+    the device's own record of the call's form at another row count; where no form has the call's
+    rows, the own bucket serves as before."""
+    h100 = get_target("h100")
+    db_path = tmp_path / "t.db"
+    plain256 = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 5, "group_m": 8,
+                "split_k": 2, "tma": 1}
+    own64 = {"block_m": 32, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 5, "group_m": 8,
+             "split_k": 2, "tma": 1}
+    residual = lambda m: flashgen.workload("gemm", M=m, N=4096, K=14336, dtype="bf16", with_residual="yes")  # noqa: E731
+    with Database(db_path) as db:
+        _record(db, flashgen.workload("gemm", M=256, N=4096, K=14336, dtype="bf16"), plain256, 51.6)
+        db.add(Record(workload_key=residual(64).key, workload=residual(64).to_json(), target_key=h100.id,
+                      schedule=own64, status="ok", latency_us=48.0, device="NVIDIA H100 80GB HBM3"))
+    d = Dispatcher(h100, db_path)
+    got = d.choose(residual(256), h100)
+    assert got.source == "bucket M=256, tuned as gemm with_residual=no, tuned on cuda:sm_90/h200", got.source
+    assert {k: v for k, v in got.schedule.items() if k in ("block_m", "split_k")} == {"block_m": 128, "split_k": 2}
+    got = d.choose(residual(128), h100)
+    assert got.source == "bucket M=64" and got.schedule["block_m"] == 32, got.source
+
+
 def test_bucket_never_crosses_a_kernel_regime(tmp_path):
     """A GEMV tile serves a call only where it covers the call's rows (each further row tile reads the
     whole weight again): an fp16 record of the call's M wins over a bf16 one-row GEMV record, which a
@@ -187,11 +210,14 @@ def test_bucket_never_crosses_a_kernel_regime(tmp_path):
     d = Dispatcher(h200, db_path)
     for m in (5, 8):  # the 8-row tile covers these rows (at 2 the space holds GEMV tiles of 1 and 2 rows only)
         assert (d.choose(w4(m), h200).source, d.choose(w4(m), h200).schedule) == ("bucket M=8" if m < 8 else "exact", eight)
-    for m, skipped in ((2, 1), (9, 8), (16, 8)):
+    for m, skipped in ((2, 1), (9, 8)):
         got = d.choose(w4(m), h200)
         assert (got.schedule, got.kind) == (tile, "other-dtype bucket")
         assert got.source == (f"bucket M=16, tuned in fp16 (bucket M={skipped} skipped: a GEMV tile of {skipped} "
                               f"row{'s' * (skipped > 1)} cannot serve {m} rows)")
+    # at 16 rows the fp16 record is of the call's own rows: it serves before any other row count is looked at
+    got = d.choose(w4(16), h200)
+    assert (got.schedule, got.kind, got.source) == (tile, "other-dtype bucket", "bucket M=16, tuned in fp16")
 
 
 def test_dequant_first_schedules_serve_from_their_row_count(tmp_path):

@@ -9,7 +9,8 @@ length; failing that, the same in the other 16-bit float dtype, then the workloa
 fused norm's base GEMM, epilogues left out, which streams the same weights). Each step reads the
 call's own device's records, then another device's of the same architecture (an H100 served by H200
 records: the schedules are valid there and rank alike, far better than a default): an exact record
-of a sibling device comes before a bucket of the call's own. Else the analytic default.
+of a sibling device comes before a bucket of the call's own, and a record at the call's rows in
+another form (on any device) before a record of another row count. Else the analytic default.
 A bucket never crosses a kernel regime: a record tuned at another row count whose schedule would not
 serve the call's rows as it served its own (`ScheduleSpace.why_not_bucket`: a one-row GEMV tile for
 16 rows reads the weight 16 times; a 16-row tile for 64 rows reads it 4 times where the default's tile,
@@ -196,6 +197,14 @@ class Dispatcher:
             found = self._exact(wl, records.id, space)
             if found is not None:
                 return Decision(wl, target.id, found[1], found[0] + _tuned_on(records, target))
+        # then a record at the call's own rows in another form (the other dtype's, the plain form's) on
+        # any device, before a record of another row count: on the H100, its own 64-row record of the
+        # bf16 down projection (a 32-row tile) served 256 rows ahead of the H200's 256-row plain-form
+        # record, and bf16 decoded 0.84x as fast at batch 256 (docs/findings.md)
+        for records in devices:
+            found = self._bucket(wl, records.id, space, _tuned_on(records, target), [], same_rows=True)
+            if found is not None:
+                return Decision(wl, target.id, found[1], found[0] + _tuned_on(records, target))
         for records in devices:
             found = self._bucket(wl, records.id, space, _tuned_on(records, target), skipped)
             if found is not None:
@@ -219,7 +228,7 @@ class Dispatcher:
         return "exact" + timed + (" from shipped records" if origin == ORIGIN else ""), best.schedule
 
     def _bucket(self, wl: Workload, records_id: str, space: ScheduleSpace, tuned_on: str,
-                skipped: list[str]) -> tuple[str, Schedule] | None:
+                skipped: list[str], same_rows: bool = False) -> tuple[str, Schedule] | None:
         """The nearest tuned workload differing only in row dims (`buckets.nearest`): M rounded up, else
         the largest below.
         Failing that, the same in the other 16-bit float dtype (fp16 and bf16 kernels of one schedule
@@ -228,10 +237,12 @@ class Dispatcher:
         should not serve the call's rows (`bucket_records`) are left out of each; where a form's nearest
         record was, its note goes to `skipped`, and a record of that form tuned farther from the call's
         rows does not serve either (a 4096-row prefill tile for 128 rows, where the 256-row record was
-        skipped)."""
+        skipped). `same_rows`: only records tuned at the call's own rows (in another form)."""
         row = wl.op.row_dims[0]
         rows = wl.dim[row]
         for note, tuned in tuned_forms(wl, self.db_path, records_id, space):
+            if same_rows:
+                tuned = [t for t in tuned if t[0] == rows]
             pick = nearest(bucket_records(tuned, rows, space), rows)
             near = nearest(tuned, rows)
             if near is not None and (pick is None or near[1] is not pick[1]):
