@@ -17,7 +17,7 @@ import numpy as np
 
 from flashgen.ir import dtypes
 from flashgen.roofline import bytes_moved
-from flashgen.ir.contraction import extents, operand_dtype
+from flashgen.ir.contraction import extents, int4_affine, int8_lanes, operand_dtype
 from flashgen.schedules.contraction_space import ADDED_KNOBS, FLAT_KNOBS, current, flat_of, load_bytes, min_block_k
 from flashgen.targets.descriptor import Target
 from flashgen.workload import Workload
@@ -93,12 +93,19 @@ def columns(wl: Workload, schedules: list[Mapping[str, Any]], target: Target) ->
         coded, dense = n * k * load_bytes(wl, max(min_block_k(wl), 128))[1], n * k * ob
         traffic = np.where(staged, dense * fetches(dense, w_reads) + a_traffic + (nbytes - coded - a_bytes) + partials
                            + coded + dense, traffic)
-    mma_eff = np.clip((bm * bn) / (128.0 * 256.0), 0.05, 1.0) ** 0.3 * np.clip(bm / 64.0, 0.25, 1.0)
+    # A matrix tile unpacks its weight tile's codes again for every row of tiles, on the ALUs.
+    unpacks = (np.asarray([per_depth[b] for b in bk]) < ob) & (bm >= 16) & ~staged
+    # The instruction's 64 rows per warpgroup are the tile's rows; where int4 codes are unpacked into
+    # its register operand (acc^T: float codes in int4_mma and the Gluon int4 tiles, `lanes` codes)
+    # they are its weight rows, and few activation rows cost as they do elsewhere: the fewer of the two
+    # counts. A 256 x 32 lanes tile fills half of each instruction (57 us on the 256-row W4A8 qkv where
+    # 128 x 64 took 20.6, H100); gemm_w4a8's k128 codes enter a plain tile, not transposed.
+    transposed = unpacks & bool(int4_affine(wl) or int8_lanes(wl))
+    mma_rows = np.where(transposed, np.minimum(bm, bn), bm)
+    mma_eff = np.clip((bm * bn) / (128.0 * 256.0), 0.05, 1.0) ** 0.3 * np.clip(mma_rows / 64.0, 0.25, 1.0)
     # Tiles under 16 rows run on the ALUs: about 4 instructions per weight and row (fp32 rate).
     alu_peak = float(target.peak_tflops["fp32"]) * 1e6 / 4.0
     compute_us = np.where(bm < 16, flops / alu_peak, flops / (peak * mma_eff))
-    # A matrix tile unpacks its weight tile's codes again for every row of tiles, on the ALUs.
-    unpacks = (np.asarray([per_depth[b] for b in bk]) < ob) & (bm >= 16) & ~staged
     compute_us = compute_us + np.where(unpacks, n * k * tm * UNPACK_SLOTS / (alu_peak * 2.0), 0.0)
     # Streaming needs loads in flight on every SM: about 16 warps' worth each, or bandwidth falls.
     in_flight = np.clip(tiles * kv["num_warps"] / (sms * MEM_WARPS_PER_SM), 0.1, 1.0)

@@ -54,8 +54,9 @@ MIN_RECORDS = 32            # fewer ok records of a kernel class than this: use 
 RETRAIN_GROWTH = 0.2        # retrain when the ok records grew by this fraction ...
 RETRAIN_RECORDS = 64        # ... or by this many, whichever comes first
 SIDE_FORMAT = "flashgen-costmodel"
-SIDE_VERSION = 2  # the features' meaning: a model saved by another version is retrained (2: GEMM traffic and estimate
-#                   count L2-resident operands once and the unpacking of coded weights)
+SIDE_VERSION = 3  # the features' meaning: a model saved by another version is retrained (2: GEMM traffic and estimate
+#                   count L2-resident operands once and the unpacking of coded weights; 3: a transposed int4
+#                   tile's instruction rows are its weight rows)
 
 XGB_PARAMS: dict[str, Any] = {
     "max_depth": 6, "eta": 0.1, "min_child_weight": 2, "subsample": 0.8, "colsample_bytree": 0.8,
