@@ -7,11 +7,13 @@ idle device time: launch gaps, host work, the token's trip to the host).
 
 FLASHGEN_PDL=0 in the environment builds the kernels without programmatic dependent launch.
 
---floor adds the weight-read floor of the layers' GEMMs: each linear's tensors (codes and scales) read
-by the faster of two torch passes (benchmarks/gemm.py `weight_reads`) after an L2 flush, summed over the
-layers, beside the generated GEMM kernels' time per step, and the step as it would be were each GEMM as
-fast as that read (its wall less the GEMM kernels, plus the floor) against the bandwidth limit. Run it
-with FLASHGEN_PDL=0: with programmatic dependent launch a kernel's time includes its wait for the last.
+--floor adds the step's read floor (benchmarks/bare_read.py): one CUDA graph of as many bare-read
+kernels as the step launches, each reading once what its kernel must read (a linear's codes and scales,
+a layer's keys and values of the step's contexts, the lm_head's weight; the norms, rope, quantization
+and sampling kernels a row of activations), each in the fastest of the reader's configurations for its
+size; and the chain of the linears' reads alone, beside the generated GEMM kernels' time per step. Run
+it with FLASHGEN_PDL=0: the chain launches without programmatic dependent launch, and with it a
+kernel's time includes its wait for the last.
 
 Kernel times come from torch.profiler (CUPTI sees the kernels inside CUDA-graph replays); the wall time
 per step is measured separately, without the profiler.
@@ -31,14 +33,12 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import RESULTS, copy_gbs, environment, print_table, write_results  # noqa: E402
-from gemm import weight_reads  # noqa: E402
+from bare_read import fastest, reader  # noqa: E402
 
 from flashgen.runtime.decoder import bench  # noqa: E402
 from flashgen.runtime.decoder.engine import Engine  # noqa: E402
 from flashgen.runtime.decoder.sampling import SamplingParams  # noqa: E402
 from flashgen.runtime.decoder.model import Decoder  # noqa: E402
-from flashgen.runtime.decoder.quant_modes import QuantLinear  # noqa: E402
-from flashgen.schedules.timing import gpu_time  # noqa: E402
 from flashgen.targets.device import device_target  # noqa: E402
 
 
@@ -59,19 +59,67 @@ def step_kernels(engine: Engine, steps: int) -> list[list[tuple[str, float]]]:
     return [[(n, us) for _, n, us in kernels[i * per:(i + 1) * per]] for i in range(steps)]
 
 
-def read_floor_us(model: Decoder) -> float:
-    """Device time per step of reading every layer's linear weights once (codes and scales, each tensor
-    by the faster of weight_reads' passes after an L2 flush); the layers share shapes, so layer 0's
-    reads count once per layer."""
-    dev = model.device
+def _timed_graph(calls: list, device: torch.device, replays: int = 10) -> float:
+    """Median device time in us of one replay of a CUDA graph of `calls` in turn."""
+    from flashgen.runtime.serving.graphs import cuda_graph
+
+    graph, _ = cuda_graph(lambda: [c() for c in calls], device)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(times)
+
+
+def _linear_bytes(q: object) -> torch.Tensor:
+    """A linear's device tensors (codes and scales, or its weight) as one byte buffer."""
+    parts = [t.detach().reshape(-1).view(torch.uint8) for t in vars(q).values()
+             if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not parts:
+        raise RuntimeError(f"{type(q).__name__} holds no tensors of its own (mixed holds its modes'): "
+                           "the floor reads a single mode's linears")
+    return torch.cat(parts)
+
+
+def read_chain_us(model: Decoder, kernel_names: list[str], batch: int, context: int) -> dict[str, float]:
+    """The step's read floor: a graph of one bare read per kernel of the step (`kernel_names`, in step
+    order), and the chain of the linears' reads alone. Each linear's tensors are read as one buffer
+    (their bytes copied together once), each layer's keys and values as a buffer of their size, the
+    lm_head as it is, every other kernel as a row of activations per sequence."""
+    dev, c = model.device, model.c
     l2 = device_target(dev).get("l2_bytes")
-    us = 0.0
-    for name, q in model.layers[0].items():
-        if not isinstance(q, QuantLinear):
-            continue
-        for t in (v for v in vars(q).values() if isinstance(v, torch.Tensor) and v.is_cuda):
-            us += min(gpu_time(f, dev, True, l2).median_us for f in weight_reads({"w": t.contiguous()}).values())
-    return us * len(model.layers)
+    names = ("qkv", "o", "gate_up", "down")
+    gemms = sum(n.startswith("gemm") for n in kernel_names)
+    attention = sum(n.startswith("paged_decode_attention") for n in kernel_names)
+    if gemms != len(names) * len(model.layers) or attention != len(model.layers):
+        raise RuntimeError(f"the floor reads {len(names)} linears and one attention a layer; the step launched "
+                           f"{gemms} generated GEMMs and {attention} attentions for {len(model.layers)} layers")
+    small = len(kernel_names) - gemms - attention - 1  # less the lm_head
+    linears = [[_linear_bytes(layer[n]) for n in names] for layer in model.layers]
+    kv = [torch.empty(2 * c.num_kv_heads * c.head_dim * 2 * batch * context, dtype=torch.uint8, device=dev)
+          for _ in model.layers]
+    row = torch.empty(batch * c.hidden_size * 2, dtype=torch.uint8, device=dev)
+    best: dict[int, object] = {}
+
+    def read(t: torch.Tensor):
+        if t.numel() not in best:
+            best[t.numel()] = fastest(t, l2)[0]
+        return reader(t, best[t.numel()])
+
+    per_layer, rest = divmod(small, len(model.layers))
+    step, gemm = [], []
+    for i, ws in enumerate(linears):
+        step += [read(row)] * per_layer
+        gemm += [read(w) for w in ws]
+        step += [gemm[-4], read(kv[i]), *gemm[-3:]]
+    step += [read(row)] * rest + [read(model.lm_head)]
+    return {"gemm_read_chain_us": _timed_graph(gemm, dev), "step_read_chain_us": _timed_graph(step, dev)}
 
 
 def main() -> None:
@@ -119,16 +167,17 @@ def main() -> None:
     bw = copy_gbs()
     limit_us = bench.step_bytes(c, args.quant, 2, args.batch, args.prompt_len) / (bw * 1e3)
     rows = [[n[:90], calls, us, share] for n, calls, us, share in totals]   # torch's kernel names run long
-    floor = ""
+    floor, floors = "", {}
     if args.floor:
         gemm_us = sum(us for n, _, us, _ in totals if n.startswith("gemm"))
-        read_us = read_floor_us(model)
-        step_floor = wall_us - gemm_us + read_us
-        floor = (f" Generated GEMM kernels {gemm_us:.0f} us a step against {read_us:.0f} us for reading their "
-                 f"weights once ({read_us / gemm_us:.2f}); with each GEMM at that floor the step would take "
-                 f"{step_floor:.0f} us, {limit_us / step_floor:.0%} of the bandwidth limit (measured: "
-                 f"{limit_us / wall_us:.0%}).")
-    meta = {**environment(), "floor": floor.strip(), "chain": not args.no_chain, "pdl": os.environ.get("FLASHGEN_PDL", "1") != "0",
+        floors = read_chain_us(model, names, args.batch, args.prompt_len)
+        chain = floors["step_read_chain_us"]
+        floor = (f" Generated GEMM kernels {gemm_us:.0f} us a step against {floors['gemm_read_chain_us']:.0f} us for "
+                 f"a chain of bare reads of their weights ({floors['gemm_read_chain_us'] / gemm_us:.2f}); a chain of "
+                 f"{len(names)} bare reads, one per kernel of the step, each reading what its kernel must, takes "
+                 f"{chain:.0f} us: {limit_us / chain:.0%} of the bandwidth limit is this step's read floor "
+                 f"(measured: {limit_us / wall_us:.0%}, {chain / wall_us:.2f} of the floor's speed).")
+    meta = {**environment(), "floor": floor.strip(), **floors, "chain": not args.no_chain, "pdl": os.environ.get("FLASHGEN_PDL", "1") != "0",
             "copy_gbs": bw, "wall_us_per_step": wall_us, "kernel_us_per_step": busy,
             "idle_us_per_step": wall_us - busy, "bandwidth_limit_us_per_step": limit_us,
             "kernels_per_step": len(order), "step_order": [[i, n[:120], us] for i, n, us in order]}
