@@ -461,6 +461,29 @@ def test_mixed_estimates_read_the_database_once_per_state(tmp_path, monkeypatch)
     assert len(reads) == 4
 
 
+def test_mixed_estimate_of_a_rowwise_kernel_scales_with_rows_above_its_launch(tmp_path):
+    """A rowwise kernel's estimate below its smallest measured rows shrinks with its rows (its bytes),
+    but never under the fastest record of its op at any shape (what its launch costs); with no record
+    of its own shape, the larger of its roofline and that floor. A GEMM's stays flat below (its weight)."""
+    from flashgen.roofline import roofline_us
+    from flashgen.runtime.decoder.mixed import estimate
+
+    db_path, h200 = tmp_path / "t.db", get_target("h200")
+    silu = lambda m, n: flashgen.workload("silu_mul", M=m, N=n, dtype="bf16")  # noqa: E731
+    with Database(db_path) as db:
+        for wl, us in ((silu(512, 1000), 12.8), (silu(1, 300), 1.5)):
+            _record(db, wl, ScheduleSpace(wl, h200).default(), us)
+    assert estimate(silu(256, 1000), h200, db_path).us == pytest.approx(6.4)
+    assert estimate(silu(16, 1000), h200, db_path).us == pytest.approx(1.5)  # 0.4 by rows: the launch's
+    lone = silu(16, 777)
+    assert roofline_us(lone, h200) < 0.1
+    assert estimate(lone, h200, db_path).us == pytest.approx(1.5) and estimate(lone, h200, db_path).source == "roofline"
+    w8 = flashgen.workload("gemm_w8a8", M=512, N=1000, K=768, dtype="bf16")
+    with Database(db_path) as db:
+        _record(db, w8, ScheduleSpace(w8, h200).default(), 20.0)
+    assert estimate(w8.with_dims(M=64), h200, db_path).us == pytest.approx(20.0)
+
+
 def test_warm_start_compiles_nothing(monkeypatch):
     """A second process-like dispatcher finds the kernel in the artifact cache: no Triton compile."""
     x, w = torch.randn(8, 3072, dtype=torch.bfloat16), torch.randn(3072, dtype=torch.bfloat16)

@@ -41,6 +41,7 @@ from flashgen.ir import dtypes
 from flashgen.roofline import contraction_us, roofline_us
 from flashgen.runtime.decoder.calls import call_workloads
 from flashgen.runtime.decoder.linear import PLAIN, CallForm
+from flashgen.runtime.serving.buckets import best_records
 from flashgen.runtime.serving.dispatch import serving, tuned_forms
 from flashgen.schedules.space import ScheduleSpace
 from flashgen.targets.descriptor import Target, get_target
@@ -60,13 +61,15 @@ def planned_rows() -> tuple[int, ...]:
 
 
 def latency_at(measured: Mapping[int, float], m: int, grows: bool = True) -> float:
-    """A kernel's latency at M = m from its latencies at measured M: flat below the smallest (the weight's
-    read bounds a GEMM), linear between two measured M, and above the largest in proportion to M where
-    it `grows` (a GEMM, as if compute-bound: an upper bound, so that a mode measured at the call's M is
-    preferred to a guess), else flat (a norm or gate of a few more rows costs its launch again)."""
+    """A kernel's latency at M = m from its latencies at measured M: linear between two measured M;
+    where it `grows` (a GEMM) flat below the smallest (the weight's read bounds it) and above the
+    largest in proportion to M (as if compute-bound: an upper bound, so that a mode measured at the
+    call's M is preferred to a guess); else (a rowwise kernel, whose bytes are its rows') in proportion
+    to M below the smallest, `estimate` keeping it above what a launch costs (`launch_floor`), and flat above the
+    largest (a norm or gate of a few more rows costs its launch again)."""
     ms = sorted(measured)
     if m <= ms[0]:
-        return measured[ms[0]]
+        return measured[ms[0]] * (1.0 if grows else m / ms[0])
     if m >= ms[-1]:
         return measured[ms[-1]] * (m / ms[-1] if grows else 1.0)
     hi = next(x for x in ms if x >= m)
@@ -97,8 +100,9 @@ def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) ->
     lie below its rows only, extrapolated (an upper bound: a one-row record of the workload's own form
     times 16 is no estimate of 16 rows where another form was measured at 16); else its roofline."""
     space, rows = ScheduleSpace(wl, target), wl.dim[wl.op.row_dims[0]]
-    bound = _bound(wl, target)
     devices = serving_devices(target)
+    bound = _bound(wl, target)
+    floor = 0.0 if wl.op.kclass == "contraction" else launch_floor(wl, devices, db_path)
     below: Estimate | None = None
     for own_rows_only in (True, False):
         for records in devices:
@@ -113,11 +117,22 @@ def estimate(wl: Workload, target: Target, db_path: str | os.PathLike | None) ->
                         scale = bound / _bound(wl, records)
                         on = f", tuned on {records.id} (x{scale:.2f} for this GPU's bound)"
                     us = latency_at(served, rows, grows=wl.op.kclass == "contraction") * scale
+                    us = max(us, floor)
                     found = Estimate(us, f"records M={','.join(map(str, sorted(served)))}{note}{on}", bound)
                     if max(served) >= rows:
                         return found
                     below = below or found
-    return below or Estimate(bound, ROOFLINE, bound)
+    return below or Estimate(max(bound, floor), ROOFLINE, bound)
+
+
+def launch_floor(wl: Workload, devices: list[Target], db_path: str | os.PathLike | None) -> float:
+    """The fastest record of `wl`'s op at any dims on the serving devices (0 without one): what a launch
+    of that kernel costs at the least. A rowwise kernel of a decode step's rows moves a few hundred KB,
+    whose roofline (0.1-0.2 us) and a large-M record flattened down to it (13 us for a 512-row silu_mul
+    at 16 rows) both missed its 1.7-2.7 us in the step by 10x, each way; the op's one-row records,
+    1.4-2.6 us, do not."""
+    return min((rec.latency_us for d in devices for rec in best_records(db_path, d.id)
+                if rec.workload.get("op") == wl.op_name), default=0.0)
 
 
 def _bound(wl: Workload, target: Target) -> float:
