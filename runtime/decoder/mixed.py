@@ -21,7 +21,8 @@ W4A16 GEMVs at 0.4-0.9), and a mixed decoder that followed one ran 0.81x its own
 target decide (flashgen/roofline.py `contraction_us`: 4-bit weights stream the fewest bytes at small
 M, int8 tensor cores run twice the 16-bit rate at large M). Every kernel of a call is counted: a
 16-bit mode's norm or gate, an int8 mode's fused norm-and-quantization (rmsnorm_quant) or
-dynamic_quant.
+dynamic_quant, each at no less than its op's fastest record (`launch_floor`: a decode step's rowwise
+kernels cost their launch, which neither their rooflines nor larger-M records show).
 
 A call of rows between two planned counts takes the next planned count up, past the largest the
 largest's mode. A mixed linear keeps only the weights of the modes its shape's plan picks at some
